@@ -1,0 +1,208 @@
+# shellcheck shell=bash
+# Start functions for each testbed server. Each is idempotent: a server that already answers is
+# left alone. Sourced by compose/up.
+
+# ---------------------------------------------------------------------------------------------
+# Debian packages: PostgreSQL, kcat, and what the Rust build needs (cmake for librdkafka, curl
+# headers, protoc for tonic's codegen). Installed only when missing.
+install_debian_packages() {
+  local missing=()
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  command -v kcat >/dev/null || missing+=(kcat)
+  [ -f /usr/include/x86_64-linux-gnu/curl/curl.h ] || [ -f /usr/include/curl/curl.h ] || missing+=(libcurl4-openssl-dev)
+  command -v openssl >/dev/null || missing+=(openssl)
+  compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+  command -v mvn >/dev/null || missing+=(maven)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing Debian packages: ${missing[*]}"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || {
+    as_root apt-get update -q >/dev/null 2>&1
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null ||
+      die "apt-get could not install: ${missing[*]}"
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL: a cluster of the testbed's own, in .testbed/postgres, on its own port.
+pg_bin() { ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1; }
+
+# PostgreSQL refuses to run as root; when we are root, its commands run as the postgres user.
+as_pg_user() {
+  if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+start_postgres() {
+  local bin data="$STATE_DIR/postgres"
+  bin="$(pg_bin)"
+  if port_open "$POSTGRES_PORT"; then
+    return 0
+  fi
+  if [ ! -f "$data/PG_VERSION" ]; then
+    log "initialising PostgreSQL in $data"
+    rm -rf "$data" && mkdir -p "$data"
+    printf '%s\n' "$POSTGRES_PASSWORD" >"$STATE_DIR/pgpass.tmp"
+    if [ "$(id -u)" -eq 0 ]; then chown postgres "$data" "$STATE_DIR/pgpass.tmp"; fi
+    as_pg_user "$bin/initdb" -D "$data" -U "$POSTGRES_USER" --pwfile="$STATE_DIR/pgpass.tmp" \
+      --auth-local=trust --auth-host=scram-sha-256 -E UTF8 --locale=C.UTF-8 >"$LOG_DIR/postgres-init.log" 2>&1 ||
+      die "initdb failed; see $LOG_DIR/postgres-init.log"
+    rm -f "$STATE_DIR/pgpass.tmp"
+    cat >>"$data/postgresql.conf" <<EOF
+# gpumedic testbed
+listen_addresses = '127.0.0.1'
+port = $POSTGRES_PORT
+unix_socket_directories = '$data'
+max_connections = 300
+shared_buffers = 256MB
+EOF
+  fi
+  if [ "$(id -u)" -eq 0 ]; then chown postgres "$LOG_DIR"; touch "$LOG_DIR/postgres.log"; chown postgres "$LOG_DIR/postgres.log"; fi
+  as_pg_user "$bin/pg_ctl" -D "$data" -l "$LOG_DIR/postgres.log" -w -t 60 start >/dev/null ||
+    die "PostgreSQL did not start; see $LOG_DIR/postgres.log"
+  if ! as_pg_user "$bin/psql" -h "$data" -p "$POSTGRES_PORT" -U "$POSTGRES_USER" -d postgres -tAc \
+    "SELECT 1 FROM pg_database WHERE datname = '$POSTGRES_DB'" | grep -q 1; then
+    as_pg_user "$bin/createdb" -h "$data" -p "$POSTGRES_PORT" -U "$POSTGRES_USER" "$POSTGRES_DB"
+  fi
+}
+
+stop_postgres() {
+  local data="$STATE_DIR/postgres"
+  [ -f "$data/postmaster.pid" ] || return 0
+  as_pg_user "$(pg_bin)/pg_ctl" -D "$data" -m fast -w -t 60 stop >/dev/null 2>&1 || true
+}
+
+# ---------------------------------------------------------------------------------------------
+# Apache Kafka in KRaft mode: one process that is both broker and controller.
+start_kafka() {
+  local libs="$CACHE_DIR/kafka-$KAFKA_VERSION/libs" dir="$STATE_DIR/kafka"
+  if port_open "$KAFKA_PORT"; then
+    return 0
+  fi
+  mkdir -p "$dir"
+  cat >"$dir/server.properties" <<EOF
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$dir/data
+num.partitions=3
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=10
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+message.max.bytes=4194304
+EOF
+  local java_opts=(-Xms256m -Xmx1g -XX:+UseG1GC -Djava.awt.headless=true
+    "-Dlog4j2.configurationFile=$COMPOSE_DIR/kafka/log4j2.properties")
+  if [ ! -f "$dir/data/meta.properties" ]; then
+    log "formatting Kafka storage in $dir/data"
+    local cluster_id
+    cluster_id="$(java -cp "$libs/*" "${java_opts[@]}" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n1)"
+    java -cp "$libs/*" "${java_opts[@]}" kafka.tools.StorageTool format --standalone \
+      -t "$cluster_id" -c "$dir/server.properties" >"$LOG_DIR/kafka-format.log" 2>&1 ||
+      die "Kafka storage format failed; see $LOG_DIR/kafka-format.log"
+  fi
+  start_daemon kafka "$LOG_DIR/kafka.log" java -cp "$libs/*" "${java_opts[@]}" kafka.Kafka "$dir/server.properties"
+  wait_for "Kafka" 90 port_open "$KAFKA_PORT" || die "Kafka did not open port $KAFKA_PORT; see $LOG_DIR/kafka.log"
+}
+
+# ---------------------------------------------------------------------------------------------
+# etcd and kube-apiserver, with generated certificates and an admin kubeconfig (as envtest does).
+k8s_bin() { echo "$BIN_DIR/kubernetes-$KUBERNETES_VERSION"; }
+
+start_etcd() {
+  if port_open "$ETCD_PORT"; then
+    return 0
+  fi
+  mkdir -p "$STATE_DIR/etcd"
+  start_daemon etcd "$LOG_DIR/etcd.log" "$(k8s_bin)/etcd" \
+    --name testbed --data-dir "$STATE_DIR/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "testbed=http://127.0.0.1:$ETCD_PEER_PORT" --unsafe-no-fsync
+  wait_for "etcd" 60 curl -fsS "http://127.0.0.1:$ETCD_PORT/health" || die "etcd did not become healthy; see $LOG_DIR/etcd.log"
+}
+
+# make_pki: a CA, the apiserver's serving certificate, an admin client certificate in
+# system:masters, and the service-account signing key pair. Made once per testbed.
+make_pki() {
+  local pki="$STATE_DIR/pki"
+  [ -f "$pki/admin.crt" ] && return 0
+  mkdir -p "$pki" && cd "$pki"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=gpumedic-testbed-ca" \
+    -keyout ca.key -out ca.crt 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" -keyout apiserver.key -out apiserver.csr 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n' >apiserver.ext
+  openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
+    -extfile apiserver.ext -out apiserver.crt 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/O=system:masters/CN=gpumedic-admin" -keyout admin.key -out admin.csr 2>/dev/null
+  printf 'extendedKeyUsage=clientAuth\n' >admin.ext
+  openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
+    -extfile admin.ext -out admin.crt 2>/dev/null
+  openssl genrsa -out sa.key 2048 2>/dev/null
+  openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+  cd - >/dev/null
+}
+
+write_kubeconfig() {
+  local pki="$STATE_DIR/pki"
+  cat >"$KUBECONFIG_PATH" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: gpumedic-testbed
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 "$pki/ca.crt")
+users:
+- name: gpumedic-admin
+  user:
+    client-certificate-data: $(base64 -w0 "$pki/admin.crt")
+    client-key-data: $(base64 -w0 "$pki/admin.key")
+contexts:
+- name: gpumedic-testbed
+  context:
+    cluster: gpumedic-testbed
+    user: gpumedic-admin
+current-context: gpumedic-testbed
+EOF
+}
+
+apiserver_ready() {
+  curl -fsS --cacert "$STATE_DIR/pki/ca.crt" --cert "$STATE_DIR/pki/admin.crt" --key "$STATE_DIR/pki/admin.key" \
+    "https://127.0.0.1:$APISERVER_PORT/readyz"
+}
+
+start_apiserver() {
+  make_pki
+  write_kubeconfig
+  if port_open "$APISERVER_PORT"; then
+    return 0
+  fi
+  local pki="$STATE_DIR/pki"
+  # No controller-manager runs, so nothing would create the default ServiceAccount a pod refers
+  # to: the ServiceAccount admission plugin is off, as in controller-runtime's envtest.
+  start_daemon kube-apiserver "$LOG_DIR/kube-apiserver.log" "$(k8s_bin)/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+    --cert-dir "$pki" --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
+    --client-ca-file "$pki/ca.crt" \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc \
+    --authorization-mode RBAC --allow-privileged=true \
+    --service-cluster-ip-range 10.96.0.0/16 \
+    --disable-admission-plugins ServiceAccount \
+    --max-requests-inflight 2000 --max-mutating-requests-inflight 1000 \
+    --enable-priority-and-fairness=false
+  wait_for "kube-apiserver" 120 apiserver_ready ||
+    die "kube-apiserver did not become ready; see $LOG_DIR/kube-apiserver.log"
+}

@@ -1,0 +1,135 @@
+//! gpumedic's load tests, run against the testbed's real servers.
+//!
+//! Each scenario prints a one-line summary and writes a JSON result. Today: the raw Kafka ceiling
+//! (produce and consume the same record size with no processing), the figure every pipeline
+//! throughput number is printed beside.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use gpumedic_runtime::admin::Readiness;
+use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
+use gpumedic_runtime::testbed;
+use rdkafka::consumer::Consumer as _;
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
+
+#[derive(Debug, Parser)]
+#[command(name = "gpumedic-load-tests", about = "Load scenarios against the real servers of the testbed.")]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+    /// Where to write the JSON result.
+    #[arg(long, global = true, default_value = "target/load-tests")]
+    out_dir: std::path::PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+enum Scenario {
+    /// Raw Kafka produce and consume rate for records of one size, no processing.
+    KafkaCeiling {
+        /// How many records.
+        #[arg(long, default_value_t = 500_000)]
+        records: usize,
+        /// Bytes per record (a raw health event is about 300 bytes in Avro).
+        #[arg(long, default_value_t = 300)]
+        size: usize,
+        /// Partitions of the scratch topic.
+        #[arg(long, default_value_t = 12)]
+        partitions: i32,
+    },
+}
+
+#[derive(Debug, serde::Serialize)]
+struct CeilingResult {
+    scenario: &'static str,
+    records: usize,
+    record_bytes: usize,
+    produce_per_sec: f64,
+    consume_per_sec: f64,
+    produce_mib_per_sec: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.scenario {
+        Scenario::KafkaCeiling { records, size, partitions } => {
+            let result = kafka_ceiling(records, size, partitions).await?;
+            println!(
+                "kafka-ceiling: {} records of {} B: produce {:.0}/s ({:.1} MiB/s), consume {:.0}/s",
+                result.records,
+                result.record_bytes,
+                result.produce_per_sec,
+                result.produce_mib_per_sec,
+                result.consume_per_sec
+            );
+            std::fs::create_dir_all(&cli.out_dir)?;
+            let path = cli.out_dir.join("kafka-ceiling.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
+            println!("result written to {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
+    let bootstrap = testbed::require_kafka().await?;
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] };
+    let topic = testbed::unique_name("ceiling");
+    settings.ensure_topics(&[TopicSpec::new(&topic, partitions)]).await?;
+
+    // The same producer settings the services use (idempotent, acks=all, lz4), with a threaded
+    // producer so the measurement is Kafka's, not an async runtime's.
+    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+        .context("producer")?;
+    let payload: Vec<u8> = (0..size).map(|i| b"0123456789abcdef"[i % 16]).collect();
+    let keys: Vec<String> = (0..1000).map(|i| format!("gpu-node-{i}")).collect();
+    let start = Instant::now();
+    for i in 0..records {
+        let mut record = BaseRecord::to(&topic).key(&keys[i % keys.len()]).payload(&payload);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((e, r)) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
+                    record = r;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err((e, _)) => anyhow::bail!("produce failed: {e}"),
+            }
+        }
+    }
+    producer.flush(Duration::from_secs(120)).context("flush")?;
+    let produce_secs = start.elapsed().as_secs_f64();
+
+    let readiness = Readiness::default();
+    let consumer = settings.consumer(
+        "load-tests",
+        &testbed::unique_name("ceiling"),
+        &[topic.as_str()],
+        readiness.register("a"),
+    )?;
+    let start = Instant::now();
+    let mut seen = 0usize;
+    while seen < records {
+        tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
+        seen += 1;
+    }
+    let consume_secs = start.elapsed().as_secs_f64();
+    consumer.unsubscribe();
+    Ok(CeilingResult {
+        scenario: "kafka-ceiling",
+        records,
+        record_bytes: size,
+        produce_per_sec: records as f64 / produce_secs,
+        consume_per_sec: records as f64 / consume_secs,
+        produce_mib_per_sec: (records * size) as f64 / produce_secs / (1024.0 * 1024.0),
+    })
+}

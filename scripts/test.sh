@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every gpumedic test against real servers. On a fresh machine it first installs what is
+# missing and starts the testbed (Kafka, PostgreSQL, etcd, kube-apiserver on 127.0.0.1), then
+# builds the workspace and runs all unit, integration and doc tests. Extra arguments go to
+# `cargo test` (for example a test name filter).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+command -v cargo >/dev/null || {
+  echo "Rust is required: install it with rustup (https://rustup.rs), then run this again." >&2
+  exit 1
+}
+
+./compose/up >/dev/null
+eval "$(./compose/env)"
+export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG
+
+cargo test --workspace --no-fail-fast "$@"

@@ -1,0 +1,41 @@
+//! The classifier against the testbed: ready on /readyz (partitions assigned, database migrated
+//! and reachable), clean exit on SIGTERM, and a bad config refused with every problem listed.
+
+use std::time::Duration;
+
+use gpumedic_runtime::testbed;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
+
+#[tokio::test]
+async fn starts_reports_ready_and_stops_on_sigterm() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testbed::unique_name("lifecycle").replace('-', "_");
+    let url = testbed::fresh_database(&admin, &db).await.expect("database created");
+    testbed::assert_service_lifecycle(
+        BIN,
+        &[],
+        &[
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_DATABASE_URL", url),
+        ],
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+#[test]
+fn invalid_config_lists_every_problem_and_exits_64() {
+    let (code, stderr) = testbed::run_with_invalid_config(
+        BIN,
+        &["--kafka-bootstrap", "nohost", "--database-url", "mysql://x", "--database-pool", "0"],
+    );
+    assert_eq!(code, Some(64), "{stderr}");
+    for field in ["--kafka-bootstrap", "--database-url", "--database-pool"] {
+        assert!(stderr.contains(field), "{field} missing from: {stderr}");
+    }
+    assert!(stderr.contains("3 problems"), "{stderr}");
+}

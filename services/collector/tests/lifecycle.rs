@@ -1,0 +1,43 @@
+//! The collector against the testbed: ready on /readyz, clean exit on SIGTERM, and a bad config
+//! refused with every problem listed.
+
+use std::time::Duration;
+
+use gpumedic_runtime::testbed;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
+
+#[tokio::test]
+async fn starts_reports_ready_and_stops_on_sigterm() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    testbed::assert_service_lifecycle(
+        BIN,
+        &[],
+        &[("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap), ("GPUMEDIC_NODE_NAME", "lifecycle-node".into())],
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+#[test]
+fn invalid_config_lists_every_problem_and_exits_64() {
+    let (code, stderr) = testbed::run_with_invalid_config(
+        BIN,
+        &[
+            "--kafka-bootstrap",
+            "nohost",
+            "--node-name",
+            "Bad_Name",
+            "--log-format",
+            "xml",
+            "--shutdown-deadline",
+            "soon",
+        ],
+    );
+    assert_eq!(code, Some(64), "{stderr}");
+    for field in ["--kafka-bootstrap", "--node-name", "--log-format", "--shutdown-deadline"] {
+        assert!(stderr.contains(field), "{field} missing from: {stderr}");
+    }
+    assert!(stderr.contains("4 problems"), "{stderr}");
+}

@@ -1,0 +1,520 @@
+//! Kafka for every service: client settings, the producer, a consumer in a group, topic creation,
+//! and the at-least-once consumer loop with a dead-letter topic.
+//!
+//! The loop stores a record's offset only after its handler returned, that is after the record's
+//! effect is durable (the produced record acknowledged, the Postgres transaction committed); the
+//! stored offsets are committed in the background, on every partition revoke and at shutdown. A
+//! crash therefore redelivers at most the records whose effects were not yet confirmed, and every
+//! handler must be safe to run twice. Records are handled one at a time per consumer, so the order
+//! within a partition (one node's events) is kept.
+
+use std::future::Future;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::statistics::Statistics;
+use tokio_util::sync::CancellationToken;
+
+use crate::BoxError;
+use crate::admin::ReadyFlag;
+use crate::config::{Problems, Validate};
+
+/// What went wrong talking to Kafka.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    /// A client could not be created from the configuration.
+    #[error("cannot create the Kafka {what}: {source}")]
+    Client {
+        /// Which client.
+        what: &'static str,
+        /// librdkafka's error.
+        source: RdKafkaError,
+    },
+    /// Subscribing to topics failed.
+    #[error("cannot subscribe to {topics:?}: {source}")]
+    Subscribe {
+        /// The topics.
+        topics: Vec<String>,
+        /// librdkafka's error.
+        source: RdKafkaError,
+    },
+    /// A topic could not be created.
+    #[error("cannot create topic '{topic}': {reason}")]
+    CreateTopic {
+        /// The topic.
+        topic: String,
+        /// Why.
+        reason: String,
+    },
+    /// Committing offsets at shutdown failed.
+    #[error("cannot commit offsets: {0}")]
+    Commit(#[source] RdKafkaError),
+    /// Producing a record failed after librdkafka's own retries.
+    #[error("cannot produce to '{topic}': {source}")]
+    Produce {
+        /// The topic.
+        topic: String,
+        /// librdkafka's error.
+        source: RdKafkaError,
+    },
+}
+
+/// Kafka flags shared by every service.
+#[derive(Debug, Clone, clap::Args)]
+pub struct KafkaArgs {
+    /// Kafka bootstrap servers, comma separated (host:port,...).
+    #[arg(long, env = "GPUMEDIC_KAFKA_BOOTSTRAP")]
+    pub kafka_bootstrap: String,
+
+    /// Extra librdkafka properties as key=value, repeatable or comma separated: TLS, SASL and
+    /// tuning, for example `security.protocol=SASL_SSL`.
+    #[arg(long = "kafka-option", env = "GPUMEDIC_KAFKA_OPTIONS", value_delimiter = ',')]
+    pub kafka_options: Vec<String>,
+}
+
+/// [`KafkaArgs`] validated.
+#[derive(Debug, Clone)]
+pub struct KafkaSettings {
+    /// Bootstrap servers.
+    pub bootstrap: String,
+    /// Extra librdkafka properties, applied last.
+    pub options: Vec<(String, String)>,
+}
+
+impl Validate for KafkaArgs {
+    type Valid = KafkaSettings;
+
+    fn validate(self) -> Result<KafkaSettings, Problems> {
+        let mut p = Problems::default();
+        if self
+            .kafka_bootstrap
+            .split(',')
+            .any(|s| s.trim().rsplit_once(':').is_none_or(|(h, port)| h.is_empty() || port.parse::<u16>().is_err()))
+        {
+            p.push(
+                "--kafka-bootstrap",
+                format!("'{}' must be a comma-separated list of host:port", self.kafka_bootstrap),
+            );
+        }
+        let mut options = Vec::new();
+        for raw in &self.kafka_options {
+            match raw.split_once('=') {
+                Some((k, v)) if !k.trim().is_empty() => options.push((k.trim().to_owned(), v.trim().to_owned())),
+                _ => p.push("--kafka-option", format!("'{raw}' must be key=value")),
+            }
+        }
+        p.finish(|| KafkaSettings { bootstrap: self.kafka_bootstrap, options })
+    }
+}
+
+/// A topic the service needs, created when missing (the cluster's auto-creation is off).
+#[derive(Debug, Clone)]
+pub struct TopicSpec {
+    /// The topic name.
+    pub name: String,
+    /// Partitions; consumers in a group scale up to this many.
+    pub partitions: i32,
+    /// Replication factor.
+    pub replication: i32,
+}
+
+impl TopicSpec {
+    /// A topic with `partitions` partitions and replication factor 1 (the testbed's).
+    pub fn new(name: impl Into<String>, partitions: i32) -> Self {
+        Self { name: name.into(), partitions, replication: 1 }
+    }
+
+    /// The dead-letter topic that goes with `topic`.
+    pub fn dead_letter_for(topic: &str, partitions: i32) -> Self {
+        Self::new(dead_letter_topic(topic), partitions)
+    }
+}
+
+/// The name of the dead-letter topic for `topic`.
+pub fn dead_letter_topic(topic: &str) -> String {
+    format!("{topic}.dlq")
+}
+
+/// The producer every service uses.
+pub type Producer = FutureProducer;
+/// The consumer every service uses.
+pub type Consumer = StreamConsumer<ServiceContext>;
+
+impl KafkaSettings {
+    fn client_config(&self, client_id: &str) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap).set("client.id", client_id);
+        c
+    }
+
+    fn apply_options(&self, c: &mut ClientConfig) {
+        for (k, v) in &self.options {
+            c.set(k, v);
+        }
+    }
+
+    /// An idempotent producer that waits for all in-sync replicas, so an acknowledged record is
+    /// durable and a retried one is not duplicated.
+    pub fn producer(&self, client_id: &str) -> Result<Producer, KafkaError> {
+        let mut c = self.client_config(client_id);
+        c.set("acks", "all")
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "5")
+            .set("compression.type", "lz4")
+            .set("message.timeout.ms", "30000");
+        self.apply_options(&mut c);
+        c.create().map_err(|source| KafkaError::Client { what: "producer", source })
+    }
+
+    /// A consumer in `group` subscribed to `topics`. Offsets are stored by [`run_consumer`] after
+    /// each record's effect is durable and committed in the background; `assigned` turns ready
+    /// once the group has given this consumer its partitions.
+    pub fn consumer(
+        &self,
+        service: &'static str,
+        group: &str,
+        topics: &[&str],
+        assigned: ReadyFlag,
+    ) -> Result<Consumer, KafkaError> {
+        let mut c = self.client_config(service);
+        c.set("group.id", group)
+            .set("enable.auto.commit", "true")
+            .set("auto.commit.interval.ms", "1000")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("statistics.interval.ms", "5000")
+            .set("session.timeout.ms", "10000");
+        self.apply_options(&mut c);
+        let consumer: Consumer = c
+            .create_with_context(ServiceContext { service, assigned })
+            .map_err(|source| KafkaError::Client { what: "consumer", source })?;
+        consumer.subscribe(topics).map_err(|source| KafkaError::Subscribe {
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            source,
+        })?;
+        Ok(consumer)
+    }
+
+    /// Creates the topics that do not exist yet; existing ones are left as they are.
+    pub async fn ensure_topics(&self, topics: &[TopicSpec]) -> Result<(), KafkaError> {
+        let mut c = self.client_config("gpumedic-admin");
+        self.apply_options(&mut c);
+        let admin: AdminClient<DefaultClientContext> =
+            c.create().map_err(|source| KafkaError::Client { what: "admin client", source })?;
+        let new: Vec<NewTopic<'_>> = topics
+            .iter()
+            .map(|t| NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(t.replication)))
+            .collect();
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let results = admin.create_topics(&new, &opts).await.map_err(|e| KafkaError::CreateTopic {
+            topic: topics.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(","),
+            reason: e.to_string(),
+        })?;
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((topic, code)) => return Err(KafkaError::CreateTopic { topic, reason: code.to_string() }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The consumer's context: readiness on assignment, a commit on revoke, lag in the metrics.
+pub struct ServiceContext {
+    service: &'static str,
+    assigned: ReadyFlag,
+}
+
+impl ClientContext for ServiceContext {
+    fn stats(&self, statistics: Statistics) {
+        for (topic, t) in &statistics.topics {
+            // librdkafka reports -1 for partitions it does not consume.
+            let lag: i64 = t.partitions.values().filter(|p| p.consumer_lag >= 0).map(|p| p.consumer_lag).sum();
+            metrics::gauge!(format!("gpumedic_{}_consumer_lag", self.service), "topic" => topic.clone())
+                .set(lag as f64);
+        }
+    }
+}
+
+impl ConsumerContext for ServiceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            // Flush what we have stored before another consumer takes the partitions over.
+            match consumer.commit_consumer_state(CommitMode::Sync) {
+                Ok(()) | Err(RdKafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "Could not commit offsets on revoke; the next owner may see records again.")
+                }
+            }
+            tracing::info!(partitions = tpl.count(), "Partitions revoked.");
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "Partitions assigned.");
+                self.assigned.set(true);
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "Rebalance failed."),
+        }
+    }
+}
+
+/// One consumed record, owned, as handlers see it.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Its topic.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// Its key (the node name on every gpumedic topic).
+    pub key: Option<Vec<u8>>,
+    /// Its value.
+    pub payload: Option<Vec<u8>>,
+    /// Its headers in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Its timestamp in milliseconds since the epoch, when it has one.
+    pub timestamp_ms: Option<i64>,
+}
+
+impl Record {
+    /// The value of the first header named `name`.
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    fn from_message<M: rdkafka::Message>(m: &M) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())).collect())
+            .unwrap_or_default();
+        Record {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers,
+            timestamp_ms: m.timestamp().to_millis(),
+        }
+    }
+}
+
+/// How a handler failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandleError {
+    /// The record can never be processed (undecodable, invalid): it goes to the dead-letter topic
+    /// with this reason, and the consumer moves on.
+    #[error("invalid record: {0}")]
+    Invalid(String),
+    /// A dependency failed (database down, topic unavailable): the record is retried with backoff
+    /// and its offset is not stored until it succeeds.
+    #[error("transient failure: {0}")]
+    Retry(#[source] BoxError),
+}
+
+/// Processes one record. Must be idempotent: after a crash the same record may come again.
+pub trait RecordHandler: Send {
+    /// Makes the record's effect durable, or says why it could not.
+    fn handle(&mut self, record: &Record) -> impl Future<Output = Result<(), HandleError>> + Send;
+}
+
+/// Header names written on dead-lettered records.
+pub mod dlq_headers {
+    /// Why the record was dead-lettered.
+    pub const REASON: &str = "gpumedic.dlq.reason";
+    /// The service that gave up on it.
+    pub const SERVICE: &str = "gpumedic.dlq.service";
+    /// Where it came from: topic, partition and offset.
+    pub const SOURCE_TOPIC: &str = "gpumedic.dlq.source.topic";
+    /// The source partition.
+    pub const SOURCE_PARTITION: &str = "gpumedic.dlq.source.partition";
+    /// The source offset.
+    pub const SOURCE_OFFSET: &str = "gpumedic.dlq.source.offset";
+}
+
+/// Publishes `record` to `<topic>.dlq` with the reason and its origin in headers; keeps key, value
+/// and the original headers.
+pub async fn dead_letter(producer: &Producer, service: &str, record: &Record, reason: &str) -> Result<(), KafkaError> {
+    let topic = dead_letter_topic(&record.topic);
+    let partition = record.partition.to_string();
+    let offset = record.offset.to_string();
+    let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 5);
+    for (k, v) in &record.headers {
+        headers = headers.insert(Header { key: k, value: Some(v) });
+    }
+    for (k, v) in [
+        (dlq_headers::REASON, reason),
+        (dlq_headers::SERVICE, service),
+        (dlq_headers::SOURCE_TOPIC, record.topic.as_str()),
+        (dlq_headers::SOURCE_PARTITION, partition.as_str()),
+        (dlq_headers::SOURCE_OFFSET, offset.as_str()),
+    ] {
+        headers = headers.insert(Header { key: k, value: Some(v) });
+    }
+    let mut fr: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(headers);
+    if let Some(k) = &record.key {
+        fr = fr.key(k.as_slice());
+    }
+    if let Some(p) = &record.payload {
+        fr = fr.payload(p.as_slice());
+    }
+    producer
+        .send(fr, Duration::from_secs(30))
+        .await
+        .map(|_| ())
+        .map_err(|(source, _)| KafkaError::Produce { topic, source })
+}
+
+/// The at-least-once loop: receive, handle, store the offset; dead-letter invalid records; retry
+/// transient failures with backoff; on cancellation finish the record in hand (unless it is
+/// waiting to be retried) and commit.
+pub async fn run_consumer<H: RecordHandler>(
+    service: &'static str,
+    consumer: Consumer,
+    dlq: Producer,
+    mut handler: H,
+    token: CancellationToken,
+) -> Result<(), KafkaError> {
+    let records_total = format!("gpumedic_{service}_records_total");
+    'records: loop {
+        let message = tokio::select! {
+            () = token.cancelled() => break,
+            m = consumer.recv() => m,
+        };
+        let record = match message {
+            Ok(m) => Record::from_message(&m),
+            Err(e) => {
+                tracing::warn!(error = %e, "Kafka consumer error; continuing.");
+                continue;
+            }
+        };
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match handler.handle(&record).await {
+                Ok(()) => {
+                    metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "ok")
+                        .increment(1);
+                    break;
+                }
+                Err(HandleError::Invalid(reason)) => {
+                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "Record is invalid; sending it to the dead-letter topic.");
+                    let mut dlq_backoff = Duration::from_millis(100);
+                    while let Err(e) = dead_letter(&dlq, service, &record, &reason).await {
+                        tracing::error!(error = %e, "Cannot write to the dead-letter topic; retrying so the record is not lost.");
+                        tokio::select! {
+                            () = token.cancelled() => break 'records,
+                            () = tokio::time::sleep(dlq_backoff) => {}
+                        }
+                        dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
+                    }
+                    metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "dead_lettered").increment(1);
+                    break;
+                }
+                Err(HandleError::Retry(e)) => {
+                    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+                    tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                    tokio::select! {
+                        // Leave without storing the offset: the record comes again after restart.
+                        () = token.cancelled() => break 'records,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        // The effect is durable: the next start resumes after this record.
+        // librdkafka commits the stored offset plus one: the next record to read.
+        if let Err(e) = consumer.store_offset(&record.topic, record.partition, record.offset) {
+            // Happens when the partition was revoked meanwhile; the new owner handles it again.
+            tracing::warn!(error = %e, "Could not store an offset.");
+        }
+    }
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) | Err(RdKafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
+        Err(e) => Err(KafkaError::Commit(e)),
+    }
+}
+
+/// Creates `topics` (and waits for Kafka) with backoff until it succeeds or `token` is cancelled.
+/// Returns `false` when cancelled first. A service that starts before Kafka stays unready rather
+/// than crash-looping.
+pub async fn wait_for_topics(settings: &KafkaSettings, topics: &[TopicSpec], token: &CancellationToken) -> bool {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match settings.ensure_topics(topics).await {
+            Ok(()) => return true,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "Kafka is not ready; retrying.")
+            }
+        }
+        tokio::select! {
+            () = token.cancelled() => return false,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// The topics a consuming stage needs: its inputs, their dead-letter topics, and its outputs.
+pub fn stage_topics(inputs: &[&str], outputs: &[&str], partitions: i32) -> Vec<TopicSpec> {
+    let mut specs: Vec<TopicSpec> = Vec::new();
+    for t in inputs {
+        specs.push(TopicSpec::new(*t, partitions));
+        specs.push(TopicSpec::dead_letter_for(t, partitions));
+    }
+    for t in outputs {
+        specs.push(TopicSpec::new(*t, partitions));
+    }
+    specs
+}
+
+/// A handler for a stage whose processing is not deployed yet: every record goes to the
+/// dead-letter topic with `reason`, so nothing is lost and the records can be replayed once it is.
+#[derive(Debug, Clone)]
+pub struct DeadLetterAll {
+    /// Written as the dead-letter reason.
+    pub reason: String,
+}
+
+impl RecordHandler for DeadLetterAll {
+    async fn handle(&mut self, _record: &Record) -> Result<(), HandleError> {
+        Err(HandleError::Invalid(self.reason.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(bootstrap: &str, options: &[&str]) -> KafkaArgs {
+        KafkaArgs {
+            kafka_bootstrap: bootstrap.to_owned(),
+            kafka_options: options.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn settings_validate_bootstrap_and_options() {
+        let ok = args("127.0.0.1:19092,kafka-1:9092", &["security.protocol=SSL"]).validate().expect("valid");
+        assert_eq!(ok.options, vec![("security.protocol".to_owned(), "SSL".to_owned())]);
+        let err = args("localhost", &["novalue", "=x"]).validate().expect_err("invalid");
+        assert_eq!(err.list().len(), 3, "{:?}", err.list());
+    }
+
+    #[test]
+    fn dead_letter_topic_is_suffixed() {
+        assert_eq!(dead_letter_topic("gpumedic.health.raw.v1"), "gpumedic.health.raw.v1.dlq");
+    }
+}

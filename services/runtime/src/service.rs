@@ -1,0 +1,103 @@
+//! The frame of a service process: runtime, telemetry, admin server and the shutdown tree.
+//!
+//! A service's `main` loads its config and calls [`main`]; its library's `run` receives a
+//! [`Service`], registers readiness checks, spawns its tasks, and returns [`Service::run`].
+
+use std::future::Future;
+use std::process::ExitCode;
+
+use crate::admin::{self, Readiness};
+use crate::config::CommonConfig;
+use crate::kafka::{self, KafkaSettings, RecordHandler};
+use crate::shutdown::{Shutdown, ShutdownError};
+
+/// A running service: its name, readiness checks and task tree.
+pub struct Service {
+    /// The service's name, used in metric names (`gpumedic_<name>_...`).
+    pub name: &'static str,
+    /// Readiness checks served on `/readyz`.
+    pub readiness: Readiness,
+    /// The task tree; spawn long tasks here.
+    pub shutdown: Shutdown,
+}
+
+impl Service {
+    /// Creates the service and starts its admin server.
+    pub fn start(name: &'static str, common: &CommonConfig) -> Self {
+        // Install the metrics recorder before anything records.
+        admin::metrics_handle();
+        let readiness = Readiness::default();
+        let mut shutdown = Shutdown::new(common.shutdown_deadline);
+        shutdown.spawn("admin-server", admin::serve(common.admin_addr, readiness.clone(), shutdown.token()));
+        metrics::gauge!(format!("gpumedic_{name}_up")).set(1.0);
+        Self { name, readiness, shutdown }
+    }
+
+    /// Spawns the consuming stage of a service: creates its topics (`inputs`, their dead-letter
+    /// topics and `outputs`, each with `partitions`), joins `group` on `inputs`, and feeds every
+    /// record to `handler` at least once. Readiness waits for the group's partition assignment.
+    pub fn spawn_consumer<H: RecordHandler + 'static>(
+        &mut self,
+        kafka: KafkaSettings,
+        group: String,
+        inputs: Vec<&'static str>,
+        outputs: Vec<&'static str>,
+        partitions: i32,
+        handler: H,
+    ) {
+        let assigned = self.readiness.register("kafka-partitions-assigned");
+        let token = self.shutdown.token();
+        let name = self.name;
+        self.shutdown.spawn("consumer", async move {
+            let specs = kafka::stage_topics(&inputs, &outputs, partitions);
+            if !kafka::wait_for_topics(&kafka, &specs, &token).await {
+                return Ok(());
+            }
+            let consumer = kafka.consumer(name, &group, &inputs, assigned)?;
+            let dlq = kafka.producer(&format!("{name}-dlq"))?;
+            kafka::run_consumer(name, consumer, dlq, handler, token).await
+        });
+    }
+
+    /// Runs until a signal or a failed task, then shuts down within the deadline.
+    pub async fn run(self) -> Result<(), ShutdownError> {
+        self.shutdown.run().await
+    }
+}
+
+/// Runs a service process: builds the tokio runtime, starts telemetry, runs `run` and turns its
+/// result into the exit status (0 after a clean shutdown, 1 otherwise).
+pub fn main<F, Fut, E>(name: &'static str, common: &CommonConfig, run: F) -> ExitCode
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let _telemetry = match crate::telemetry::init(name, common) {
+            Ok(guard) => guard,
+            Err(e) => {
+                eprintln!("{name}: cannot start telemetry: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        tracing::info!(service = name, version = env!("CARGO_PKG_VERSION"), "Starting.");
+        match run().await {
+            Ok(()) => {
+                tracing::info!(service = name, "Stopped.");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                tracing::error!(service = name, error = %e, "Stopped with an error.");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}

@@ -1,0 +1,266 @@
+//! Access to the testbed's real servers for integration tests, the demo and load tests.
+//!
+//! Each accessor checks that its server answers and otherwise returns an error that says how to
+//! start it, so a test without its server fails loudly instead of passing by skipping.
+
+use std::time::Duration;
+
+/// The command that starts the testbed, quoted in every error.
+pub const START_HINT: &str = "start the testbed with `compose/up` (or `just testbed-up`) from the repository root";
+
+/// A testbed server is not reachable.
+#[derive(Debug, thiserror::Error)]
+#[error("{server} is not reachable at {address}: {detail}; {hint}", hint = START_HINT)]
+pub struct Unreachable {
+    /// Which server.
+    pub server: &'static str,
+    /// Where it was looked for.
+    pub address: String,
+    /// What failed.
+    pub detail: String,
+}
+
+/// Kafka's bootstrap address: `KAFKA_BOOTSTRAP`, or the testbed's default.
+pub fn kafka_bootstrap() -> String {
+    std::env::var("KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:19092".to_owned())
+}
+
+/// PostgreSQL's URL: `DATABASE_URL`, or the testbed's default.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://gpumedic:gpumedic@127.0.0.1:15432/gpumedic".to_owned())
+}
+
+/// The kubeconfig the testbed writes: `KUBECONFIG`, or `.testbed/kubeconfig` at the repository root.
+pub fn kubeconfig_path() -> std::path::PathBuf {
+    match std::env::var_os("KUBECONFIG") {
+        Some(p) => p.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.testbed/kubeconfig"),
+    }
+}
+
+/// A name unique to this call, for topics, groups, databases and Kubernetes objects, so tests run
+/// in parallel without seeing each other: lowercase, starting with `prefix`.
+pub fn unique_name(prefix: &str) -> String {
+    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// Checks that Kafka answers a metadata request; returns the bootstrap address.
+pub async fn require_kafka() -> Result<String, Unreachable> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let bootstrap = kafka_bootstrap();
+    let b = bootstrap.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &b)
+            .set("socket.connection.setup.timeout.ms", "3000")
+            .create()
+            .map_err(|e| e.to_string())?;
+        consumer.fetch_metadata(None, Duration::from_secs(5)).map(|_| ()).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r);
+    result.map(|()| bootstrap.clone()).map_err(|detail| Unreachable { server: "Kafka", address: bootstrap, detail })
+}
+
+/// Checks that PostgreSQL accepts a login; returns a pool on the testbed's main database.
+pub async fn require_postgres() -> Result<sqlx::PgPool, Unreachable> {
+    let url = database_url();
+    let pool = tokio::time::timeout(Duration::from_secs(10), crate::postgres::connect(&url, 4))
+        .await
+        .map_err(|_| "timed out after 10 s".to_owned())
+        .and_then(|r| r.map_err(|e| e.to_string()));
+    pool.map_err(|detail| Unreachable { server: "PostgreSQL", address: redact(&url), detail })
+}
+
+/// Creates an empty database named `name` and returns its URL.
+pub async fn fresh_database(admin: &sqlx::PgPool, name: &str) -> Result<String, sqlx::Error> {
+    // The name comes from the test itself (unique_name), never from outside input.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\""))).execute(admin).await?;
+    let base = database_url();
+    let (prefix, _) = base.rsplit_once('/').unwrap_or((&base, ""));
+    Ok(format!("{prefix}/{name}"))
+}
+
+/// Checks that the kube-apiserver answers with the testbed's admin credentials; returns a client.
+pub async fn require_kubernetes() -> Result<kube::Client, Unreachable> {
+    let path = kubeconfig_path();
+    let address = path.display().to_string();
+    let config = kube::config::Kubeconfig::read_from(&path).map_err(|e| Unreachable {
+        server: "kube-apiserver",
+        address: address.clone(),
+        detail: e.to_string(),
+    })?;
+    let config = kube::Config::from_custom_kubeconfig(config, &kube::config::KubeConfigOptions::default())
+        .await
+        .map_err(|e| Unreachable { server: "kube-apiserver", address: address.clone(), detail: e.to_string() })?;
+    let url = config.cluster_url.to_string();
+    let client = kube::Client::try_from(config).map_err(|e| Unreachable {
+        server: "kube-apiserver",
+        address: url.clone(),
+        detail: e.to_string(),
+    })?;
+    tokio::time::timeout(Duration::from_secs(10), client.apiserver_version())
+        .await
+        .map_err(|_| "timed out after 10 s".to_owned())
+        .and_then(|r| r.map_err(|e| e.to_string()))
+        .map_err(|detail| Unreachable { server: "kube-apiserver", address: url, detail })?;
+    Ok(client)
+}
+
+/// A service binary started by a test: spawned with the testbed's addresses, polled on its
+/// `/readyz`, stopped with SIGTERM. Killed if dropped while running.
+pub struct ServiceProcess {
+    child: std::process::Child,
+    admin: std::net::SocketAddr,
+    name: String,
+}
+
+impl ServiceProcess {
+    /// Starts `binary` with `args`, `GPUMEDIC_ADMIN_ADDR` on a free local port, and `env`.
+    pub fn start(binary: &str, args: &[&str], env: &[(&str, String)]) -> std::io::Result<Self> {
+        let admin = free_local_addr()?;
+        let mut cmd = std::process::Command::new(binary);
+        cmd.args(args)
+            .env("GPUMEDIC_ADMIN_ADDR", admin.to_string())
+            .env("GPUMEDIC_LOG", "info")
+            .stdin(std::process::Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn()?;
+        Ok(Self { child, admin, name: binary.rsplit('/').next().unwrap_or(binary).to_owned() })
+    }
+
+    /// The admin server's address.
+    pub fn admin_addr(&self) -> std::net::SocketAddr {
+        self.admin
+    }
+
+    /// Polls `/readyz` until it answers 200 or `timeout` passes; the error carries the last answer.
+    pub async fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = String::from("no answer yet");
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!("{} exited with {status} before it was ready", self.name));
+            }
+            match http_get(self.admin, "/readyz").await {
+                Ok((200, _)) => return Ok(()),
+                Ok((code, body)) => last = format!("{code} {}", body.trim()),
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(format!("{} was not ready after {timeout:?}; last /readyz: {last}", self.name))
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for the process to exit; returns its status.
+    pub async fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus, String> {
+        let pid = self.child.id().to_string();
+        let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().map_err(|e| e.to_string())?;
+        if !sent.success() {
+            return Err(format!("kill -TERM {pid} failed"));
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
+                return Ok(status);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(format!("{} did not exit within {timeout:?} of SIGTERM", self.name))
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The lifecycle every service must have: started with the testbed's addresses it reports ready
+/// on `/readyz` within `ready_within`, serves `/healthz` and `/metrics`, and on SIGTERM exits 0
+/// within `deadline`. Panics with a readable message otherwise.
+pub async fn assert_service_lifecycle(
+    binary: &str,
+    args: &[&str],
+    env: &[(&str, String)],
+    ready_within: Duration,
+    deadline: Duration,
+) {
+    let mut env = env.to_vec();
+    env.push(("GPUMEDIC_SHUTDOWN_DEADLINE", format!("{}ms", deadline.as_millis())));
+    let mut process = ServiceProcess::start(binary, args, &env).expect("service binary starts");
+    process.wait_ready(ready_within).await.unwrap_or_else(|e| panic!("{e}; {START_HINT} if it is not running"));
+    let (code, body) = http_get(process.admin_addr(), "/healthz").await.expect("healthz answers");
+    assert_eq!((code, body.trim()), (200, "ok"));
+    let (code, body) = http_get(process.admin_addr(), "/metrics").await.expect("metrics answers");
+    assert_eq!(code, 200);
+    assert!(body.contains("_up"), "metrics should include the service's up gauge: {body}");
+    // The process exits on its own within the deadline it was given, plus start-up slack.
+    let status = process.terminate(deadline + Duration::from_secs(5)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success(), "{binary} exited with {status} after SIGTERM");
+}
+
+/// Runs `binary` with invalid `args` and returns its exit code and stderr.
+pub fn run_with_invalid_config(binary: &str, args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(binary)
+        .args(args)
+        .env_remove("GPUMEDIC_KAFKA_BOOTSTRAP")
+        .env_remove("GPUMEDIC_DATABASE_URL")
+        .env_remove("GPUMEDIC_NODE_NAME")
+        .output()
+        .expect("binary runs");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// A local address with a port nobody listens on right now.
+pub fn free_local_addr() -> std::io::Result<std::net::SocketAddr> {
+    std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
+}
+
+/// A minimal HTTP/1.1 GET on loopback: status code and body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    let text = String::from_utf8_lossy(&raw);
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response"))?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((code, body))
+}
+
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***{}", &url[..s], &url[at..]),
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_names_differ_and_are_dns_safe() {
+        let a = unique_name("t");
+        let b = unique_name("t");
+        assert_ne!(a, b);
+        assert!(a.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'), "{a}");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("postgres://u:secret@h:1/db"), "postgres://***@h:1/db");
+    }
+}
