@@ -1,6 +1,7 @@
 //! `gpumedic`: the operator CLI.
 //!
-//! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics.
+//! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics and checks
+//! kernel logs with the collector's own parser.
 
 use std::process::ExitCode;
 
@@ -22,6 +23,13 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Print one JSON object per GPU health event found in a kernel log (FILE, or stdin), using
+    /// the collector's parser: Xid, SXid, fallen off the bus, MCE, PCIe AER. Other lines print
+    /// nothing.
+    ParseLog {
+        /// The log to read (dmesg output, /var/log/kern.log, journalctl -k, a copy of /dev/kmsg).
+        file: Option<std::path::PathBuf>,
+    },
     /// Manage the pipeline's Kafka topics.
     Topics {
         #[command(subcommand)]
@@ -49,6 +57,7 @@ enum TopicsCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::ParseLog { file } => parse_log(file.as_deref()),
         Command::Topics { command: TopicsCommand::List } => {
             for t in topics::ALL {
                 println!("{t}");
@@ -86,4 +95,64 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// `gpumedic parse-log`: streams lines through the collector's kernel-log parser.
+fn parse_log(file: Option<&std::path::Path>) -> ExitCode {
+    use std::io::{BufRead as _, Write as _};
+
+    let input: Box<dyn std::io::BufRead> = match file {
+        Some(path) => match std::fs::File::open(path) {
+            Ok(f) => Box::new(std::io::BufReader::new(f)),
+            Err(e) => {
+                eprintln!("gpumedic parse-log: cannot read {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        },
+        None => Box::new(std::io::stdin().lock()),
+    };
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut parser = gpumedic_collector::kernel_log::LogParser::new();
+    let mut events = Vec::new();
+    // Lines are read as bytes: a kernel log may hold invalid UTF-8, which must not stop the scan.
+    let mut buf = Vec::new();
+    let mut reader = input;
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) => break,
+            Ok(_) => {
+                let line = String::from_utf8_lossy(&buf);
+                parser.feed(line.trim_end_matches(['\n', '\r']), &mut events);
+                if let Err(e) = write_events(&mut out, &mut events) {
+                    eprintln!("gpumedic parse-log: cannot write: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            Err(e) => {
+                eprintln!("gpumedic parse-log: read failed: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    parser.flush(&mut events);
+    match write_events(&mut out, &mut events).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpumedic parse-log: cannot write: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn write_events(
+    out: &mut impl std::io::Write,
+    events: &mut Vec<gpumedic_collector::kernel_log::KernelEvent>,
+) -> std::io::Result<()> {
+    for event in events.drain(..) {
+        serde_json::to_writer(&mut *out, &event)?;
+        out.write_all(b"\n")?;
+    }
+    Ok(())
 }

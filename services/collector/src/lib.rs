@@ -4,6 +4,8 @@
 //! This crate holds the service frame: configuration, the Kafka producer and its readiness. The
 //! health sources (NVML, kernel log, DCGM, cloud maintenance, gRPC ingest) plug in behind it.
 
+pub mod kernel_log;
+
 use std::time::Duration;
 
 use clap::Parser;

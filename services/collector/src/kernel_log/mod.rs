@@ -1,0 +1,10 @@
+//! The kernel-log source: NVIDIA driver (`NVRM: Xid`), NVSwitch (`SXid`), "fallen off the bus",
+//! machine-check and PCIe AER lines, read from `/dev/kmsg`.
+//!
+//! NVML's Xid event wait returns only the last Xid between two waits, so the kernel log is the
+//! primary Xid source. [`parse`] turns lines into [`KernelEvent`]s and is shared with the
+//! `gpumedic parse-log` command, so operators can check their own logs with the same code.
+
+pub mod parse;
+
+pub use parse::{KernelEvent, KernelEventKind, LogParser, MigInstance, NvlinkFields};
