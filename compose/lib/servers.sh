@@ -33,21 +33,37 @@ as_pg_user() {
   if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
+# pg_root: a folder holding the cluster (data/) and its log that the server's user can reach.
+# As root the server runs as `postgres`, which cannot enter a checkout under a private home
+# (/root is 0700); then the cluster lives under /var/tmp, named after this checkout.
+pg_root() {
+  if [ "$(id -u)" -ne 0 ] || runuser -u postgres -- test -x "$STATE_DIR" 2>/dev/null; then
+    echo "$STATE_DIR/postgres"
+  else
+    echo "/var/tmp/gpumedic-testbed-$(printf '%s' "$STATE_DIR" | sha1sum | cut -c1-12)/postgres"
+  fi
+}
+
 start_postgres() {
-  local bin data="$STATE_DIR/postgres"
+  local bin root data log
   bin="$(pg_bin)"
+  root="$(pg_root)"
+  data="$root/data"
+  log="$root/postgres.log"
   if port_open "$POSTGRES_PORT"; then
     return 0
   fi
+  mkdir -p "$root"
+  if [ "$(id -u)" -eq 0 ]; then chown postgres "$root"; fi
   if [ ! -f "$data/PG_VERSION" ]; then
     log "initialising PostgreSQL in $data"
-    rm -rf "$data" && mkdir -p "$data"
-    printf '%s\n' "$POSTGRES_PASSWORD" >"$STATE_DIR/pgpass.tmp"
-    if [ "$(id -u)" -eq 0 ]; then chown postgres "$data" "$STATE_DIR/pgpass.tmp"; fi
-    as_pg_user "$bin/initdb" -D "$data" -U "$POSTGRES_USER" --pwfile="$STATE_DIR/pgpass.tmp" \
+    rm -rf "$data"
+    printf '%s\n' "$POSTGRES_PASSWORD" >"$root/pgpass.tmp"
+    if [ "$(id -u)" -eq 0 ]; then chown postgres "$root/pgpass.tmp"; fi
+    as_pg_user "$bin/initdb" -D "$data" -U "$POSTGRES_USER" --pwfile="$root/pgpass.tmp" \
       --auth-local=trust --auth-host=scram-sha-256 -E UTF8 --locale=C.UTF-8 >"$LOG_DIR/postgres-init.log" 2>&1 ||
       die "initdb failed; see $LOG_DIR/postgres-init.log"
-    rm -f "$STATE_DIR/pgpass.tmp"
+    rm -f "$root/pgpass.tmp"
     cat >>"$data/postgresql.conf" <<EOF
 # gpumedic testbed
 listen_addresses = '127.0.0.1'
@@ -57,9 +73,9 @@ max_connections = 300
 shared_buffers = 256MB
 EOF
   fi
-  if [ "$(id -u)" -eq 0 ]; then chown postgres "$LOG_DIR"; touch "$LOG_DIR/postgres.log"; chown postgres "$LOG_DIR/postgres.log"; fi
-  as_pg_user "$bin/pg_ctl" -D "$data" -l "$LOG_DIR/postgres.log" -w -t 60 start >/dev/null ||
-    die "PostgreSQL did not start; see $LOG_DIR/postgres.log"
+  as_pg_user "$bin/pg_ctl" -D "$data" -l "$log" -w -t 60 start >/dev/null ||
+    die "PostgreSQL did not start; see $log"
+  ln -sf "$log" "$LOG_DIR/postgres.log"
   if ! as_pg_user "$bin/psql" -h "$data" -p "$POSTGRES_PORT" -U "$POSTGRES_USER" -d postgres -tAc \
     "SELECT 1 FROM pg_database WHERE datname = '$POSTGRES_DB'" | grep -q 1; then
     as_pg_user "$bin/createdb" -h "$data" -p "$POSTGRES_PORT" -U "$POSTGRES_USER" "$POSTGRES_DB"
@@ -67,7 +83,8 @@ EOF
 }
 
 stop_postgres() {
-  local data="$STATE_DIR/postgres"
+  local data
+  data="$(pg_root)/data"
   [ -f "$data/postmaster.pid" ] || return 0
   as_pg_user "$(pg_bin)/pg_ctl" -D "$data" -m fast -w -t 60 stop >/dev/null 2>&1 || true
 }
