@@ -203,6 +203,9 @@ start_apiserver() {
   make_pki
   write_kubeconfig
   if port_open "$APISERVER_PORT"; then
+    # Certificates belong to a checkout: an apiserver started from another one rejects ours.
+    apiserver_ready >/dev/null 2>&1 ||
+      die "a kube-apiserver on port $APISERVER_PORT rejects this checkout's credentials; another testbed is running (stop it with its own compose/down, or set GPUMEDIC_APISERVER_PORT and GPUMEDIC_ETCD_PORT)"
     return 0
   fi
   local pki="$STATE_DIR/pki"
