@@ -5,6 +5,8 @@
 //! Kubernetes client and readiness. Until enrichment is deployed, raw records are dead-lettered
 //! with that reason (nothing is lost; they can be replayed).
 
+pub mod catalog;
+
 use std::time::Duration;
 
 use clap::Parser;
