@@ -1,6 +1,23 @@
-//! gpumedic's event contracts: the Kafka topics the four services share and, with them, the
-//! records they carry.
+//! gpumedic's event contracts: the Kafka topics the four services share and the records they carry.
+//!
+//! The Avro schema files under `schemas/avro/` are the source of truth ([`avro`]); the Rust types
+//! ([`health`], [`enriched`], [`verdict`], [`action`]) mirror them field for field, and tests prove
+//! that they agree. [`codec`] frames records for Kafka; [`compat`] is the evolution gate.
 //!
 //! Every topic is keyed by node name, so one node's records stay in order through the pipeline.
 
+pub mod action;
+pub mod avro;
+pub mod codec;
+pub mod compat;
+pub mod enriched;
+pub mod health;
+mod serde_util;
 pub mod topics;
+pub mod verdict;
+
+pub use action::{ActionOutcome, ActionStatus};
+pub use codec::{DecodeError, EncodeError, Record, decode, encode};
+pub use enriched::EnrichedHealthEvent;
+pub use health::{Detail, HealthEvent, Kind};
+pub use verdict::{RecommendedAction, Severity, Verdict};
