@@ -45,6 +45,31 @@ pub struct HealthEvent {
     pub collector_version: String,
 }
 
+impl HealthEvent {
+    /// A new event observed and published now, with a fresh UUIDv7 and `kind` taken from
+    /// `detail`. Callers set `healthy`, `synthetic` and `raw` afterwards when they apply.
+    pub fn new(node: impl Into<String>, source: Source, component: Component, entity: Entity, detail: Detail) -> Self {
+        // The wire carries microseconds; truncate now so an event equals itself after a round trip.
+        let now = Utc::now();
+        let now = DateTime::from_timestamp_micros(now.timestamp_micros()).unwrap_or(now);
+        Self {
+            event_id: Uuid::now_v7(),
+            observed_at: now,
+            published_at: now,
+            node: node.into(),
+            source,
+            component,
+            entity,
+            kind: detail.kind(),
+            detail,
+            healthy: false,
+            synthetic: false,
+            raw: None,
+            collector_version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+}
+
 /// Where the collector read an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1,21 +1,29 @@
 //! The enricher: joins each raw health event with what the cluster knows (node labels, the GPU
-//! workloads on the node, the Xid catalog) and republishes it on `gpumedic.health.enriched.v1`.
+//! workloads on the node, the Xid catalog) and republishes it on `gpumedic.health.enriched.v1`,
+//! keyed by node name.
 //!
-//! This crate holds the service frame: configuration, the consumer group on the raw topic, the
-//! Kubernetes client and readiness. Until enrichment is deployed, raw records are dead-lettered
-//! with that reason (nothing is lost; they can be replayed).
+//! Cluster knowledge comes from watch caches ([`cache`]), never from an API call per event. An
+//! event for a node the cache does not know is still passed on, marked `node_unknown`, and
+//! counted. A record that cannot be decoded goes to `gpumedic.health.raw.v1.dlq` with the reason.
 
+pub mod cache;
 pub mod catalog;
+pub mod enrich;
 
-use std::time::Duration;
+use std::path::PathBuf;
 
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
 use gpumedic_runtime::k8s;
-use gpumedic_runtime::kafka::{DeadLetterAll, KafkaArgs, KafkaSettings};
+use gpumedic_runtime::kafka::{
+    self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
+};
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::topics;
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Record as _, topics};
+
+use crate::cache::{ClusterCache, ContextSettings};
+use crate::catalog::XidCatalog;
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "enricher";
@@ -35,6 +43,15 @@ pub struct Args {
     /// Kafka consumer group shared by all enricher replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-enricher")]
     group: String,
+    /// The cluster's name, recorded in every event's node context.
+    #[arg(long, env = "GPUMEDIC_CLUSTER_NAME")]
+    cluster_name: Option<String>,
+    /// Node labels copied into the node context, comma separated.
+    #[arg(long, env = "GPUMEDIC_NODE_LABELS", value_delimiter = ',')]
+    node_labels: Vec<String>,
+    /// An Xid catalog file to use instead of the one built in (see catalog/xid-catalog.yaml).
+    #[arg(long, env = "GPUMEDIC_XID_CATALOG")]
+    xid_catalog: Option<PathBuf>,
 }
 
 /// The validated configuration.
@@ -46,6 +63,10 @@ pub struct Config {
     pub kafka: KafkaSettings,
     /// The consumer group.
     pub group: String,
+    /// How node context is built.
+    pub context: ContextSettings,
+    /// The Xid catalog.
+    pub catalog: XidCatalog,
 }
 
 impl Validate for Args {
@@ -58,26 +79,92 @@ impl Validate for Args {
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
         }
-        p.finish(|| Config { common: common.expect("checked"), kafka: kafka.expect("checked"), group: self.group })
+        let catalog = match &self.xid_catalog {
+            None => Some(XidCatalog::embedded()),
+            Some(path) => p.check("--xid-catalog", XidCatalog::load(path).map_err(|e| e.to_string())),
+        };
+        p.finish(|| Config {
+            common: common.expect("checked"),
+            kafka: kafka.expect("checked"),
+            group: self.group,
+            context: ContextSettings {
+                selected_labels: self.node_labels.into_iter().filter(|l| !l.is_empty()).collect(),
+                cluster: self.cluster_name,
+            },
+            catalog: catalog.expect("checked"),
+        })
     }
 }
 
 /// Runs the enricher until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
-    let kube_ready = service.readiness.register("kubernetes-api");
+    let synced = service.readiness.register("cluster-cache-synced");
     let token = service.shutdown.token();
-    service.shutdown.spawn("kubernetes", async move {
+    let cache = ClusterCache::default();
+    let watch_cache = cache.clone();
+    let context = config.context.clone();
+    service.shutdown.spawn("cluster-cache", async move {
         let client = k8s::client().await?;
-        k8s::watch_reachability(client, kube_ready, Duration::from_secs(15), token).await
+        cache::run_watchers(client, watch_cache, context, synced, token).await?;
+        Ok::<_, gpumedic_runtime::BoxError>(())
     });
+    let producer = match config.kafka.producer(NAME) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!(error = %e, "Cannot create the Kafka producer.");
+            return Err(ShutdownError::TaskFailed { task: "producer".into(), source: Box::new(e) });
+        }
+    };
+    tracing::info!(catalog_version = %config.catalog.version, codes = config.catalog.len(), "Xid catalog loaded.");
+    let handler = Enrich { cache, catalog: config.catalog, producer };
     service.spawn_consumer(
         config.kafka,
         config.group,
         vec![topics::HEALTH_RAW],
         vec![topics::HEALTH_ENRICHED],
         topics::DEFAULT_PARTITIONS,
-        DeadLetterAll { reason: format!("gpumedic-enricher {} does not enrich events yet", env!("CARGO_PKG_VERSION")) },
+        handler,
     );
     service.run().await
+}
+
+/// The consumer's handler: decode, enrich, publish, and only then let the offset be stored.
+pub struct Enrich {
+    cache: ClusterCache,
+    catalog: XidCatalog,
+    producer: Producer,
+}
+
+impl RecordHandler for Enrich {
+    async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
+        let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
+        let event: HealthEvent =
+            gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
+        let node = self.cache.node(&event.node);
+        if node.is_none() {
+            metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
+            tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
+        }
+        let event_id = event.event_id.to_string();
+        let key = event.node.clone();
+        let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, chrono::Utc::now());
+        let bytes = gpumedic_schemas::encode(&enriched).map_err(|e| HandleError::Invalid(e.to_string()))?;
+        let traceparent = kafka::traceparent(record.header(record_headers::TRACEPARENT));
+        kafka::publish(
+            &self.producer,
+            topics::HEALTH_ENRICHED,
+            &key,
+            &bytes,
+            &[
+                (record_headers::TRACEPARENT, traceparent.as_bytes()),
+                (record_headers::EVENT_ID, event_id.as_bytes()),
+                (record_headers::CONTENT_TYPE, EnrichedHealthEvent::CONTENT_TYPE.as_bytes()),
+            ],
+        )
+        .await
+        .map_err(|e| HandleError::Retry(Box::new(e)))?;
+        metrics::counter!("gpumedic_enricher_events_total").increment(1);
+        Ok(())
+    }
 }

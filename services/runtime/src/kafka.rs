@@ -294,7 +294,8 @@ impl Record {
         self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
     }
 
-    fn from_message<M: rdkafka::Message>(m: &M) -> Self {
+    /// Copies a consumed message.
+    pub fn from_message<M: rdkafka::Message>(m: &M) -> Self {
         let headers = m
             .headers()
             .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())).collect())
@@ -447,6 +448,64 @@ pub async fn run_consumer<H: RecordHandler>(
     }
 }
 
+/// Header names every gpumedic record carries (see docs/events.md).
+pub mod record_headers {
+    /// W3C trace context.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// The record's id as text (event id, or verdict id).
+    pub const EVENT_ID: &str = "gpumedic.event-id";
+    /// The record's media type.
+    pub const CONTENT_TYPE: &str = "content-type";
+}
+
+/// The `traceparent` for a record produced now: the current span's context when tracing export
+/// is on; otherwise the trace of the record being handled (`incoming`) continued with a new span
+/// id; otherwise a new trace. Every record thus carries one, and one fault keeps one trace id.
+pub fn traceparent(incoming: Option<&[u8]>) -> String {
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let cx = tracing::Span::current().context();
+    if cx.span().span_context().is_valid() {
+        let mut carrier = std::collections::HashMap::new();
+        opentelemetry_sdk::propagation::TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+        if let Some(tp) = carrier.remove("traceparent") {
+            return tp;
+        }
+    }
+    let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    let trace_id = incoming
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|tp| {
+            let parts: Vec<&str> = tp.split('-').collect();
+            (parts.len() == 4 && parts[1].len() == 32 && parts[1].bytes().all(|b| b.is_ascii_hexdigit()))
+                .then(|| parts[1].to_owned())
+        })
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    format!("00-{trace_id}-{span_id}-01")
+}
+
+/// Produces one record and waits until Kafka acknowledged it (`acks=all`): when this returns
+/// `Ok`, the record is durable and the caller may store its input offset.
+pub async fn publish(
+    producer: &Producer,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+    headers: &[(&str, &[u8])],
+) -> Result<(), KafkaError> {
+    let mut owned = OwnedHeaders::new_with_capacity(headers.len());
+    for (k, v) in headers {
+        owned = owned.insert(Header { key: k, value: Some(*v) });
+    }
+    producer
+        .send(FutureRecord::to(topic).key(key).payload(payload).headers(owned), Duration::from_secs(30))
+        .await
+        .map(|_| ())
+        .map_err(|(source, _)| KafkaError::Produce { topic: topic.to_owned(), source })
+}
+
 /// Creates `topics` (and waits for Kafka) with backoff until it succeeds or `token` is cancelled.
 /// Returns `false` when cancelled first. A service that starts before Kafka stays unready rather
 /// than crash-looping.
@@ -511,6 +570,17 @@ mod tests {
         assert_eq!(ok.options, vec![("security.protocol".to_owned(), "SSL".to_owned())]);
         let err = args("localhost", &["novalue", "=x"]).validate().expect_err("invalid");
         assert_eq!(err.list().len(), 3, "{:?}", err.list());
+    }
+
+    #[test]
+    fn traceparent_continues_the_incoming_trace() {
+        let incoming = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let tp = traceparent(Some(incoming));
+        assert!(tp.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{tp}");
+        assert_ne!(tp.as_bytes(), incoming, "a new span id");
+        let fresh = traceparent(None);
+        assert_eq!(fresh.len(), 55, "{fresh}");
+        assert_ne!(traceparent(Some(b"garbage")).split('-').nth(1), Some("garbage"));
     }
 
     #[test]

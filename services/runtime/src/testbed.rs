@@ -206,6 +206,40 @@ pub async fn assert_service_lifecycle(
     assert!(status.success(), "{binary} exited with {status} after SIGTERM");
 }
 
+/// Reads `topic` from the beginning in a fresh consumer group until a record satisfies `want`,
+/// or `timeout` passes (the error says how many records were seen).
+pub async fn wait_for_record(
+    topic: &str,
+    mut want: impl FnMut(&crate::kafka::Record) -> bool,
+    timeout: Duration,
+) -> Result<crate::kafka::Record, String> {
+    use rdkafka::consumer::{Consumer as _, StreamConsumer};
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .set("group.id", unique_name("test-reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(|e| e.to_string())?;
+    consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut seen = 0usize;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, consumer.recv()).await {
+            Err(_) => return Err(format!("no matching record on {topic} within {timeout:?} ({seen} others seen)")),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(m)) => {
+                seen += 1;
+                let record = crate::kafka::Record::from_message(&m);
+                if want(&record) {
+                    return Ok(record);
+                }
+            }
+        }
+    }
+}
+
 /// Runs `binary` with invalid `args` and returns its exit code and stderr.
 pub fn run_with_invalid_config(binary: &str, args: &[&str]) -> (Option<i32>, String) {
     let out = std::process::Command::new(binary)
