@@ -6,6 +6,8 @@
 //! consumer group on the enriched and action topics, and readiness. Until the rules are deployed,
 //! records are dead-lettered with that reason (nothing is lost; they can be replayed).
 
+pub mod rules;
+
 use std::time::Duration;
 
 use clap::Parser;

@@ -1,0 +1,837 @@
+//! The engine: observations in, decisions (verdicts-to-be) out, with incidents per rule, node
+//! and GPU.
+//!
+//! An incident opens on a rule's first firing and is not fired again while it is open: a later
+//! firing only yields a decision when it raises the action or the severity (flap damping). It
+//! closes only on explicit healthy evidence that stands for the rule's quiet period without new
+//! fault evidence. Time is the observations' own (`observed_at_micros`, kept monotonic per node)
+//! or an explicit [`Engine::tick`], never the wall clock, so replaying the same input gives the
+//! same decisions with the same ids.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::model::{Action, Rule, RuleSet, Scope, Severity, SyntheticPolicy, normalise_key};
+use super::observation::{FieldValue, Observation};
+use super::state::{CondState, Firing, MAX_EVIDENCE};
+
+/// The namespace of every incident and verdict id (UUIDv5), fixed forever so ids stay stable
+/// across releases.
+pub const ID_NAMESPACE: Uuid = Uuid::from_u128(0x6770_756d_6564_6963_8a1e_5c0d_1f2b_3a47);
+
+/// How many recent event ids per node are remembered to ignore redeliveries.
+const RECENT_IDS: usize = 1024;
+
+/// A stable 64-bit digest of an event id (FNV-1a): remembering digests rather than ids keeps the
+/// redelivery filter at 16 KiB per node, and unlike std's hasher it is the same in every release,
+/// so a snapshot restored by a newer binary still recognises its ids.
+fn digest(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The version of [`Snapshot`]'s layout.
+pub const SNAPSHOT_FORMAT: u32 = 1;
+
+/// What a decision does to its incident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionKind {
+    /// The incident opened.
+    Open,
+    /// The incident's action or severity went up.
+    Escalate,
+    /// An override rule (Xid 154) changed the action it names.
+    Override,
+    /// The incident closed on healthy evidence.
+    Recover,
+}
+
+/// A verdict-to-be: what the classifier publishes and records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// Deterministic: UUIDv5 over the incident id and the step.
+    pub verdict_id: Uuid,
+    /// Deterministic: UUIDv5 over the rule id and version, node, GPU and first evidence id.
+    pub incident_id: Uuid,
+    /// 0 for the opening decision, then one more for each decision on the incident.
+    pub step: u32,
+    /// What the decision does.
+    pub kind: DecisionKind,
+    /// The rule.
+    pub rule_id: String,
+    /// The rule's version.
+    pub rule_version: u32,
+    /// The node.
+    pub node: String,
+    /// The GPU, for GPU-scoped rules whose evidence names one.
+    pub gpu: Option<String>,
+    /// The incident's severity (for a recovery, the severity that was cleared).
+    pub severity: Severity,
+    /// The recommended action (`none` for a recovery).
+    pub action: Action,
+    /// Follow-up actions, in order.
+    pub then: Vec<Action>,
+    /// The operator-defined action, for `custom`.
+    pub custom: Option<String>,
+    /// Why, for humans.
+    pub reason: String,
+    /// The event ids that led here, oldest first, at most 32.
+    pub evidence: Vec<String>,
+    /// True for a recovery: the remediator may undo what it did for the incident.
+    pub recovery: bool,
+    /// Incidents whose action this decision replaces (Xid 154 overriding the guess from other
+    /// Xids on the same GPU).
+    pub supersedes: Vec<Uuid>,
+    /// True when any evidence was injected.
+    pub synthetic: bool,
+    /// The observation time the decision belongs to (a deadline's own time when a burst end,
+    /// a held threshold or a quiet period decided it).
+    pub decided_at_micros: i64,
+}
+
+/// An open incident.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Incident {
+    /// Deterministic id.
+    pub id: Uuid,
+    /// When it opened.
+    pub opened_at: i64,
+    /// The latest step.
+    pub step: u32,
+    /// Current severity.
+    pub severity: Severity,
+    /// Current action.
+    pub action: Action,
+    /// Current follow-ups.
+    pub then: Vec<Action>,
+    /// Evidence so far, capped.
+    pub evidence: Vec<String>,
+    /// Any evidence was injected.
+    pub synthetic: bool,
+    /// Healthy evidence that started the quiet period, and when.
+    pub clear_since: Option<(i64, String)>,
+    /// The override incident that replaced this incident's action.
+    pub overridden_by: Option<Uuid>,
+}
+
+/// The state of one rule for one node or GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyState {
+    /// The rule version the state was built under.
+    pub version: u32,
+    /// The condition's state.
+    pub cond: CondState,
+    /// The open incident.
+    pub incident: Option<Incident>,
+}
+
+type Key = (String, Option<String>);
+
+#[derive(Debug, Clone, Default)]
+struct NodeState {
+    clock: i64,
+    recent: VecDeque<u64>,
+    recent_set: HashSet<u64>,
+    keys: BTreeMap<Key, KeyState>,
+    next_deadline: Option<i64>,
+}
+
+/// An open incident, as [`Engine::open_incidents`] lists them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenIncident {
+    /// The incident id.
+    pub incident_id: Uuid,
+    /// The rule.
+    pub rule_id: String,
+    /// The node.
+    pub node: String,
+    /// The GPU.
+    pub gpu: Option<String>,
+    /// Current severity.
+    pub severity: Severity,
+    /// Current action.
+    pub action: Action,
+}
+
+/// Everything the engine knows, to persist across a restart.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// [`SNAPSHOT_FORMAT`].
+    pub format: u32,
+    /// Per node.
+    pub nodes: Vec<NodeSnapshot>,
+}
+
+/// One node's state in a [`Snapshot`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSnapshot {
+    /// The node.
+    pub node: String,
+    /// The node's clock.
+    pub clock: i64,
+    /// Digests of recent event ids, oldest first.
+    pub recent: Vec<u64>,
+    /// Per rule and GPU.
+    pub keys: Vec<KeySnapshot>,
+}
+
+/// One rule's state for one node or GPU in a [`Snapshot`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeySnapshot {
+    /// The rule id.
+    pub rule: String,
+    /// The GPU.
+    pub gpu: Option<String>,
+    /// The state.
+    pub state: KeyState,
+}
+
+/// Why a snapshot could not be restored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RestoreError {
+    /// Written by another engine version.
+    #[error("snapshot format {found} is not supported (expected {SNAPSHOT_FORMAT})")]
+    Format {
+        /// The format found.
+        found: u32,
+    },
+}
+
+/// The rules engine.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    rules: RuleSet,
+    nodes: BTreeMap<String, NodeState>,
+}
+
+fn incident_id(rule: &Rule, node: &str, gpu: Option<&str>, first: &str) -> Uuid {
+    // Unit separators keep ("a", "b/c") and ("a/b", "c") apart.
+    let name =
+        format!("incident\u{1f}{}\u{1f}{}\u{1f}{node}\u{1f}{}\u{1f}{first}", rule.id, rule.version, gpu.unwrap_or(""));
+    Uuid::new_v5(&ID_NAMESPACE, name.as_bytes())
+}
+
+fn verdict_id(incident: Uuid, step: u32) -> Uuid {
+    Uuid::new_v5(&ID_NAMESPACE, format!("verdict\u{1f}{incident}\u{1f}{step}").as_bytes())
+}
+
+/// How disruptive an outcome is: escalation means this goes up.
+fn weight(severity: Severity, action: Action, then: &[Action]) -> (Action, Severity) {
+    (then.iter().copied().fold(action, Action::max), severity)
+}
+
+struct Outcome {
+    severity: Severity,
+    action: Action,
+    then: Vec<Action>,
+    note: Option<String>,
+}
+
+impl Engine {
+    /// An engine with no state.
+    pub fn new(rules: RuleSet) -> Engine {
+        Engine { rules, nodes: BTreeMap::new() }
+    }
+
+    /// An engine whose state is what feeding `observations` (in order) leaves, for a restart
+    /// without a snapshot: re-read the topic from the retained offsets and discard the decisions,
+    /// which were published before the restart.
+    pub fn rebuild<'a>(rules: RuleSet, observations: impl IntoIterator<Item = &'a Observation>) -> Engine {
+        let mut engine = Engine::new(rules);
+        for o in observations {
+            engine.observe(o);
+        }
+        engine
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> &RuleSet {
+        &self.rules
+    }
+
+    /// Replaces the rules (after a successful reload), keeping the state of every rule whose id
+    /// and version are unchanged; state of removed or changed rules is dropped.
+    pub fn replace_rules(&mut self, rules: RuleSet) {
+        self.rules = rules;
+        let rules = &self.rules;
+        for node in self.nodes.values_mut() {
+            node.keys.retain(|(rule_id, _), st| {
+                rules.get(rule_id).is_some_and(|r| r.version == st.version && st.cond.fits(&r.condition))
+            });
+            node.next_deadline = Some(i64::MIN);
+        }
+    }
+
+    /// Takes one observation and returns the decisions it (and any deadline its time passes)
+    /// leads to. A redelivered event id is ignored.
+    pub fn observe(&mut self, o: &Observation) -> Vec<Decision> {
+        if o.synthetic && self.rules.synthetic == SyntheticPolicy::Ignored {
+            return Vec::new();
+        }
+        let node = self.nodes.entry(o.node.clone()).or_default();
+        let id = digest(&o.event_id);
+        if !node.recent_set.insert(id) {
+            return Vec::new();
+        }
+        node.recent.push_back(id);
+        if node.recent.len() > RECENT_IDS
+            && let Some(old) = node.recent.pop_front()
+        {
+            node.recent_set.remove(&old);
+        }
+        // Late observations count at the node's current time, so state only moves forward.
+        let now = node.clock.max(o.observed_at_micros);
+        node.clock = now;
+        let mut out = Vec::new();
+        advance(&self.rules, &o.node, node, now, &mut out);
+        // Rules with an open incident on this node see every observation (it may be healthy
+        // evidence); the others only what they match. Computed once, allocation-free when the
+        // node is healthy, which is the common case.
+        let open: HashSet<String> =
+            node.keys.iter().filter(|(_, st)| st.incident.is_some()).map(|((rule, _), _)| rule.clone()).collect();
+        for rule in &self.rules.rules {
+            let matched = rule.matcher.matches(o);
+            if !matched && !open.contains(&rule.id) {
+                continue;
+            }
+            let gpu = match rule.scope {
+                Scope::Gpu => o.gpu.clone(),
+                Scope::Node => None,
+            };
+            let key = (rule.id.clone(), gpu);
+            if !matched && node.keys.get(&key).is_none_or(|k| k.incident.is_none()) {
+                continue;
+            }
+            let st = node.keys.entry(key.clone()).or_insert_with(|| KeyState {
+                version: rule.version,
+                cond: CondState::new(&rule.condition),
+                incident: None,
+            });
+            let update = if matched { st.cond.observe(&rule.condition, o, now) } else { Default::default() };
+            if let Some(inc) = st.incident.as_mut() {
+                if update.adverse {
+                    inc.clear_since = None;
+                } else if inc.clear_since.is_none() && rule.clear.evidence.matches(o) {
+                    inc.clear_since = Some((now, o.event_id.clone()));
+                }
+            }
+            if let Some(firing) = update.firing {
+                let outcome = outcome(&self.rules, rule, Some(o), &node.keys, &key);
+                fire(&self.rules, rule, &o.node, &mut node.keys, &key, firing, outcome, &mut out);
+            }
+            fold_deadline(rule, node, &key);
+            prune(node, &key);
+        }
+        // A quiet period of zero, or a threshold held for zero, is due at once.
+        advance(&self.rules, &o.node, node, now, &mut out);
+        out
+    }
+
+    /// Moves every node's clock to `now_micros` (when it is behind) and returns the decisions
+    /// whose time has come: bursts that ended, thresholds held long enough, quiet periods over.
+    /// Call it with a time derived from the observations (a watermark) to keep replays exact.
+    pub fn tick(&mut self, now_micros: i64) -> Vec<Decision> {
+        let mut out = Vec::new();
+        for (name, node) in self.nodes.iter_mut() {
+            node.clock = node.clock.max(now_micros);
+            let clock = node.clock;
+            advance(&self.rules, name, node, clock, &mut out);
+        }
+        out
+    }
+
+    /// The open incidents, by node, rule and GPU.
+    pub fn open_incidents(&self) -> Vec<OpenIncident> {
+        let mut out = Vec::new();
+        for (node, st) in &self.nodes {
+            for ((rule, gpu), k) in &st.keys {
+                if let Some(inc) = &k.incident {
+                    out.push(OpenIncident {
+                        incident_id: inc.id,
+                        rule_id: rule.clone(),
+                        node: node.clone(),
+                        gpu: gpu.clone(),
+                        severity: inc.severity,
+                        action: inc.action,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Everything the engine knows, to restore after a restart.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            format: SNAPSHOT_FORMAT,
+            nodes: self
+                .nodes
+                .iter()
+                .map(|(name, n)| NodeSnapshot {
+                    node: name.clone(),
+                    clock: n.clock,
+                    recent: n.recent.iter().cloned().collect(),
+                    keys: n
+                        .keys
+                        .iter()
+                        .map(|((rule, gpu), st)| KeySnapshot {
+                            rule: rule.clone(),
+                            gpu: gpu.clone(),
+                            state: st.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// An engine with `rules` and the state in `snapshot`; state of rules that are gone or whose
+    /// version changed is dropped, as in [`Engine::replace_rules`].
+    pub fn restore(rules: RuleSet, snapshot: Snapshot) -> Result<Engine, RestoreError> {
+        if snapshot.format != SNAPSHOT_FORMAT {
+            return Err(RestoreError::Format { found: snapshot.format });
+        }
+        let mut nodes = BTreeMap::new();
+        for n in snapshot.nodes {
+            let recent: VecDeque<u64> = n.recent.into_iter().collect();
+            let recent_set = recent.iter().cloned().collect();
+            let keys = n.keys.into_iter().map(|k| ((k.rule, k.gpu), k.state)).collect();
+            nodes.insert(n.node, NodeState { clock: n.clock, recent, recent_set, keys, next_deadline: None });
+        }
+        let mut engine = Engine { rules: RuleSet::default(), nodes };
+        engine.replace_rules(rules);
+        Ok(engine)
+    }
+}
+
+/// Notes when `key`'s state next needs time to pass.
+fn fold_deadline(rule: &Rule, node: &mut NodeState, key: &Key) {
+    let Some(st) = node.keys.get(key) else { return };
+    let cond = st.cond.deadline(&rule.condition);
+    let clear = st.incident.as_ref().and_then(|i| i.clear_since.as_ref()).map(|(t, _)| t + rule.clear.quiet.micros());
+    for d in [cond, clear].into_iter().flatten() {
+        node.next_deadline = Some(node.next_deadline.map_or(d, |n| n.min(d)));
+    }
+}
+
+fn prune(node: &mut NodeState, key: &Key) {
+    if node.keys.get(key).is_some_and(|st| st.incident.is_none() && st.cond.is_empty()) {
+        node.keys.remove(key);
+    }
+}
+
+/// Acts on every deadline of `node` that `now` has reached, earliest first.
+fn advance(rules: &RuleSet, name: &str, node: &mut NodeState, now: i64, out: &mut Vec<Decision>) {
+    if node.next_deadline.is_none_or(|d| d > now) {
+        return;
+    }
+    loop {
+        // The earliest due deadline; ties go to rule order, then key order, for determinism.
+        let mut due: Option<(i64, usize, Key, bool)> = None;
+        for (key, st) in &node.keys {
+            let Some((ri, rule)) = rules.rules.iter().enumerate().find(|(_, r)| r.id == key.0) else { continue };
+            let cond = st.cond.deadline(&rule.condition).map(|d| (d, false));
+            let clear = st
+                .incident
+                .as_ref()
+                .and_then(|i| i.clear_since.as_ref())
+                .map(|(t, _)| (t + rule.clear.quiet.micros(), true));
+            for (d, is_clear) in [cond, clear].into_iter().flatten() {
+                if d <= now && due.as_ref().is_none_or(|(bd, bi, bk, _)| (d, ri, key) < (*bd, *bi, bk)) {
+                    due = Some((d, ri, key.clone(), is_clear));
+                }
+            }
+        }
+        let Some((_, ri, key, is_clear)) = due else { break };
+        let rule = &rules.rules[ri];
+        if is_clear {
+            recover(rule, name, node, &key, out);
+        } else if let Some(firing) = node.keys.get_mut(&key).and_then(|st| st.cond.expire(&rule.condition, now)) {
+            let outcome = outcome(rules, rule, None, &node.keys, &key);
+            fire(rules, rule, name, &mut node.keys, &key, firing, outcome, out);
+        }
+        prune(node, &key);
+    }
+    // Recompute exactly: whatever is left is in the future.
+    node.next_deadline = None;
+    let keys: Vec<Key> = node.keys.keys().cloned().collect();
+    for key in keys {
+        if let Some(rule) = rules.get(&key.0) {
+            fold_deadline(rule, node, &key);
+        }
+    }
+}
+
+/// The severity and action a firing of `rule` stands for now.
+fn outcome(
+    rules: &RuleSet,
+    rule: &Rule,
+    o: Option<&Observation>,
+    keys: &BTreeMap<Key, KeyState>,
+    key: &Key,
+) -> Outcome {
+    let base = Outcome { severity: rule.severity, action: rule.action, then: rule.then.clone(), note: None };
+    if let Some(ov) = &rule.override_ {
+        let named = o.and_then(|o| o.fields.get(&ov.field)).map(|v| match v {
+            FieldValue::Text(t) => normalise_key(t),
+            other => normalise_key(&other.to_string()),
+        });
+        return match named.and_then(|n| ov.actions.get(&n).map(|a| (n, a))) {
+            Some((n, a)) => Outcome {
+                severity: a.severity.unwrap_or(rule.severity),
+                action: a.action,
+                then: a.then.clone(),
+                note: Some(format!("{} is `{n}`", ov.field)),
+            },
+            // An unknown or missing value falls back to the rule's own action.
+            None => base,
+        };
+    }
+    if !rule.overridable {
+        return base;
+    }
+    match active_override(rules, keys, key) {
+        Some((by, inc)) => Outcome {
+            severity: inc.severity,
+            action: inc.action,
+            then: inc.then.clone(),
+            note: Some(format!("action from `{by}`, which overrides this rule's guess ({})", rule.action)),
+        },
+        None => base,
+    }
+}
+
+/// True when an override on `by` (a GPU, or the whole node when `None`) governs `target`.
+fn covers(by: &Option<String>, target: &Option<String>) -> bool {
+    by.is_none() || target.is_none() || by == target
+}
+
+/// The open override incident (Xid 154) that governs `key`: the most disruptive one on the same
+/// GPU, or anywhere on the node for a node-wide incident.
+fn active_override<'a>(
+    rules: &'a RuleSet,
+    keys: &'a BTreeMap<Key, KeyState>,
+    key: &Key,
+) -> Option<(&'a str, &'a Incident)> {
+    let mut best: Option<(&str, &Incident)> = None;
+    for ((rule_id, gpu), st) in keys {
+        let Some(inc) = &st.incident else { continue };
+        let is_override = rules.get(rule_id).is_some_and(|r| r.override_.is_some());
+        if !is_override || !covers(gpu, &key.1) {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| weight(inc.severity, inc.action, &inc.then) > weight(b.severity, b.action, &b.then))
+        {
+            best = Some((rule_id.as_str(), inc));
+        }
+    }
+    best
+}
+
+/// Replaces the action of every open overridable incident that the override on `key` covers,
+/// and returns their ids.
+fn apply_override(rules: &RuleSet, keys: &mut BTreeMap<Key, KeyState>, key: &Key) -> Vec<Uuid> {
+    let Some(by) = keys.get(key).and_then(|st| st.incident.clone()) else { return Vec::new() };
+    let mut superseded = Vec::new();
+    for ((rule_id, gpu), st) in keys.iter_mut() {
+        let overridable = rules.get(rule_id).is_some_and(|r| r.overridable);
+        let Some(inc) = st.incident.as_mut() else { continue };
+        if overridable && covers(&key.1, gpu) {
+            inc.overridden_by = Some(by.id);
+            inc.severity = by.severity;
+            inc.action = by.action;
+            inc.then = by.then.clone();
+            superseded.push(inc.id);
+        }
+    }
+    superseded
+}
+
+fn decision(
+    rule: &Rule,
+    node: &str,
+    key: &Key,
+    inc: &Incident,
+    kind: DecisionKind,
+    reason: String,
+    at: i64,
+) -> Decision {
+    let recovery = kind == DecisionKind::Recover;
+    let (action, then) = if recovery { (Action::None, Vec::new()) } else { (inc.action, inc.then.clone()) };
+    let custom = (action == Action::Custom || then.contains(&Action::Custom)).then(|| rule.custom.clone()).flatten();
+    Decision {
+        verdict_id: verdict_id(inc.id, inc.step),
+        incident_id: inc.id,
+        step: inc.step,
+        kind,
+        rule_id: rule.id.clone(),
+        rule_version: rule.version,
+        node: node.to_owned(),
+        gpu: key.1.clone(),
+        severity: inc.severity,
+        action,
+        then,
+        custom,
+        reason,
+        evidence: inc.evidence.clone(),
+        recovery,
+        supersedes: Vec::new(),
+        synthetic: inc.synthetic,
+        decided_at_micros: at,
+    }
+}
+
+/// Opens the incident, or escalates it, or (flap damping) only records the evidence.
+#[allow(clippy::too_many_arguments)]
+fn fire(
+    rules: &RuleSet,
+    rule: &Rule,
+    node: &str,
+    keys: &mut BTreeMap<Key, KeyState>,
+    key: &Key,
+    firing: Firing,
+    outcome: Outcome,
+    out: &mut Vec<Decision>,
+) {
+    let Some(st) = keys.get_mut(key) else { return };
+    let ids: Vec<String> = firing.evidence.iter().map(|e| e.id.clone()).collect();
+    let synthetic = firing.evidence.iter().any(|e| e.synthetic);
+    let note = outcome.note.as_ref().map(|n| format!("; {n}")).unwrap_or_default();
+    let made = match st.incident.as_mut() {
+        None => {
+            let first = ids.first().map_or("", String::as_str);
+            let inc = Incident {
+                id: incident_id(rule, node, key.1.as_deref(), first),
+                opened_at: firing.at,
+                step: 0,
+                severity: outcome.severity,
+                action: outcome.action,
+                then: outcome.then,
+                evidence: ids,
+                synthetic,
+                clear_since: None,
+                overridden_by: None,
+            };
+            let reason = format!("{}: {}{note}", rule.description, firing.detail);
+            let d = decision(rule, node, key, &inc, DecisionKind::Open, reason, firing.at);
+            st.incident = Some(inc);
+            d
+        }
+        Some(inc) => {
+            for id in ids {
+                if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&id) {
+                    inc.evidence.push(id);
+                }
+            }
+            inc.synthetic |= synthetic;
+            let new = (outcome.severity, outcome.action, &outcome.then);
+            let kind = if rule.override_.is_some() && new != (inc.severity, inc.action, &inc.then) {
+                // The override names the action outright, so any change counts, down included.
+                DecisionKind::Override
+            } else if weight(outcome.severity, outcome.action, &outcome.then)
+                > weight(inc.severity, inc.action, &inc.then)
+            {
+                DecisionKind::Escalate
+            } else {
+                return;
+            };
+            inc.step += 1;
+            inc.severity = inc.severity.max(outcome.severity);
+            if kind == DecisionKind::Override {
+                inc.severity = outcome.severity;
+            }
+            inc.action = outcome.action;
+            inc.then = outcome.then;
+            let prefix = if kind == DecisionKind::Escalate { "escalated: " } else { "" };
+            let reason = format!("{prefix}{}: {}{note}", rule.description, firing.detail);
+            decision(rule, node, key, inc, kind, reason, firing.at)
+        }
+    };
+    let mut made = made;
+    if rule.override_.is_some() {
+        made.supersedes = apply_override(rules, keys, key);
+    }
+    out.push(made);
+}
+
+/// Closes the incident on `key`: its healthy evidence has stood for the quiet period.
+fn recover(rule: &Rule, node: &str, state: &mut NodeState, key: &Key, out: &mut Vec<Decision>) {
+    let Some(st) = state.keys.get_mut(key) else { return };
+    let Some(mut inc) = st.incident.take() else { return };
+    let Some((since, evidence_id)) = inc.clear_since.take() else { return };
+    inc.step += 1;
+    inc.evidence = vec![evidence_id];
+    let reason = format!(
+        "{}: recovered; healthy evidence has stood for {} without new fault evidence",
+        rule.description, rule.clear.quiet
+    );
+    out.push(decision(rule, node, key, &inc, DecisionKind::Recover, reason, since + rule.clear.quiet.micros()));
+    // The next incident needs fresh evidence: old counts must not reopen it at once.
+    st.cond = CondState::new(&rule.condition);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::rules::load::load_sources;
+
+    const S: i64 = 1_000_000;
+
+    const RULES: &str = r#"
+rules:
+  - id: guess
+    version: 1
+    description: Xid 62
+    match: {kind: xid, xid: [62, 63]}
+    severity: warning
+    action: reset_gpu
+    overridable: true
+    clear: {evidence: {healthy: true}, quiet: 10m}
+  - id: three
+    version: 1
+    description: three in a minute
+    scope: node
+    match: {kind: xid, xid: [13]}
+    condition: {count: {at_least: 3, within: 1m}}
+    severity: info
+    action: monitor
+    clear: {evidence: {healthy: true}, quiet: 0s}
+  - id: ov
+    version: 1
+    description: Xid 154
+    match: {kind: xid, xid: [154]}
+    severity: warning
+    action: monitor
+    override:
+      field: recovery_action
+      actions: {none: {action: none, severity: info}, node_reboot_required: {action: reboot_node, severity: critical}}
+    clear: {evidence: {healthy: true}, quiet: 10m}
+"#;
+
+    fn rules(text: &str) -> RuleSet {
+        load_sources([(Path::new("t.yaml"), text)]).unwrap_or_else(|e| panic!("{e:#?}"))
+    }
+
+    fn xid(id: &str, t: i64, gpu: &str, code: u32) -> Observation {
+        Observation::new(id, "n1", t, "xid").gpu(gpu).xid(code)
+    }
+
+    #[test]
+    fn flap_damping_escalates_only_when_the_action_rises() {
+        let mut e = Engine::new(rules(RULES));
+        let open = e.observe(&xid("a", 0, "g0", 62));
+        assert_eq!(open.len(), 1);
+        assert!(e.observe(&xid("b", S, "g0", 62)).is_empty(), "same outcome: damped");
+        // 154 overrides to a reboot; the open guess is superseded and takes that action...
+        let ov = e.observe(&xid("c", 2 * S, "g0", 154).field("recovery_action", "node_reboot_required"));
+        assert_eq!(ov[0].supersedes, [open[0].incident_id]);
+        // ...so a further guess is damped (its action is already the override's)...
+        assert!(e.observe(&xid("d", 3 * S, "g0", 63)).is_empty());
+        // ...and evidence accumulates on the incident without new decisions.
+        let inc = e.open_incidents().into_iter().find(|i| i.rule_id == "guess").unwrap();
+        assert_eq!((inc.action, inc.severity), (Action::RebootNode, Severity::Critical));
+    }
+
+    #[test]
+    fn an_override_downgrade_is_decided_and_applies_to_new_guesses() {
+        let mut e = Engine::new(rules(RULES));
+        let ov = e.observe(&xid("a", 0, "g0", 154).field("recovery_action", "None"));
+        assert_eq!((ov[0].action, ov[0].severity, ov[0].supersedes.len()), (Action::None, Severity::Info, 0));
+        let g = e.observe(&xid("b", S, "g0", 62));
+        assert_eq!((g[0].action, g[0].severity), (Action::None, Severity::Info));
+        // An unknown recovery action falls back to the override rule's own action.
+        let d = e.observe(&xid("c", 2 * S, "g1", 154).field("recovery_action", "something new"));
+        assert_eq!(d[0].action, Action::Monitor);
+    }
+
+    #[test]
+    fn ids_depend_on_rule_node_gpu_and_first_evidence_only() {
+        let run = |node: &str, first: &str| {
+            let mut e = Engine::new(rules(RULES));
+            let mut o = xid(first, 5 * S, "g0", 62);
+            o.node = node.to_owned();
+            e.observe(&o).remove(0)
+        };
+        let a = run("n1", "a");
+        assert_eq!(a, run("n1", "a"));
+        assert_ne!(a.incident_id, run("n2", "a").incident_id);
+        assert_ne!(a.incident_id, run("n1", "b").incident_id);
+        assert_eq!(a.verdict_id, verdict_id(a.incident_id, 0));
+        assert_eq!(a.incident_id.get_version_num(), 5);
+    }
+
+    #[test]
+    fn quiet_period_of_zero_recovers_on_the_healthy_evidence_itself() {
+        let mut e = Engine::new(rules(RULES));
+        for (i, t) in [0, 10, 20].iter().enumerate() {
+            e.observe(&xid(&format!("x{i}"), t * S, &format!("g{i}"), 13));
+        }
+        assert_eq!(e.open_incidents().len(), 1, "node scope counts every GPU");
+        let d = e.observe(&Observation::new("h", "n1", 30 * S, "monitor_health").healthy());
+        assert_eq!(d.len(), 1);
+        assert!(d[0].recovery && d[0].decided_at_micros == 30 * S);
+        assert!(e.nodes["n1"].keys.is_empty(), "state is pruned after recovery");
+    }
+
+    #[test]
+    fn late_observations_count_at_the_node_clock() {
+        let mut e = Engine::new(rules(RULES));
+        e.observe(&xid("a", 100 * S, "g0", 13));
+        e.observe(&xid("b", 101 * S, "g0", 13));
+        // Stamped long before, but arriving now: it counts at 101s, inside the window.
+        let d = e.observe(&xid("c", 0, "g0", 13));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].decided_at_micros, 101 * S);
+    }
+
+    #[test]
+    fn replacing_rules_keeps_unchanged_state_and_drops_changed() {
+        let mut e = Engine::new(rules(RULES));
+        e.observe(&xid("a", 0, "g0", 13));
+        e.observe(&xid("b", S, "g0", 13));
+        e.observe(&xid("c", 0, "g0", 62));
+        e.replace_rules(rules(&RULES.replacen(
+            "version: 1\n    description: Xid 62",
+            "version: 2\n    description: Xid 62",
+            1,
+        )));
+        assert!(e.open_incidents().is_empty(), "the changed rule's incident is dropped");
+        assert_eq!(e.observe(&xid("d", 2 * S, "g0", 13)).len(), 1, "the unchanged count kept its two events");
+    }
+
+    #[test]
+    fn rebuild_leaves_the_state_a_live_run_leaves() {
+        let obs: Vec<Observation> =
+            (0..50).map(|i| xid(&format!("r{i}"), i * 20 * S, "g0", [13, 62, 154][i as usize % 3])).collect();
+        let mut live = Engine::new(rules(RULES));
+        for o in &obs {
+            live.observe(o);
+        }
+        assert_eq!(Engine::rebuild(rules(RULES), &obs).snapshot(), live.snapshot());
+    }
+
+    #[test]
+    fn restore_refuses_other_formats() {
+        let mut snap = Engine::new(rules(RULES)).snapshot();
+        snap.format = 99;
+        assert_eq!(Engine::restore(rules(RULES), snap).unwrap_err(), RestoreError::Format { found: 99 });
+    }
+
+    #[test]
+    fn state_stays_bounded_under_a_storm() {
+        let mut e = Engine::new(rules(RULES));
+        for i in 0..10_000 {
+            e.observe(&xid(&format!("s{i}"), i * S, "g0", 13));
+        }
+        let n = &e.nodes["n1"];
+        assert_eq!(n.recent.len(), RECENT_IDS);
+        let st = &n.keys[&("three".to_string(), None)];
+        let CondState::Count { events } = &st.cond else { panic!("count state expected") };
+        assert_eq!(events.len(), 3);
+        assert!(st.incident.as_ref().unwrap().evidence.len() <= MAX_EVIDENCE);
+    }
+}

@@ -1,0 +1,165 @@
+//! The engine's input: one health observation, decoupled from the wire records.
+//!
+//! The Avro event types live in `gpumedic-schemas` and evolve on their own schedule; the rules
+//! engine only needs this flat view, so the service maps each enriched record onto it and the
+//! engine stays testable without the codec.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A value carried in [`Observation::fields`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FieldValue {
+    /// A boolean, e.g. `pending` or `failure`.
+    Bool(bool),
+    /// An integer, e.g. a counter.
+    Int(i64),
+    /// A real number, e.g. a temperature.
+    Float(f64),
+    /// Text, e.g. `recovery_action` or `link_state`.
+    Text(String),
+}
+
+impl FieldValue {
+    /// The value as a number, when it is one; booleans and text are not numbers.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            FieldValue::Int(i) => Some(*i as f64),
+            FieldValue::Float(f) => Some(*f),
+            FieldValue::Bool(_) | FieldValue::Text(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for FieldValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FieldValue::Bool(b) => write!(f, "{b}"),
+            FieldValue::Int(i) => write!(f, "{i}"),
+            FieldValue::Float(x) => write!(f, "{x}"),
+            FieldValue::Text(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl From<bool> for FieldValue {
+    fn from(v: bool) -> Self {
+        FieldValue::Bool(v)
+    }
+}
+
+impl From<i64> for FieldValue {
+    fn from(v: i64) -> Self {
+        FieldValue::Int(v)
+    }
+}
+
+impl From<f64> for FieldValue {
+    fn from(v: f64) -> Self {
+        FieldValue::Float(v)
+    }
+}
+
+impl From<&str> for FieldValue {
+    fn from(v: &str) -> Self {
+        FieldValue::Text(v.to_owned())
+    }
+}
+
+impl From<String> for FieldValue {
+    fn from(v: String) -> Self {
+        FieldValue::Text(v)
+    }
+}
+
+/// One health observation about a node or one of its GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Observation {
+    /// The event's unique id; a redelivered event carries the same id and is ignored.
+    pub event_id: String,
+    /// The Kubernetes node name.
+    pub node: String,
+    /// The GPU (UUID or PCI bus id), when the observation names one.
+    pub gpu: Option<String>,
+    /// When the source observed it, in microseconds since the Unix epoch. The engine's only clock.
+    pub observed_at_micros: i64,
+    /// Where it came from: `nvml`, `kernel_log`, `dcgm`, `cloud`, `ingest`, `synthetic`.
+    pub source: String,
+    /// The component, e.g. `gpu`, `nvlink`, `nvswitch`, `pcie`, `node`.
+    pub component: String,
+    /// What was observed: `xid`, `gpu_lost`, `ecc`, `temperature`, ... (see [`crate::rules::KINDS`]).
+    pub kind: String,
+    /// The Xid (or SXid) code, for `xid` and `sxid` observations.
+    pub xid: Option<u32>,
+    /// True when the observation is evidence of health (a heartbeat, a passed diagnostic).
+    pub healthy: bool,
+    /// True for injected faults; ignored unless the rule set allows them.
+    pub synthetic: bool,
+    /// Source-specific values, e.g. `value`, `slowdown_threshold`, `recovery_action`.
+    pub fields: BTreeMap<String, FieldValue>,
+}
+
+impl Observation {
+    /// An observation with the given identity and kind, unhealthy, not synthetic, without fields;
+    /// a starting point for the lead's mapping and for tests.
+    pub fn new(event_id: impl Into<String>, node: impl Into<String>, observed_at_micros: i64, kind: &str) -> Self {
+        Observation {
+            event_id: event_id.into(),
+            node: node.into(),
+            gpu: None,
+            observed_at_micros,
+            source: "nvml".to_owned(),
+            component: "gpu".to_owned(),
+            kind: kind.to_owned(),
+            xid: None,
+            healthy: false,
+            synthetic: false,
+            fields: BTreeMap::new(),
+        }
+    }
+
+    /// Sets the GPU.
+    pub fn gpu(mut self, gpu: impl Into<String>) -> Self {
+        self.gpu = Some(gpu.into());
+        self
+    }
+
+    /// Sets the source.
+    pub fn source(mut self, source: &str) -> Self {
+        self.source = source.to_owned();
+        self
+    }
+
+    /// Sets the component.
+    pub fn component(mut self, component: &str) -> Self {
+        self.component = component.to_owned();
+        self
+    }
+
+    /// Sets the Xid code.
+    pub fn xid(mut self, code: u32) -> Self {
+        self.xid = Some(code);
+        self
+    }
+
+    /// Marks the observation as healthy evidence.
+    pub fn healthy(mut self) -> Self {
+        self.healthy = true;
+        self
+    }
+
+    /// Marks the observation as synthetic (injected).
+    pub fn synthetic(mut self) -> Self {
+        self.synthetic = true;
+        self
+    }
+
+    /// Adds a field.
+    pub fn field(mut self, name: &str, value: impl Into<FieldValue>) -> Self {
+        self.fields.insert(name.to_owned(), value.into());
+        self
+    }
+}

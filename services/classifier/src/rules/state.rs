@@ -1,0 +1,537 @@
+//! The state machine behind each condition type, for one rule on one node or GPU.
+//!
+//! Each state takes matching observations in order and says whether the observation was fault
+//! evidence (which cancels a pending recovery) and whether the condition now holds. Time only
+//! moves with observations and ticks, so the same input always gives the same output. Every
+//! state is bounded: windows are pruned and lists capped.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::model::{BurstTest, Condition, Judge, codes_contain};
+use super::observation::{FieldValue, Observation};
+
+/// The most event ids a burst or decision carries; enough to trace an incident, bounded so a
+/// storm of events cannot grow state without limit.
+pub const MAX_EVIDENCE: usize = 32;
+
+/// The most counter samples a rate keeps.
+const MAX_SAMPLES: usize = 256;
+
+/// One piece of evidence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ev {
+    /// When (the node's clock when it arrived).
+    pub t: i64,
+    /// The event id.
+    pub id: String,
+    /// Whether it was injected.
+    #[serde(default)]
+    pub synthetic: bool,
+}
+
+impl Ev {
+    fn of(o: &Observation, t: i64) -> Ev {
+        Ev { t, id: o.event_id.clone(), synthetic: o.synthetic }
+    }
+}
+
+/// A condition that now holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Firing {
+    /// When it came to hold.
+    pub at: i64,
+    /// The evidence, oldest first, at most [`MAX_EVIDENCE`].
+    pub evidence: Vec<Ev>,
+    /// What held, for the human-readable reason.
+    pub detail: String,
+}
+
+/// What one observation did to a condition.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Update {
+    /// The observation was fault evidence (cancels a pending recovery).
+    pub adverse: bool,
+    /// The condition holds now.
+    pub firing: Option<Firing>,
+}
+
+/// A burst in progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Burst {
+    /// The first event's time.
+    pub start: i64,
+    /// The latest event's time.
+    pub last: i64,
+    /// Every Xid code seen.
+    pub codes: BTreeSet<u32>,
+    /// How many events.
+    pub events: u32,
+    /// The first event ids.
+    pub evidence: Vec<Ev>,
+    /// Already fired (for `judge: each`, at most once per burst).
+    pub fired: bool,
+}
+
+/// A counter sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The evidence.
+    pub ev: Ev,
+    /// The counter's value.
+    pub value: f64,
+}
+
+/// The state of one condition.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum CondState {
+    /// The latest events, at most `at_least` of them.
+    Count {
+        /// Oldest first.
+        events: VecDeque<Ev>,
+    },
+    /// The burst in progress.
+    Burst {
+        /// None between bursts.
+        burst: Option<Burst>,
+    },
+    /// The latest occurrence of each match.
+    Together {
+        /// One per entry of `of`.
+        last: Vec<Option<Ev>>,
+    },
+    /// Counter samples: those in the window plus one before it as the baseline.
+    Rate {
+        /// Oldest first.
+        samples: VecDeque<Sample>,
+    },
+    /// Since when the value has held.
+    Threshold {
+        /// The first reading of the current run.
+        since: Option<Ev>,
+        /// The latest reading of the run.
+        latest: Option<Ev>,
+        /// The latest value, for the reason.
+        value: f64,
+        /// Already fired in this run.
+        fired: bool,
+    },
+}
+
+fn capped(mut evidence: Vec<Ev>) -> Vec<Ev> {
+    evidence.truncate(MAX_EVIDENCE);
+    evidence
+}
+
+fn codes_text(codes: &BTreeSet<u32>) -> String {
+    if codes.is_empty() {
+        return "no Xid code".to_owned();
+    }
+    let list: Vec<String> = codes.iter().map(u32::to_string).collect();
+    format!("Xid {}", list.join(", "))
+}
+
+/// True when a burst's codes pass the test.
+pub fn burst_passes(test: &BurstTest, burst: &Burst) -> bool {
+    let has = |r: &super::model::CodeRange| burst.codes.iter().any(|c| r.contains(*c));
+    test.with_all.iter().all(has)
+        && (test.with_any.is_empty() || test.with_any.iter().any(has))
+        && !test.without.iter().any(has)
+        && (test.only.is_empty() || burst.codes.iter().all(|c| codes_contain(&test.only, *c)))
+        && burst.events >= test.min_events
+}
+
+impl CondState {
+    /// A fresh state for `condition`.
+    pub fn new(condition: &Condition) -> CondState {
+        match condition {
+            Condition::Count { .. } => CondState::Count { events: VecDeque::new() },
+            Condition::Burst { .. } => CondState::Burst { burst: None },
+            Condition::Together { of, .. } => CondState::Together { last: vec![None; of.len()] },
+            Condition::Rate { .. } => CondState::Rate { samples: VecDeque::new() },
+            Condition::Threshold { .. } => CondState::Threshold { since: None, latest: None, value: 0.0, fired: false },
+        }
+    }
+
+    /// True when the state belongs to `condition`'s type (a restored snapshot may predate a rule
+    /// change).
+    pub fn fits(&self, condition: &Condition) -> bool {
+        match (self, condition) {
+            (CondState::Together { last }, Condition::Together { of, .. }) => last.len() == of.len(),
+            (CondState::Count { .. }, Condition::Count { .. })
+            | (CondState::Burst { .. }, Condition::Burst { .. })
+            | (CondState::Rate { .. }, Condition::Rate { .. })
+            | (CondState::Threshold { .. }, Condition::Threshold { .. }) => true,
+            _ => false,
+        }
+    }
+
+    /// True when the state holds nothing worth keeping.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            CondState::Count { events } => events.is_empty(),
+            CondState::Burst { burst } => burst.is_none(),
+            CondState::Together { last } => last.iter().all(Option::is_none),
+            CondState::Rate { samples } => samples.is_empty(),
+            CondState::Threshold { since, .. } => since.is_none(),
+        }
+    }
+
+    /// Takes an observation that matched the rule, at node time `t`.
+    pub fn observe(&mut self, condition: &Condition, o: &Observation, t: i64) -> Update {
+        match (self, condition) {
+            (CondState::Count { events }, Condition::Count { at_least, within }) => {
+                events.push_back(Ev::of(o, t));
+                if let Some(w) = within {
+                    while events.front().is_some_and(|e| e.t < t - w.micros()) {
+                        events.pop_front();
+                    }
+                }
+                // Only the latest `at_least` events can complete the count.
+                while events.len() > *at_least as usize {
+                    events.pop_front();
+                }
+                let firing = (events.len() == *at_least as usize).then(|| Firing {
+                    at: t,
+                    evidence: capped(events.iter().cloned().collect()),
+                    detail: match within {
+                        Some(w) if *at_least > 1 => format!("{at_least} matching events within {w}"),
+                        _ => describe(o),
+                    },
+                });
+                if *at_least == 1 {
+                    // Nothing to remember: the next event fires on its own.
+                    events.clear();
+                }
+                Update { adverse: true, firing }
+            }
+            (CondState::Burst { burst }, Condition::Burst { judge, test, .. }) => {
+                let b = burst.get_or_insert_with(|| Burst {
+                    start: t,
+                    last: t,
+                    codes: BTreeSet::new(),
+                    events: 0,
+                    evidence: Vec::new(),
+                    fired: false,
+                });
+                b.last = t;
+                b.events += 1;
+                b.codes.extend(o.xid);
+                if b.evidence.len() < MAX_EVIDENCE {
+                    b.evidence.push(Ev::of(o, t));
+                }
+                let firing = (*judge == Judge::Each && !b.fired && burst_passes(test, b)).then(|| {
+                    b.fired = true;
+                    Firing {
+                        at: t,
+                        evidence: b.evidence.clone(),
+                        detail: format!("a burst of {} events with {}", b.events, codes_text(&b.codes)),
+                    }
+                });
+                Update { adverse: true, firing }
+            }
+            (CondState::Together { last }, Condition::Together { of, within }) => {
+                let mut adverse = false;
+                for (slot, m) in last.iter_mut().zip(of) {
+                    if m.matches(o) {
+                        *slot = Some(Ev::of(o, t));
+                        adverse = true;
+                    }
+                }
+                for slot in last.iter_mut() {
+                    if slot.as_ref().is_some_and(|e| e.t < t - within.micros()) {
+                        *slot = None;
+                    }
+                }
+                let firing = (adverse && last.iter().all(Option::is_some)).then(|| {
+                    let mut evidence: Vec<Ev> = last.iter().flatten().cloned().collect();
+                    evidence.sort_by(|a, b| (a.t, &a.id).cmp(&(b.t, &b.id)));
+                    evidence.dedup_by(|a, b| a.id == b.id);
+                    Firing { at: t, evidence, detail: format!("{} related events within {within}", last.len()) }
+                });
+                Update { adverse, firing }
+            }
+            (CondState::Rate { samples }, Condition::Rate { field, more_than, per }) => {
+                let Some(value) = o.fields.get(field).and_then(FieldValue::as_f64) else {
+                    return Update::default();
+                };
+                if samples.back().is_some_and(|s| value < s.value) {
+                    // A counter that went down was reset (driver reload, reboot): start again.
+                    samples.clear();
+                }
+                let adverse = samples.back().is_some_and(|s| value > s.value);
+                samples.push_back(Sample { ev: Ev::of(o, t), value });
+                while samples.len() > 1 && samples[1].ev.t <= t - per.micros() {
+                    samples.pop_front();
+                }
+                while samples.len() > MAX_SAMPLES {
+                    samples.pop_front();
+                }
+                let base = &samples[0];
+                let elapsed = t - base.ev.t;
+                if samples.len() < 2 || elapsed <= 0 {
+                    return Update { adverse, firing: None };
+                }
+                // A baseline older than the window spreads the growth over the longer time, so
+                // sparse samples are judged as a rate rather than as one large jump.
+                let growth = value - base.value;
+                let normalised =
+                    if elapsed > per.micros() { growth * per.micros() as f64 / elapsed as f64 } else { growth };
+                let firing = (normalised > *more_than).then(|| Firing {
+                    at: t,
+                    evidence: vec![base.ev.clone(), Ev::of(o, t)],
+                    detail: format!("{field} grew by {normalised} per {per} (more than {more_than})"),
+                });
+                Update { adverse, firing }
+            }
+            (
+                CondState::Threshold { since, latest, value: last_value, fired },
+                Condition::Threshold { field, cmp, limit, for_ },
+            ) => {
+                let (Some(value), Some(bound)) = (o.fields.get(field).and_then(FieldValue::as_f64), limit.resolve(o))
+                else {
+                    return Update::default();
+                };
+                if !cmp.holds(value, bound) {
+                    *since = None;
+                    *latest = None;
+                    *fired = false;
+                    return Update::default();
+                }
+                let first = since.get_or_insert_with(|| Ev::of(o, t)).clone();
+                *latest = Some(Ev::of(o, t));
+                *last_value = value;
+                let firing = (!*fired && t - first.t >= for_.micros()).then(|| {
+                    *fired = true;
+                    threshold_firing(field, *cmp, value, limit, *for_, first.clone(), latest.clone(), t)
+                });
+                Update { adverse: true, firing }
+            }
+            _ => Update::default(),
+        }
+    }
+
+    /// The node time at which [`CondState::expire`] has work to do.
+    pub fn deadline(&self, condition: &Condition) -> Option<i64> {
+        match (self, condition) {
+            // A burst ends when *more than* `gap` passes without an event.
+            (CondState::Burst { burst: Some(b) }, Condition::Burst { gap, .. }) => Some(b.last + gap.micros() + 1),
+            (CondState::Threshold { since: Some(s), fired: false, .. }, Condition::Threshold { for_, .. }) => {
+                Some(s.t + for_.micros())
+            }
+            _ => None,
+        }
+    }
+
+    /// Acts on a deadline that `now` has reached: ends a burst (judging it when it is judged on
+    /// close), or fires a threshold that has held long enough.
+    pub fn expire(&mut self, condition: &Condition, now: i64) -> Option<Firing> {
+        let due = self.deadline(condition).is_some_and(|d| d <= now);
+        if !due {
+            return None;
+        }
+        match (self, condition) {
+            (CondState::Burst { burst }, Condition::Burst { gap, judge, test }) => {
+                let b = burst.take()?;
+                (*judge == Judge::Close && burst_passes(test, &b)).then(|| Firing {
+                    at: b.last + gap.micros(),
+                    detail: format!(
+                        "a burst of {} events with {}, ended by {gap} without another",
+                        b.events,
+                        codes_text(&b.codes)
+                    ),
+                    evidence: b.evidence,
+                })
+            }
+            (
+                CondState::Threshold { since, latest, value, fired },
+                Condition::Threshold { field, cmp, limit, for_ },
+            ) => {
+                let first = since.clone()?;
+                *fired = true;
+                let at = first.t + for_.micros();
+                Some(threshold_firing(field, *cmp, *value, limit, *for_, first, latest.clone(), at))
+            }
+            _ => None,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn threshold_firing(
+    field: &str,
+    cmp: super::model::Cmp,
+    value: f64,
+    limit: &super::model::Operand,
+    for_: super::duration::Interval,
+    first: Ev,
+    latest: Option<Ev>,
+    at: i64,
+) -> Firing {
+    let mut evidence = vec![first];
+    if let Some(l) = latest
+        && l.id != evidence[0].id
+    {
+        evidence.push(l);
+    }
+    let held = if for_.micros() > 0 { format!(" for {for_}") } else { String::new() };
+    Firing { at, evidence, detail: format!("{field} {value} {} {limit}{held}", cmp.as_str()) }
+}
+
+fn describe(o: &Observation) -> String {
+    match o.xid {
+        Some(x) => format!("{} {x}", if o.kind == "sxid" { "SXid" } else { "Xid" }),
+        None => format!("{} from {}", o.kind, o.source),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::duration::Interval;
+    use crate::rules::model::{Cmp, CodeRange, Health, Match, Matcher, Operand};
+
+    const S: i64 = 1_000_000;
+
+    fn obs(id: &str, kind: &str) -> Observation {
+        Observation::new(id, "n", 0, kind)
+    }
+
+    fn ids(f: &Firing) -> Vec<&str> {
+        f.evidence.iter().map(|e| e.id.as_str()).collect()
+    }
+
+    #[test]
+    fn count_fires_on_the_nth_event_in_the_window_only() {
+        let c = Condition::Count { at_least: 3, within: Some(Interval::from_secs(60)) };
+        let mut s = CondState::new(&c);
+        assert!(s.observe(&c, &obs("a", "xid"), 0).firing.is_none());
+        assert!(s.observe(&c, &obs("b", "xid"), 10 * S).firing.is_none());
+        // 65s after the first: "a" has left the window, so only two remain.
+        assert!(s.observe(&c, &obs("c", "xid"), 65 * S).firing.is_none());
+        let f = s.observe(&c, &obs("d", "xid"), 68 * S).firing.unwrap();
+        assert_eq!(ids(&f), ["b", "c", "d"]);
+        assert_eq!(f.at, 68 * S);
+        let CondState::Count { events } = &s else { unreachable!() };
+        assert_eq!(events.len(), 3, "bounded by at_least");
+    }
+
+    fn burst(judge: Judge, test: BurstTest) -> Condition {
+        Condition::Burst { gap: Interval::from_secs(180), judge, test }
+    }
+
+    fn test(with_all: &[u32], with_any: &[u32], without: &[u32], only: &[u32]) -> BurstTest {
+        let r = |v: &[u32]| v.iter().map(|c| CodeRange { lo: *c, hi: *c }).collect();
+        BurstTest { with_all: r(with_all), with_any: r(with_any), without: r(without), only: r(only), min_events: 1 }
+    }
+
+    #[test]
+    fn burst_judged_on_close_sees_the_whole_burst() {
+        let c = burst(Judge::Close, test(&[48], &[], &[63, 64], &[]));
+        let mut s = CondState::new(&c);
+        assert!(s.observe(&c, &obs("a", "xid").xid(48), 0).firing.is_none());
+        assert_eq!(s.deadline(&c), Some(180 * S + 1));
+        assert!(s.expire(&c, 180 * S).is_none(), "exactly the gap does not end a burst");
+        // 63 joins the burst at exactly the gap: the burst is no longer "48 alone".
+        s.observe(&c, &obs("b", "xid").xid(63), 180 * S);
+        assert!(s.expire(&c, 400 * S).is_none());
+        assert!(s.is_empty(), "the burst ended");
+        // A new burst of 48 alone fires when it ends, stamped at its end, not at the tick.
+        s.observe(&c, &obs("c", "xid").xid(48), 1000 * S);
+        let f = s.expire(&c, 5000 * S).unwrap();
+        assert_eq!((f.at, ids(&f)), (1180 * S, vec!["c"]));
+    }
+
+    #[test]
+    fn burst_judged_on_each_fires_once_when_the_codes_meet() {
+        let c = burst(Judge::Each, test(&[48], &[63, 64], &[], &[]));
+        let mut s = CondState::new(&c);
+        assert!(s.observe(&c, &obs("a", "xid").xid(48), 0).firing.is_none());
+        let f = s.observe(&c, &obs("b", "xid").xid(64), 60 * S).firing.unwrap();
+        assert_eq!(ids(&f), ["a", "b"]);
+        assert!(s.observe(&c, &obs("c", "xid").xid(63), 61 * S).firing.is_none(), "once per burst");
+        assert!(s.expire(&c, 1000 * S).is_none(), "judge each never fires on close");
+    }
+
+    #[test]
+    fn burst_only_means_alone() {
+        let c = burst(Judge::Close, test(&[45], &[], &[], &[45]));
+        let mut s = CondState::new(&c);
+        s.observe(&c, &obs("a", "xid").xid(45), 0);
+        s.observe(&c, &obs("b", "xid").xid(45), S);
+        assert!(s.expire(&c, 1000 * S).is_some());
+        s.observe(&c, &obs("c", "xid").xid(45), 2000 * S);
+        s.observe(&c, &obs("d", "xid").xid(13), 2001 * S);
+        assert!(s.expire(&c, 9000 * S).is_none(), "45 with others follows the others");
+    }
+
+    fn xid_match(code: u32) -> Match {
+        Match(vec![Matcher {
+            source: vec![],
+            component: vec![],
+            kind: vec![],
+            xid: vec![CodeRange { lo: code, hi: code }],
+            health: Health::Any,
+            fields: vec![],
+        }])
+    }
+
+    #[test]
+    fn together_needs_every_match_within_the_window() {
+        let c = Condition::Together { of: vec![xid_match(48), xid_match(63)], within: Interval::from_secs(60) };
+        let mut s = CondState::new(&c);
+        assert!(s.observe(&c, &obs("a", "xid").xid(63), 0).firing.is_none());
+        assert!(s.observe(&c, &obs("b", "xid").xid(48), 61 * S).firing.is_none(), "too far apart");
+        let u = s.observe(&c, &obs("x", "xid").xid(13), 62 * S);
+        assert!(!u.adverse && u.firing.is_none(), "matches neither");
+        let f = s.observe(&c, &obs("c", "xid").xid(63), 100 * S).firing.unwrap();
+        assert_eq!(ids(&f), ["b", "c"]);
+    }
+
+    #[test]
+    fn rate_fires_on_fast_growth_and_survives_counter_resets() {
+        let c = Condition::Rate { field: "crc".into(), more_than: 100.0, per: Interval::from_secs(3600) };
+        let mut s = CondState::new(&c);
+        let sample = |id: &str, v: i64| obs(id, "nvlink").field("crc", v);
+        assert!(!s.observe(&c, &sample("a", 1000), 0).adverse, "the first sample is only a baseline");
+        let u = s.observe(&c, &sample("b", 1050), 600 * S);
+        assert!(u.adverse && u.firing.is_none());
+        let f = s.observe(&c, &sample("c", 1101), 1200 * S).firing.unwrap();
+        assert_eq!(ids(&f), ["a", "c"]);
+        // Reset to zero: not growth, and the old baseline is gone.
+        let u = s.observe(&c, &sample("d", 0), 1300 * S);
+        assert!(!u.adverse && u.firing.is_none());
+        // 150 over two hours is 75 per hour: slow growth over sparse samples does not fire.
+        assert!(s.observe(&c, &sample("e", 150), 1300 * S + 7200 * S).firing.is_none());
+        assert!(s.observe(&c, &obs("f", "nvlink"), 9000 * S) == Update::default(), "no field, no effect");
+    }
+
+    #[test]
+    fn threshold_holds_for_the_duration_and_resets_when_it_drops() {
+        let c = Condition::Threshold {
+            field: "value".into(),
+            cmp: Cmp::Ge,
+            limit: Operand::Field("slowdown_threshold".into()),
+            for_: Interval::from_secs(30),
+        };
+        let mut s = CondState::new(&c);
+        let temp = |id: &str, v: i64| obs(id, "temperature").field("value", v).field("slowdown_threshold", 90);
+        assert!(s.observe(&c, &temp("a", 91), 0).adverse);
+        assert_eq!(s.deadline(&c), Some(30 * S));
+        assert!(!s.observe(&c, &temp("b", 80), 10 * S).adverse);
+        assert_eq!(s.deadline(&c), None, "dropping below restarts the clock");
+        s.observe(&c, &temp("c", 95), 20 * S);
+        assert!(s.observe(&c, &temp("d", 96), 49 * S).firing.is_none());
+        let f = s.observe(&c, &temp("e", 97), 50 * S).firing.unwrap();
+        assert_eq!((f.at, ids(&f)), (50 * S, vec!["c", "e"]));
+        // Held without further readings: a tick fires it at exactly `for` after the first.
+        let mut s = CondState::new(&c);
+        s.observe(&c, &temp("x", 91), 0);
+        let f = s.expire(&c, 1000 * S).unwrap();
+        assert_eq!(f.at, 30 * S);
+        assert!(f.detail.contains("value 91 ge slowdown_threshold for 30s"), "{}", f.detail);
+        assert!(s.expire(&c, 2000 * S).is_none(), "fires once per run");
+    }
+}
