@@ -1,0 +1,179 @@
+//! The classifier as a process against the real Kafka and PostgreSQL: an enriched Xid 79 becomes a
+//! critical reboot verdict and an open incident; healthy evidence held for the quiet period
+//! becomes a recovery verdict and a resolved incident; garbage goes to the dead-letter topic.
+
+use std::time::Duration;
+
+use gpumedic_runtime::kafka::{KafkaSettings, dead_letter_topic, dlq_headers, publish, stage_topics};
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::enriched::NodeContext;
+use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
+use gpumedic_schemas::verdict::{RecommendedAction, Severity};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict, topics};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
+const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+
+fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
+    EnrichedHealthEvent {
+        event,
+        node_context: NodeContext::default(),
+        node_unknown: false,
+        xid_catalog: None,
+        workloads: vec![],
+        enriched_at: chrono::Utc::now(),
+    }
+}
+
+fn xid79(node: &str) -> HealthEvent {
+    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
+    let detail = Detail::Xid(XidDetail {
+        code: 79,
+        text: "GPU has fallen off the bus.".into(),
+        pid: None,
+        process: None,
+        nvlink5: None,
+        recovery_action: None,
+    });
+    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+}
+
+fn healthy(node: &str) -> HealthEvent {
+    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
+    let detail =
+        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
+    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
+    e.healthy = true;
+    e
+}
+
+fn verdict_for(node: &str, recovery: bool) -> impl FnMut(&gpumedic_runtime::kafka::Record) -> bool + '_ {
+    move |r| {
+        r.key.as_deref() == Some(node.as_bytes())
+            && gpumedic_schemas::decode::<Verdict>(r.payload.as_deref().unwrap_or_default())
+                .is_ok_and(|v| v.recovery == recovery)
+    }
+}
+
+#[tokio::test]
+async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testbed::unique_name("classify").replace('-', "_");
+    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] };
+    settings
+        .ensure_topics(&stage_topics(&[topics::HEALTH_ENRICHED, topics::ACTIONS], &[topics::VERDICTS], 12))
+        .await
+        .expect("topics");
+
+    // The default Xid 79 rule, with a quiet period short enough for a test.
+    let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+    std::fs::create_dir_all(&rules).unwrap();
+    std::fs::write(
+        rules.join("79.yaml"),
+        "rules:\n  - id: xid-79-fallen-off-the-bus\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n      - {kind: gpu_lost}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, quiet: 3s}\n",
+    )
+    .unwrap();
+
+    let mut classifier = testbed::ServiceProcess::start(
+        BIN,
+        &[],
+        &[
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_DATABASE_URL", url.clone()),
+            ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
+            ("GPUMEDIC_TICK", "500ms".into()),
+        ],
+    )
+    .expect("starts");
+    classifier.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let node = testbed::unique_name("cls-node");
+    let producer = settings.producer("classifier-test").unwrap();
+    let fault = xid79(&node);
+    publish(
+        &producer,
+        topics::HEALTH_ENRICHED,
+        &node,
+        &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(),
+        &[],
+    )
+    .await
+    .unwrap();
+    // The same event again (a redelivery) must not produce a second verdict.
+    publish(
+        &producer,
+        topics::HEALTH_ENRICHED,
+        &node,
+        &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(),
+        &[],
+    )
+    .await
+    .unwrap();
+
+    let opened = testbed::wait_for_record(topics::VERDICTS, verdict_for(&node, false), Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let v: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
+    assert_eq!((v.severity, v.action), (Severity::Critical, RecommendedAction::RebootNode));
+    assert_eq!(v.rule_id, "xid-79-fallen-off-the-bus");
+    assert_eq!(v.evidence, vec![fault.event_id]);
+
+    // Healthy evidence, then the quiet period passes with no fault: a recovery verdict.
+    publish(
+        &producer,
+        topics::HEALTH_ENRICHED,
+        &node,
+        &gpumedic_schemas::encode(&enriched(healthy(&node))).unwrap(),
+        &[],
+    )
+    .await
+    .unwrap();
+    let recovered = testbed::wait_for_record(topics::VERDICTS, verdict_for(&node, true), Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let r: Verdict = gpumedic_schemas::decode(recovered.payload.as_deref().unwrap()).unwrap();
+    assert_eq!(r.incident_id, v.incident_id);
+    assert_ne!(r.verdict_id, v.verdict_id);
+
+    // Postgres holds the events, the incident (resolved) and both verdicts, once each.
+    let pool = gpumedic_runtime::postgres::connect(&url, 2).await.unwrap();
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events WHERE node = $1")
+        .bind(&node)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(events, 2, "the redelivered event is recorded once");
+    let (severity, resolved): (String, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT severity, resolved_at FROM incidents WHERE incident_id = $1")
+            .bind(v.incident_id)
+            .fetch_one(&pool)
+            .await
+            .expect("incident recorded");
+    assert_eq!(severity, "critical");
+    assert!(resolved.is_some(), "the incident is resolved");
+    let verdicts: i64 = sqlx::query_scalar("SELECT count(*) FROM verdicts WHERE incident_id = $1")
+        .bind(v.incident_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(verdicts, 2);
+
+    // Garbage on the enriched topic goes to its dead-letter topic; the classifier carries on.
+    let garbage_key = format!("{node}-garbage");
+    publish(&producer, topics::HEALTH_ENRICHED, &garbage_key, b"garbage", &[]).await.unwrap();
+    let dead = testbed::wait_for_record(
+        &dead_letter_topic(topics::HEALTH_ENRICHED),
+        |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"classifier"[..]));
+
+    classifier.terminate(Duration::from_secs(15)).await.expect("stops");
+    pool.close().await;
+    std::fs::remove_dir_all(&rules).ok();
+}
