@@ -3,6 +3,8 @@
 //! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics and checks
 //! kernel logs with the collector's own parser.
 
+mod inject;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -30,10 +32,28 @@ enum Command {
         /// The log to read (dmesg output, /var/log/kern.log, journalctl -k, a copy of /dev/kmsg).
         file: Option<std::path::PathBuf>,
     },
+    /// Publish a synthetic health event on the raw topic (marked synthetic): a fault (`--xid 79`,
+    /// `--gpu-lost`) or healthy evidence (`--healthy`). Prints each event id.
+    Inject(inject::InjectArgs),
+    /// Work with classifier rule files.
+    Rules {
+        #[command(subcommand)]
+        command: RulesCommand,
+    },
     /// Manage the pipeline's Kafka topics.
     Topics {
         #[command(subcommand)]
         command: TopicsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RulesCommand {
+    /// Validate rule files as the classifier loads them; lists every problem as file:line and
+    /// exits 1 when there is any. With no FILE, checks the built-in default rule set.
+    Check {
+        /// Rule files (YAML) to check together, as one rule set.
+        files: Vec<std::path::PathBuf>,
     },
 }
 
@@ -58,6 +78,36 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::ParseLog { file } => parse_log(file.as_deref()),
+        Command::Rules { command: RulesCommand::Check { files } } => {
+            let result = if files.is_empty() {
+                gpumedic_classifier::rules::defaults::rule_set()
+            } else {
+                gpumedic_classifier::rules::load::check_files(&files)
+            };
+            match result {
+                Ok(set) => {
+                    println!("ok: {} rules", set.rules.len());
+                    ExitCode::SUCCESS
+                }
+                Err(errors) => {
+                    for e in &errors {
+                        eprintln!("{e}");
+                    }
+                    eprintln!("{} problem{}", errors.len(), if errors.len() == 1 { "" } else { "s" });
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Inject(args) => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            match runtime.block_on(inject::run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gpumedic inject: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Topics { command: TopicsCommand::List } => {
             for t in topics::ALL {
                 println!("{t}");
