@@ -13,7 +13,12 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
     testbed::assert_service_lifecycle(
         BIN,
         &[],
-        &[("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap), ("GPUMEDIC_NODE_NAME", "lifecycle-node".into())],
+        &[
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+            ("GPUMEDIC_NODE_NAME", testbed::unique_name("lifecycle-node")),
+            ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
+            ("GPUMEDIC_KMSG_PATH", "off".into()),
+        ],
         Duration::from_secs(60),
         Duration::from_secs(10),
     )

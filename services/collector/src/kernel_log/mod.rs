@@ -5,6 +5,7 @@
 //! primary Xid source. [`parse`] turns lines into [`KernelEvent`]s and is shared with the
 //! `gpumedic parse-log` command, so operators can check their own logs with the same code.
 
+pub mod event;
 pub mod kmsg;
 pub mod parse;
 

@@ -145,6 +145,11 @@ impl LogParser {
         }
     }
 
+    /// True when no record is kept open waiting for continuation lines.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_none()
+    }
+
     /// Emits a record kept open for continuation lines. Call when the input ends or pauses.
     pub fn flush(&mut self, out: &mut Vec<KernelEvent>) {
         if let Some(event) = self.pending.take() {

@@ -1,0 +1,219 @@
+//! The collector's long-running sources and the one place events leave the node.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpumedic_runtime::kafka::{self, KafkaError, Producer, record_headers};
+use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source};
+use gpumedic_schemas::{HealthEvent, Record as _, topics};
+use tokio_util::sync::CancellationToken;
+
+use crate::gpu::GpuBackend;
+use crate::kernel_log::kmsg::{Cursor, KmsgReader, Resume, current_boot_id};
+use crate::kernel_log::{LogParser, event::to_health_event};
+use crate::sampler::Sampler;
+
+/// Publishes health events on the raw topic, keyed by node, with the standard headers.
+#[derive(Clone)]
+pub struct Emitter {
+    /// The producer.
+    pub producer: Producer,
+}
+
+impl Emitter {
+    /// Publishes `event` and waits for Kafka's acknowledgement.
+    pub async fn emit(&self, event: &HealthEvent) -> Result<(), KafkaError> {
+        let bytes = gpumedic_schemas::encode(event).expect("events built by the collector always encode");
+        let id = event.event_id.to_string();
+        let tp = kafka::traceparent(None);
+        kafka::publish(
+            &self.producer,
+            topics::HEALTH_RAW,
+            &event.node,
+            &bytes,
+            &[
+                (record_headers::TRACEPARENT, tp.as_bytes()),
+                (record_headers::EVENT_ID, id.as_bytes()),
+                (record_headers::CONTENT_TYPE, HealthEvent::CONTENT_TYPE.as_bytes()),
+            ],
+        )
+        .await?;
+        metrics::counter!("gpumedic_collector_events_total", "kind" => format!("{:?}", event.kind)).increment(1);
+        Ok(())
+    }
+
+    /// Publishes, retrying with backoff until it succeeds or `token` is cancelled (false then).
+    pub async fn emit_until_done(&self, event: &HealthEvent, token: &CancellationToken) -> bool {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            match self.emit(event).await {
+                Ok(()) => return true,
+                Err(e) => tracing::warn!(error = %e, "Cannot publish a health event; retrying."),
+            }
+            tokio::select! {
+                () = token.cancelled() => return false,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(10));
+        }
+    }
+}
+
+fn monitor_event(node: &str, monitor: &str, state: MonitorState, message: String) -> HealthEvent {
+    let mut e = HealthEvent::new(
+        node,
+        Source::Nvml,
+        Component::Node,
+        Entity::default(),
+        Detail::MonitorHealth(MonitorHealthDetail { monitor: monitor.into(), state, message: Some(message) }),
+    );
+    e.healthy = state == MonitorState::Ok;
+    e
+}
+
+/// How GPU sampling runs.
+#[derive(Debug, Clone)]
+pub struct SamplingSettings {
+    /// The node.
+    pub node: String,
+    /// The source events are attributed to.
+    pub source: Source,
+    /// Time between samples.
+    pub interval: Duration,
+    /// Time between heartbeats of an unchanged GPU.
+    pub heartbeat: Duration,
+    /// A sample taking longer is a hung monitor.
+    pub timeout: Duration,
+}
+
+/// Samples GPUs every `interval` on a blocking thread; a sample that takes longer than `timeout`
+/// is reported as a hung monitor and does not stall anything else.
+pub async fn sample_gpus(
+    settings: SamplingSettings,
+    backend: Box<dyn GpuBackend>,
+    emitter: Emitter,
+    token: CancellationToken,
+) -> Result<(), KafkaError> {
+    let SamplingSettings { node, source, interval, heartbeat, timeout } = settings;
+    let name = backend.name();
+    let mut sampler = Sampler::new(&node, source, heartbeat);
+    let backend = std::sync::Arc::new(std::sync::Mutex::new(backend));
+    let mut hung = false;
+    loop {
+        let b = backend.clone();
+        let call = tokio::task::spawn_blocking(move || b.lock().expect("backend lock").sample());
+        let events = match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(Ok(samples))) => {
+                let mut events = Vec::new();
+                if hung {
+                    hung = false;
+                    events.push(monitor_event(&node, name, MonitorState::Ok, format!("{name} answers again")));
+                }
+                events.extend(sampler.observe(&samples, chrono::Utc::now()));
+                events
+            }
+            Ok(Ok(Err(e))) => vec![monitor_event(&node, name, MonitorState::Error, e.to_string())],
+            Ok(Err(join)) => {
+                vec![monitor_event(&node, name, MonitorState::Error, format!("sampling panicked: {join}"))]
+            }
+            Err(_) if hung => Vec::new(),
+            Err(_) => {
+                hung = true;
+                metrics::counter!("gpumedic_collector_monitor_hung_total", "monitor" => name).increment(1);
+                tracing::warn!(
+                    monitor = name,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "A GPU sample hung; reporting it."
+                );
+                vec![monitor_event(
+                    &node,
+                    name,
+                    MonitorState::Hung,
+                    format!("{name} did not answer within {timeout:?}"),
+                )]
+            }
+        };
+        for e in &events {
+            if !emitter.emit_until_done(e, &token).await {
+                return Ok(());
+            }
+        }
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// Reads the kernel log at `path`, publishes what it recognises, and saves the cursor (boot id,
+/// sequence) in `state_dir` after each publish, so a restart neither re-reports nor misses.
+pub async fn follow_kernel_log(
+    node: String,
+    path: PathBuf,
+    state_dir: PathBuf,
+    emitter: Emitter,
+    token: CancellationToken,
+) -> Result<(), crate::kernel_log::kmsg::KmsgError> {
+    let cursor_path = state_dir.join("kmsg.cursor");
+    let boot_id = current_boot_id().unwrap_or_default();
+    let saved = Cursor::load(&cursor_path)?;
+    let resume = Resume::decide(saved.as_ref(), &boot_id);
+    tracing::info!(path = %path.display(), ?resume, "Following the kernel log.");
+    let mut reader = KmsgReader::open(&path)?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+    // Reads block until the kernel logs something, so they live on a thread of their own; it
+    // ends when the channel closes at shutdown and the next record arrives.
+    std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || {
+            loop {
+                let r = reader.next_record();
+                let failed = r.is_err();
+                if tx.blocking_send(r).is_err() || failed {
+                    return;
+                }
+            }
+        })
+        .map_err(|source| crate::kernel_log::kmsg::KmsgError::Read { path: path.clone(), source })?;
+
+    let mut parser = LogParser::new();
+    let mut found = Vec::new();
+    let mut last_seq: Option<u64> = None;
+    loop {
+        // A multi-line record is complete once the log is quiet for a moment.
+        let next = tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            r = tokio::time::timeout(Duration::from_millis(250), rx.recv()) => r,
+        };
+        let raw_line;
+        match next {
+            Err(_) => {
+                parser.flush(&mut found);
+                raw_line = String::new();
+            }
+            Ok(None) => return Ok(()),
+            Ok(Some(Err(e))) => return Err(e),
+            Ok(Some(Ok(record))) => {
+                if !resume.wants(record.seq) {
+                    continue;
+                }
+                parser.feed(&record.text, &mut found);
+                last_seq = Some(record.seq);
+                raw_line = record.text;
+            }
+        }
+        for k in found.drain(..) {
+            let event = to_health_event(&node, &k, if raw_line.is_empty() { &k.message } else { &raw_line });
+            if !emitter.emit_until_done(&event, &token).await {
+                return Ok(());
+            }
+        }
+        // Everything up to `last_seq` is published, unless a multi-line record is still open.
+        // A crash before the save re-reads at most the records since the last one (at least once).
+        if parser.is_idle()
+            && let Some(seq) = last_seq.take()
+        {
+            Cursor { boot_id: boot_id.clone(), seq }.save(&cursor_path)?;
+        }
+    }
+}
