@@ -2,9 +2,22 @@
 //! cordon, drain, repair hooks) within strict safety limits, and publishes what it did on
 //! `gpumedic.actions.v1`. One replica leads at a time.
 //!
-//! This crate holds the service frame: configuration, the consumer group on the verdict topic,
-//! the Kubernetes client and readiness. Until remediation is deployed, verdicts are dead-lettered
-//! with that reason (nothing is lost; they can be replayed).
+//! This crate holds the service frame (configuration, the consumer group on the verdict topic,
+//! the Kubernetes client and readiness) and the remediation core:
+//! - [`request`]: what is asked ([`request::Remediation`]), independent of the verdict's wire format;
+//! - [`plan`]: the pure planner, node as it is + request + mode -> exact changes or "nothing, because";
+//! - [`safety`]: the circuit breaker and the quarantine rate limit, pure with the clock passed in;
+//! - [`drain`]: which pods leave (pure) and the Eviction API drain (edge);
+//! - [`apply`]: the thin Kubernetes edge that carries plans out and records Events.
+//!
+//! The consumer is not wired to the core yet: verdicts are dead-lettered with that reason
+//! (nothing is lost; they can be replayed).
+
+pub mod apply;
+pub mod drain;
+pub mod plan;
+pub mod request;
+pub mod safety;
 
 use std::time::Duration;
 

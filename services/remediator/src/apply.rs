@@ -1,0 +1,527 @@
+//! The Kubernetes edge: reads a node, asks the planner, writes the plan, records an Event per
+//! action, and drains. Everything it decides comes from [`crate::plan`] and [`crate::safety`].
+//!
+//! Writes are shaped so gpumedic never clobbers what others own:
+//! - labels, annotations, taints and cordon go in one JSON merge patch that carries the node's
+//!   `resourceVersion`, so the ownership annotation lands atomically with the changes it
+//!   records, and a concurrent change (someone else's taint) makes the write fail with 409
+//!   instead of being overwritten; the edge then reads the node again and plans afresh;
+//! - conditions go through the status subresource as a strategic merge patch, which merges the
+//!   condition list by `type`, so only gpumedic's condition changes.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use chrono::{SecondsFormat, Utc};
+use k8s_openapi::api::core::v1::{Event, Node};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Map, Value, json};
+
+use crate::drain::{DrainError, DrainPolicy, DrainReport, drain};
+use crate::plan::{APPLIED_ANNOTATION, Admission, Decision, Note, Plan, Policy, Skip, State, advance, plan};
+use crate::request::Remediation;
+use crate::safety::Gate;
+
+/// How many times a write that lost a race (409) is re-planned before giving up.
+const CONFLICT_ATTEMPTS: usize = 5;
+
+/// What went wrong applying a remediation.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// The node does not exist.
+    #[error("node {node} does not exist")]
+    NodeNotFound {
+        /// The node.
+        node: String,
+    },
+    /// The node could not be read.
+    #[error("cannot read node {node}: {source}")]
+    Read {
+        /// The node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The node's metadata or spec could not be patched.
+    #[error("cannot patch node {node}: {source}")]
+    Patch {
+        /// The node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The node's conditions could not be patched.
+    #[error("cannot patch the status of node {node}: {source}")]
+    Status {
+        /// The node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Every attempt lost a race with another writer.
+    #[error("node {node} changed under every one of {attempts} attempts to write it")]
+    Conflict {
+        /// The node.
+        node: String,
+        /// How many attempts were made.
+        attempts: usize,
+    },
+    /// The Kubernetes client could not be built from its configuration.
+    #[error("cannot build the Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    /// The drain could not start.
+    #[error(transparent)]
+    Drain(#[from] DrainError),
+}
+
+/// The edge's settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Mode, pause, partial drain, taint effect.
+    pub policy: Policy,
+    /// How drains go.
+    pub drain: DrainPolicy,
+    /// The namespace Events about nodes are written to (nodes are cluster-scoped; the kubelet
+    /// uses `default`, and `kubectl describe node` finds them there).
+    pub event_namespace: String,
+    /// `source.component` and `reportingComponent` of the Events.
+    pub component: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            drain: DrainPolicy::default(),
+            event_namespace: "default".to_owned(),
+            component: "gpumedic-remediator".to_owned(),
+        }
+    }
+}
+
+/// What a remediation came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The plan was written; the drain report when it drained.
+    Applied {
+        /// What was changed.
+        plan: Box<Plan>,
+        /// The drain, when the plan drained.
+        drain: Option<DrainReport>,
+    },
+    /// The node already reflected the request.
+    AlreadyDone,
+    /// Nothing was changed, and why.
+    Skipped {
+        /// Why.
+        reason: Skip,
+        /// What would have been done.
+        would: Option<Box<Plan>>,
+    },
+}
+
+/// Applies remediations to nodes through the Kubernetes API, under one safety gate.
+#[derive(Clone)]
+pub struct Remediator {
+    client: kube::Client,
+    /// The same credentials without kube's built-in retry of 429: it would retry a refused
+    /// eviction up to 15 times with backoff growing to minutes, blind to the drain's deadline,
+    /// so the drain retries PodDisruptionBudget refusals itself.
+    evictions: kube::Client,
+    settings: Arc<Settings>,
+    gate: Arc<Mutex<Gate>>,
+}
+
+impl Remediator {
+    /// A remediator writing with the credentials in `config`, counting new quarantines in `gate`.
+    pub fn new(config: kube::Config, settings: Settings, gate: Gate) -> Result<Self, ApplyError> {
+        let client = kube::Client::try_from(config.clone()).map_err(ApplyError::Client)?;
+        let mut no_retry = config;
+        no_retry.default_retry = false;
+        let evictions = kube::Client::try_from(no_retry).map_err(ApplyError::Client)?;
+        Ok(Self { client, evictions, settings: Arc::new(settings), gate: Arc::new(Mutex::new(gate)) })
+    }
+
+    /// The safety gate, to inspect or reset the breaker.
+    pub fn gate(&self) -> &Mutex<Gate> {
+        &self.gate
+    }
+
+    /// Plans `request` against the node as it is now and carries the plan out: node changes,
+    /// Events, and the drain when the plan has one. `gpu_nodes` is the fleet size the breaker's
+    /// share is measured against.
+    pub async fn remediate(&self, request: &Remediation, gpu_nodes: usize) -> Result<Outcome, ApplyError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let name = request.node.as_str();
+        // A plan whose conditions were written before its object patch lost a race: its
+        // condition Events are still owed, and its outcome stands if the re-plan finds nothing
+        // left to do.
+        let mut partly_written: Option<Box<Plan>> = None;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let node = read(&nodes, name).await?;
+            let view = crate::plan::NodeView::from_node(&node);
+            let mut admitted = false;
+            let decision = plan(&view, request, &self.settings.policy, &mut || {
+                let a = lock(&self.gate).admit(name, gpu_nodes, Instant::now());
+                admitted = a == Admission::Allowed;
+                a
+            });
+            let plan = match decision {
+                Decision::AlreadyDone => {
+                    return Ok(match partly_written {
+                        Some(plan) => Outcome::Applied { plan, drain: None },
+                        None => Outcome::AlreadyDone,
+                    });
+                }
+                Decision::Nothing { reason, would } => {
+                    self.note_skip(&node, &reason).await;
+                    return Ok(Outcome::Skipped { reason, would });
+                }
+                Decision::Apply(plan) => plan,
+            };
+            match write(&nodes, &node, &plan).await {
+                Ok(()) => {}
+                Err(WriteError::Conflict { conditions_written }) => {
+                    if admitted {
+                        lock(&self.gate).cancel(name);
+                    }
+                    if conditions_written {
+                        let owed: Vec<Note> = plan.notes.iter().filter(|n| n.on_status).cloned().collect();
+                        self.record(&node, &owed).await;
+                        partly_written = Some(plan);
+                    }
+                    continue;
+                }
+                Err(WriteError::Failed(e)) => {
+                    if admitted {
+                        lock(&self.gate).cancel(name);
+                    }
+                    return Err(e);
+                }
+            }
+            tracing::info!(node = name, incident = %request.incident_id, intent = ?plan.intent, "Applied a remediation plan.");
+            // The re-plan after a partial write no longer holds the written conditions' notes.
+            self.record(&node, &plan.notes).await;
+            let drained = match &plan.drain {
+                Some(scope) => Some(self.drain(&nodes, &node, scope).await?),
+                None => None,
+            };
+            return Ok(Outcome::Applied { plan, drain: drained });
+        }
+        Err(ApplyError::Conflict { node: name.to_owned(), attempts: CONFLICT_ATTEMPTS })
+    }
+
+    async fn drain(
+        &self,
+        nodes: &Api<Node>,
+        node: &Node,
+        scope: &crate::plan::DrainScope,
+    ) -> Result<DrainReport, ApplyError> {
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        let what = match &scope.gpu {
+            Some(gpu) => format!("the pods on GPU {} (index {})", gpu.uuid, gpu.index),
+            None => "all pods".to_owned(),
+        };
+        self.record(node, &[note("DrainStarted", format!("Draining {what} through the Eviction API"), false)]).await;
+        let report = drain(&self.evictions, name, scope, &self.settings.drain).await?;
+        if report.complete() {
+            self.record(node, &[note("Drained", report.summary(), false)]).await;
+            self.advance(nodes, name, State::Drained).await?;
+        } else {
+            let mut detail = report.summary();
+            if let Some((pod, why)) = report.blocked.first() {
+                detail.push_str(&format!("; {pod}: {why}"));
+            }
+            tracing::warn!(node = name, report = %detail, "The drain did not finish by its deadline.");
+            self.record(node, &[note("DrainIncomplete", detail, true)]).await;
+        }
+        Ok(report)
+    }
+
+    /// Moves the state label to `to`, re-reading the node on conflicts.
+    async fn advance(&self, nodes: &Api<Node>, name: &str, to: State) -> Result<(), ApplyError> {
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let node = read(nodes, name).await?;
+            let Some(plan) = advance(&crate::plan::NodeView::from_node(&node), to) else { return Ok(()) };
+            match write(nodes, &node, &plan).await {
+                Ok(()) => return Ok(()),
+                Err(WriteError::Conflict { .. }) => continue,
+                Err(WriteError::Failed(e)) => return Err(e),
+            }
+        }
+        Err(ApplyError::Conflict { node: name.to_owned(), attempts: CONFLICT_ATTEMPTS })
+    }
+
+    /// Events for refusals an operator should see; quiet skips (no action, monitor-only,
+    /// nothing applied) would only add noise to every verdict.
+    async fn note_skip(&self, node: &Node, reason: &Skip) {
+        let note = match reason {
+            Skip::BreakerOpen(_) => note("CircuitBreakerOpen", format!("Not quarantined: {reason}"), true),
+            Skip::RateLimited(_) => note("QuarantineRateLimited", format!("Not quarantined: {reason}"), true),
+            Skip::UnreadableRecord(_) => note("OwnershipRecordUnreadable", format!("Not changed: {reason}"), true),
+            _ => return,
+        };
+        self.record(node, &[note]).await;
+    }
+
+    /// Records one Event per note on the node. Events are the story for humans, not state, so a
+    /// failed write is logged and the remediation goes on.
+    async fn record(&self, node: &Node, notes: &[Note]) {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.settings.event_namespace);
+        let writes = notes.iter().map(|n| {
+            let event = event_for(node, n, &self.settings);
+            let events = events.clone();
+            async move { (n, events.create(&PostParams::default(), &event).await) }
+        });
+        for (n, result) in futures::future::join_all(writes).await {
+            if let Err(e) = result {
+                tracing::warn!(node = ?node.metadata.name, reason = %n.reason, error = %e, "Could not record an Event on the node.");
+            }
+        }
+    }
+}
+
+/// Counts the nodes matching `selector` (the GPU nodes the breaker's share is measured against).
+pub async fn count_nodes(client: &kube::Client, selector: &str) -> Result<usize, kube::Error> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    Ok(nodes.list_metadata(&ListParams::default().labels(selector)).await?.items.len())
+}
+
+fn lock(gate: &Mutex<Gate>) -> std::sync::MutexGuard<'_, Gate> {
+    // The gate's state is a few maps updated in place; a panic elsewhere cannot leave it half
+    // written, so a poisoned lock is still safe to use.
+    gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn read(nodes: &Api<Node>, name: &str) -> Result<Node, ApplyError> {
+    nodes
+        .get_opt(name)
+        .await
+        .map_err(|source| ApplyError::Read { node: name.to_owned(), source })?
+        .ok_or_else(|| ApplyError::NodeNotFound { node: name.to_owned() })
+}
+
+enum WriteError {
+    /// The node changed since it was read; `conditions_written` says whether the status patch
+    /// went through before the object patch lost.
+    Conflict {
+        conditions_written: bool,
+    },
+    Failed(ApplyError),
+}
+
+/// Writes `plan` onto `node` (as read): the conditions first, then the object patch, each
+/// guarded by the resourceVersion the previous step left, so two writers racing on one node
+/// (a redelivered verdict, a second replica) cannot both act: the later write fails with 409.
+async fn write(nodes: &Api<Node>, node: &Node, plan: &Plan) -> Result<(), WriteError> {
+    let name = plan.node.as_str();
+    let mut version = node.metadata.resource_version.clone();
+    if !plan.conditions.is_empty() {
+        let patch = conditions_patch(plan, version.as_deref(), &now());
+        match nodes.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await {
+            Ok(updated) => version = updated.metadata.resource_version,
+            Err(kube::Error::Api(s)) if s.is_conflict() => {
+                return Err(WriteError::Conflict { conditions_written: false });
+            }
+            Err(source) => return Err(WriteError::Failed(ApplyError::Status { node: name.to_owned(), source })),
+        }
+    }
+    if plan.changes_object() {
+        let patch = object_patch(node, version.as_deref(), plan);
+        match nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.is_conflict() => {
+                return Err(WriteError::Conflict { conditions_written: !plan.conditions.is_empty() });
+            }
+            Err(source) => return Err(WriteError::Failed(ApplyError::Patch { node: name.to_owned(), source })),
+        }
+    }
+    Ok(())
+}
+
+/// The JSON merge patch for labels, the ownership annotation, taints and cordon. Taints are a
+/// plain list in the Node schema (no merge key), so the patch carries the whole new list, and the
+/// resourceVersion makes sure it is built from the list that is really there.
+pub fn object_patch(node: &Node, resource_version: Option<&str>, plan: &Plan) -> Value {
+    let mut metadata = Map::new();
+    metadata.insert("resourceVersion".into(), json!(resource_version));
+    let mut labels = Map::new();
+    for (k, v) in &plan.set_labels {
+        labels.insert(k.clone(), json!(v));
+    }
+    for k in &plan.remove_labels {
+        labels.insert(k.clone(), Value::Null);
+    }
+    if !labels.is_empty() {
+        metadata.insert("labels".into(), Value::Object(labels));
+    }
+    if plan.applied_changed {
+        let record = plan.applied.as_ref().map(|a| json!(serde_json::to_string(a).expect("the record serializes")));
+        metadata.insert("annotations".into(), json!({ APPLIED_ANNOTATION: record.unwrap_or(Value::Null) }));
+    }
+    let mut spec = Map::new();
+    if !plan.add_taints.is_empty() || !plan.remove_taints.is_empty() {
+        let existing = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+        let mut taints: Vec<Value> = existing
+            .iter()
+            .filter(|t| !plan.remove_taints.iter().any(|r| r.key == t.key && r.effect == t.effect))
+            .map(|t| serde_json::to_value(t).expect("a taint serializes"))
+            .collect();
+        let added = now();
+        for t in &plan.add_taints {
+            taints.push(json!({ "key": t.key, "value": t.value, "effect": t.effect, "timeAdded": added }));
+        }
+        spec.insert("taints".into(), Value::Array(taints));
+    }
+    if let Some(cordon) = plan.cordon {
+        spec.insert("unschedulable".into(), json!(cordon));
+    }
+    let mut patch = Map::new();
+    patch.insert("metadata".into(), Value::Object(metadata));
+    if !spec.is_empty() {
+        patch.insert("spec".into(), Value::Object(spec));
+    }
+    Value::Object(patch)
+}
+
+/// The strategic merge patch for the status subresource: the condition list merges by `type`,
+/// so conditions other than the plan's are left as they are. `lastTransitionTime` moves only
+/// when the status flips, as the API conventions ask. The resourceVersion makes the write fail
+/// with 409 when the node changed since it was read.
+pub fn conditions_patch(plan: &Plan, resource_version: Option<&str>, now: &str) -> Value {
+    let conditions: Vec<Value> = plan
+        .conditions
+        .iter()
+        .map(|c| {
+            let mut v = json!({
+                "type": c.type_,
+                "status": if c.problem { "True" } else { "False" },
+                "reason": c.reason,
+                "message": c.message,
+                "lastHeartbeatTime": now,
+            });
+            if c.transition {
+                v["lastTransitionTime"] = json!(now);
+            }
+            v
+        })
+        .collect();
+    json!({ "metadata": { "resourceVersion": resource_version }, "status": { "conditions": conditions } })
+}
+
+fn note(reason: &str, message: String, warning: bool) -> Note {
+    if warning { Note::warning(reason, message) } else { Note::normal(reason, message) }
+}
+
+fn now() -> String {
+    Utc::now().to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+/// A core/v1 Event about `node`, so `kubectl describe node` lists it.
+fn event_for(node: &Node, n: &Note, settings: &Settings) -> Event {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let at = now();
+    serde_json::from_value(json!({
+        "metadata": { "generateName": format!("{name}.gpumedic."), "namespace": settings.event_namespace },
+        "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": name, "uid": node.metadata.uid },
+        "reason": n.reason,
+        "message": n.message,
+        "type": if n.warning { "Warning" } else { "Normal" },
+        "source": { "component": settings.component },
+        "reportingComponent": settings.component,
+        "reportingInstance": std::env::var("HOSTNAME").unwrap_or_else(|_| settings.component.clone()),
+        "action": n.reason,
+        "firstTimestamp": at,
+        "lastTimestamp": at,
+        "count": 1,
+    }))
+    .expect("the Event is well formed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{ConditionChange, Intent, Taint, TaintKey};
+
+    fn empty_plan() -> Plan {
+        match crate::plan::plan(
+            &crate::plan::NodeView { name: "n".into(), ..Default::default() },
+            &Remediation {
+                node: "n".into(),
+                gpu: None,
+                action: crate::request::Action::Cordon,
+                subsystem: crate::request::Subsystem::Gpu,
+                reason: "Xid79".into(),
+                message: "m".into(),
+                verdict_id: "v".into(),
+                incident_id: "i".into(),
+                recovery: false,
+            },
+            &Policy::default(),
+            &mut || Admission::Allowed,
+        ) {
+            Decision::Apply(p) => *p,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn object_patch_keeps_foreign_taints_and_carries_the_resource_version() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": { "name": "n", "resourceVersion": "42" },
+            "spec": { "taints": [
+                { "key": "example.com/maint", "effect": "NoSchedule" },
+                { "key": "gpumedic.io/unhealthy", "value": "gpu", "effect": "NoSchedule" }
+            ] }
+        }))
+        .unwrap();
+        let mut p = empty_plan();
+        p.add_taints = vec![Taint { key: "x".into(), value: None, effect: "NoExecute".into() }];
+        p.remove_taints = vec![TaintKey { key: "gpumedic.io/unhealthy".into(), effect: "NoSchedule".into() }];
+        p.remove_labels = vec!["gone".into()];
+        let v = object_patch(&node, Some("42"), &p);
+        assert_eq!(v["metadata"]["resourceVersion"], "42");
+        assert_eq!(v["metadata"]["labels"]["gone"], Value::Null);
+        assert_eq!(v["metadata"]["labels"]["gpumedic.io/state"], "quarantined");
+        let taints = v["spec"]["taints"].as_array().unwrap();
+        assert_eq!(taints.len(), 2);
+        assert_eq!(taints[0]["key"], "example.com/maint");
+        assert_eq!(taints[1]["key"], "x");
+        assert_eq!(v["spec"]["unschedulable"], true);
+        let record: crate::plan::Applied =
+            serde_json::from_str(v["metadata"]["annotations"][APPLIED_ANNOTATION].as_str().unwrap()).unwrap();
+        assert!(record.cordoned);
+    }
+
+    #[test]
+    fn conditions_patch_moves_the_transition_time_only_on_a_flip() {
+        let mut p = empty_plan();
+        p.intent = Intent::Mark;
+        p.conditions = vec![
+            ConditionChange {
+                type_: "A".into(),
+                problem: true,
+                reason: "r".into(),
+                message: "m".into(),
+                transition: true,
+            },
+            ConditionChange {
+                type_: "B".into(),
+                problem: false,
+                reason: "r".into(),
+                message: "m".into(),
+                transition: false,
+            },
+        ];
+        let v = conditions_patch(&p, Some("7"), "2026-01-01T00:00:00Z");
+        assert_eq!(v["metadata"]["resourceVersion"], "7");
+        let cs = v["status"]["conditions"].as_array().unwrap();
+        assert_eq!(cs[0]["status"], "True");
+        assert_eq!(cs[0]["lastTransitionTime"], "2026-01-01T00:00:00Z");
+        assert_eq!(cs[1]["status"], "False");
+        assert!(cs[1].get("lastTransitionTime").is_none());
+    }
+}

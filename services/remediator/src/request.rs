@@ -1,0 +1,139 @@
+//! What the remediator is asked to do: one [`Remediation`] per verdict, independent of the verdict's
+//! wire format so the decision logic does not move when the contract evolves. The mapping from a
+//! decoded verdict onto this type lives next to the consumer.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The GPU a verdict names, when it names one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuRef {
+    /// The GPU's UUID as NVML reports it (`GPU-...`).
+    pub uuid: String,
+    /// The PCI bus id (`0000:3b:00.0`).
+    pub pci_bus_id: String,
+    /// The NVML index on the node.
+    pub index: u32,
+}
+
+/// The action a verdict asks for, mildest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Action {
+    /// Nothing to do (informational verdict).
+    None,
+    /// Mark the node (condition and event) but keep it in service.
+    Monitor,
+    /// Stop new work landing on the node.
+    Cordon,
+    /// Cordon and move the running work off the node.
+    Drain,
+    /// Drain, then reset the faulty GPU (repair hook).
+    ResetGpu,
+    /// Drain, then reboot the node (repair hook).
+    RebootNode,
+    /// Drain, then replace the node (repair hook).
+    ReplaceNode,
+    /// Drain, then hand the node to the vendor (repair hook).
+    ContactSupport,
+}
+
+impl Action {
+    /// Whether the action takes the node out of scheduling.
+    pub fn quarantines(self) -> bool {
+        self >= Action::Cordon
+    }
+
+    /// Whether the action moves running pods off the node.
+    pub fn drains(self) -> bool {
+        self >= Action::Drain
+    }
+
+    /// Whether the action needs a repair hook after the drain.
+    pub fn repairs(self) -> bool {
+        self >= Action::ResetGpu
+    }
+}
+
+/// The part of the node a verdict is about; each has its own node condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Subsystem {
+    /// The GPU itself (Xids, ECC, fallen off the bus).
+    Gpu,
+    /// NVLink, NVSwitch, PCIe.
+    Interconnect,
+    /// GPU memory (row remapping, retired pages).
+    Memory,
+    /// Planned maintenance announced by the cloud provider.
+    Maintenance,
+}
+
+impl Subsystem {
+    /// Every subsystem, for code that needs to know every condition gpumedic may own.
+    pub const ALL: [Subsystem; 4] =
+        [Subsystem::Gpu, Subsystem::Interconnect, Subsystem::Memory, Subsystem::Maintenance];
+
+    /// The node condition type gpumedic owns for this subsystem. Conditions are problem-oriented
+    /// like node-problem-detector's (`True` means the problem is present), so a node without the
+    /// condition reads as healthy.
+    pub fn condition_type(self) -> &'static str {
+        match self {
+            Subsystem::Gpu => "GpuUnhealthy",
+            Subsystem::Interconnect => "GpuInterconnectUnhealthy",
+            Subsystem::Memory => "GpuMemoryUnhealthy",
+            Subsystem::Maintenance => "GpuMaintenanceScheduled",
+        }
+    }
+
+    /// The lowercase name used in taint values and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Subsystem::Gpu => "gpu",
+            Subsystem::Interconnect => "interconnect",
+            Subsystem::Memory => "memory",
+            Subsystem::Maintenance => "maintenance",
+        }
+    }
+}
+
+impl fmt::Display for Subsystem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One request to change (or restore) a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Remediation {
+    /// The node's name.
+    pub node: String,
+    /// The faulty GPU, when the verdict names one (enables partial drain).
+    pub gpu: Option<GpuRef>,
+    /// What to do.
+    pub action: Action,
+    /// Which condition the verdict is about.
+    pub subsystem: Subsystem,
+    /// A short CamelCase reason for the condition and events, such as `Xid79`.
+    pub reason: String,
+    /// A sentence for humans.
+    pub message: String,
+    /// The verdict this request comes from.
+    pub verdict_id: String,
+    /// The incident the verdict belongs to; ownership and manual-uncordon tracking are per incident.
+    pub incident_id: String,
+    /// True when the verdict says the node is healthy again: undo what gpumedic applied.
+    pub recovery: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_escalate_in_order() {
+        assert!(!Action::Monitor.quarantines());
+        assert!(Action::Cordon.quarantines() && !Action::Cordon.drains());
+        assert!(Action::Drain.drains() && !Action::Drain.repairs());
+        assert!(Action::ContactSupport.repairs());
+    }
+}
