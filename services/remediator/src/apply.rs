@@ -145,6 +145,11 @@ impl Remediator {
         Ok(Self { client, evictions, settings: Arc::new(settings), gate: Arc::new(Mutex::new(gate)) })
     }
 
+    /// The client nodes are read and written with.
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
     /// The safety gate, to inspect or reset the breaker.
     pub fn gate(&self) -> &Mutex<Gate> {
         &self.gate

@@ -10,24 +10,36 @@
 //! - [`drain`]: which pods leave (pure) and the Eviction API drain (edge);
 //! - [`apply`]: the thin Kubernetes edge that carries plans out and records Events.
 //!
-//! The consumer is not wired to the core yet: verdicts are dead-lettered with that reason
-//! (nothing is lost; they can be replayed).
+//! - [`verdicts`]: verdict in, action outcome out.
+//!
+//! Each verdict is applied (or deliberately not, with the reason), the outcome is published on
+//! `gpumedic.actions.v1` and acknowledged, and only then is the verdict's offset stored. Applying
+//! the same verdict twice yields one action (`already_done` the second time).
 
 pub mod apply;
 pub mod drain;
 pub mod plan;
 pub mod request;
 pub mod safety;
+pub mod verdicts;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
-use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
-use gpumedic_runtime::k8s;
-use gpumedic_runtime::kafka::{DeadLetterAll, KafkaArgs, KafkaSettings};
+use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
+use gpumedic_runtime::kafka::{
+    self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
+};
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::topics;
+use gpumedic_schemas::{ActionOutcome, Record as _, Verdict, topics};
+
+use crate::apply::{ApplyError, Remediator, Settings};
+use crate::drain::{DrainMode, DrainPolicy};
+use crate::plan::{Mode, Policy};
+use crate::safety::{BreakerLimits, Gate};
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "remediator";
@@ -43,6 +55,34 @@ pub struct Args {
     /// Kafka consumer group shared by all remediator replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-remediator")]
     group: String,
+    /// How far the remediator may go: `monitor-only` (decide and report, change nothing),
+    /// `cordon-drain`, or `full-remediation` (adds repair hooks).
+    #[arg(long, env = "GPUMEDIC_MODE", default_value = "monitor-only")]
+    mode: String,
+    /// Label selector of the GPU nodes the breaker's share is measured against.
+    #[arg(long, env = "GPUMEDIC_GPU_NODE_SELECTOR", default_value = "nvidia.com/gpu.present=true")]
+    gpu_node_selector: String,
+    /// Circuit breaker: the largest share of GPU nodes quarantined within the window (0..1).
+    #[arg(long, env = "GPUMEDIC_BREAKER_MAX_SHARE", default_value_t = 0.1)]
+    breaker_max_share: f64,
+    /// Circuit breaker: the largest number of GPU nodes quarantined within the window.
+    #[arg(long, env = "GPUMEDIC_BREAKER_MAX_COUNT", default_value_t = 50)]
+    breaker_max_count: usize,
+    /// Circuit breaker window.
+    #[arg(long, env = "GPUMEDIC_BREAKER_WINDOW", default_value = "1h")]
+    breaker_window: String,
+    /// New quarantines allowed per minute.
+    #[arg(long, env = "GPUMEDIC_QUARANTINES_PER_MINUTE", default_value_t = 20)]
+    quarantines_per_minute: usize,
+    /// How long a drain may take before it is reported incomplete.
+    #[arg(long, env = "GPUMEDIC_DRAIN_DEADLINE", default_value = "5m")]
+    drain_deadline: String,
+    /// Grace period for evicted pods, overriding the pods' own (unset: theirs).
+    #[arg(long, env = "GPUMEDIC_DRAIN_GRACE_SECONDS")]
+    drain_grace_seconds: Option<i64>,
+    /// Evict only the pods on the faulty GPU when the verdict names one.
+    #[arg(long, env = "GPUMEDIC_PARTIAL_DRAIN")]
+    partial_drain: bool,
 }
 
 /// The validated configuration.
@@ -54,6 +94,14 @@ pub struct Config {
     pub kafka: KafkaSettings,
     /// The consumer group.
     pub group: String,
+    /// The edge's settings.
+    pub settings: Settings,
+    /// Breaker limits.
+    pub breaker: BreakerLimits,
+    /// New quarantines per minute.
+    pub quarantines_per_minute: usize,
+    /// GPU node selector.
+    pub gpu_node_selector: String,
 }
 
 impl Validate for Args {
@@ -66,26 +114,149 @@ impl Validate for Args {
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
         }
-        p.finish(|| Config { common: common.expect("checked"), kafka: kafka.expect("checked"), group: self.group })
+        let mode = p.check(
+            "--mode",
+            match self.mode.as_str() {
+                "monitor-only" => Ok(Mode::MonitorOnly),
+                "cordon-drain" => Ok(Mode::CordonDrain),
+                "full-remediation" => Ok(Mode::FullRemediation),
+                other => Err(format!("'{other}' is not a mode; use monitor-only, cordon-drain or full-remediation")),
+            },
+        );
+        if !(0.0..=1.0).contains(&self.breaker_max_share) {
+            p.push("--breaker-max-share", "must be between 0 and 1");
+        }
+        let window = p.check("--breaker-window", parse_duration(&self.breaker_window));
+        let deadline = p.check("--drain-deadline", parse_duration(&self.drain_deadline));
+        if self.drain_grace_seconds.is_some_and(|g| g < 0) {
+            p.push("--drain-grace-seconds", "must not be negative");
+        }
+        p.finish(|| Config {
+            common: common.expect("checked"),
+            kafka: kafka.expect("checked"),
+            group: self.group,
+            settings: Settings {
+                policy: Policy { mode: mode.expect("checked"), partial_drain: self.partial_drain, ..Policy::default() },
+                drain: DrainPolicy {
+                    mode: DrainMode::Immediate { grace_seconds: self.drain_grace_seconds },
+                    deadline: deadline.expect("checked"),
+                    ..DrainPolicy::default()
+                },
+                ..Settings::default()
+            },
+            breaker: BreakerLimits {
+                max_share: self.breaker_max_share,
+                max_count: self.breaker_max_count,
+                window: window.expect("checked"),
+            },
+            quarantines_per_minute: self.quarantines_per_minute,
+            gpu_node_selector: self.gpu_node_selector,
+        })
     }
 }
 
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
-    let kube_ready = service.readiness.register("kubernetes-api");
+    let kube_ready = service.readiness.register("gpu-nodes-counted");
     let token = service.shutdown.token();
-    service.shutdown.spawn("kubernetes", async move {
-        let client = k8s::client().await?;
-        k8s::watch_reachability(client, kube_ready, Duration::from_secs(15), token).await
-    });
+    let setup = async {
+        let kube_config = kube::Config::infer().await.map_err(|e| Box::new(e) as gpumedic_runtime::BoxError)?;
+        let remediator = Remediator::new(
+            kube_config,
+            config.settings.clone(),
+            Gate::new(config.breaker, config.quarantines_per_minute),
+        )?;
+        let producer = config.kafka.producer(NAME)?;
+        Ok::<_, gpumedic_runtime::BoxError>((remediator, producer))
+    };
+    let (remediator, producer) = match setup.await {
+        Ok(v) => v,
+        Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
+    };
+    tracing::info!(mode = ?config.settings.policy.mode, "Remediator ready.");
+    let gpu_nodes = Arc::new(AtomicUsize::new(0));
+    service.shutdown.spawn(
+        "gpu-node-count",
+        count_gpu_nodes(remediator.client(), config.gpu_node_selector.clone(), gpu_nodes.clone(), kube_ready, token),
+    );
     service.spawn_consumer(
         config.kafka,
         config.group,
         vec![topics::VERDICTS],
         vec![topics::ACTIONS],
         topics::DEFAULT_PARTITIONS,
-        DeadLetterAll { reason: format!("gpumedic-remediator {} does not remediate yet", env!("CARGO_PKG_VERSION")) },
+        Handler { remediator, producer, gpu_nodes },
     );
     service.run().await
+}
+
+/// Keeps the count of GPU nodes (the breaker's denominator) current; ready once counted.
+async fn count_gpu_nodes(
+    client: kube::Client,
+    selector: String,
+    count: Arc<AtomicUsize>,
+    ready: gpumedic_runtime::admin::ReadyFlag,
+    token: tokio_util::sync::CancellationToken,
+) -> Result<(), kube::Error> {
+    loop {
+        match apply::count_nodes(&client, &selector).await {
+            Ok(n) => {
+                count.store(n, Ordering::Release);
+                metrics::gauge!("gpumedic_remediator_gpu_nodes").set(n as f64);
+                ready.set(true);
+            }
+            Err(e) => {
+                ready.set(false);
+                tracing::warn!(error = %e, "Cannot count GPU nodes; the breaker keeps the last count.");
+            }
+        }
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            () = tokio::time::sleep(Duration::from_secs(30)) => {}
+        }
+    }
+}
+
+/// The consumer's handler: apply the verdict, publish the outcome, then let the offset be stored.
+pub struct Handler {
+    remediator: Remediator,
+    producer: Producer,
+    gpu_nodes: Arc<AtomicUsize>,
+}
+
+impl RecordHandler for Handler {
+    async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
+        let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
+        let verdict: Verdict =
+            gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
+        let request = verdicts::remediation(&verdict);
+        let result = match self.remediator.remediate(&request, self.gpu_nodes.load(Ordering::Acquire)).await {
+            Ok(outcome) => Ok(outcome),
+            // A node that no longer exists will not come back for this verdict: record and move on.
+            Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
+            Err(e) => return Err(HandleError::Retry(Box::new(e))),
+        };
+        let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
+        tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,
+            detail = %outcome.detail, "Verdict handled.");
+        metrics::counter!("gpumedic_remediator_outcomes_total", "status" => format!("{:?}", outcome.status).to_lowercase())
+            .increment(1);
+        let bytes = gpumedic_schemas::encode(&outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
+        let id = verdict.verdict_id.to_string();
+        let tp = kafka::traceparent(record.header(record_headers::TRACEPARENT));
+        kafka::publish(
+            &self.producer,
+            topics::ACTIONS,
+            &verdict.node,
+            &bytes,
+            &[
+                (record_headers::TRACEPARENT, tp.as_bytes()),
+                (record_headers::EVENT_ID, id.as_bytes()),
+                (record_headers::CONTENT_TYPE, ActionOutcome::CONTENT_TYPE.as_bytes()),
+            ],
+        )
+        .await
+        .map_err(|e| HandleError::Retry(Box::new(e)))
+    }
 }

@@ -1,0 +1,164 @@
+//! From the public verdict to a remediation request, and from what happened to the action
+//! outcome published on `gpumedic.actions.v1`. Pure mappings.
+
+use gpumedic_schemas::verdict::{RecommendedAction, Verdict};
+use gpumedic_schemas::{ActionOutcome, ActionStatus};
+
+use crate::apply::Outcome;
+use crate::plan::Skip;
+use crate::request::{Action, GpuRef, Remediation, Subsystem};
+
+/// The request a verdict makes of the remediator.
+pub fn remediation(v: &Verdict) -> Remediation {
+    let action = match v.action {
+        RecommendedAction::None | RecommendedAction::Unknown => Action::None,
+        // An operator-defined action (restart Fabric Manager, ...) is theirs to run; the node is
+        // marked, not changed.
+        RecommendedAction::Monitor | RecommendedAction::Custom => Action::Monitor,
+        RecommendedAction::Cordon => Action::Cordon,
+        RecommendedAction::Drain => Action::Drain,
+        RecommendedAction::ResetGpu => Action::ResetGpu,
+        RecommendedAction::RebootNode => Action::RebootNode,
+        RecommendedAction::ReplaceNode => Action::ReplaceNode,
+        RecommendedAction::ContactSupport => Action::ContactSupport,
+    };
+    let gpu = v.entity.gpu_uuid.as_ref().map(|uuid| GpuRef {
+        uuid: uuid.clone(),
+        pci_bus_id: v.entity.pci_bus_id.clone().unwrap_or_default(),
+        index: v.entity.gpu_index.and_then(|i| u32::try_from(i).ok()).unwrap_or(0),
+    });
+    Remediation {
+        node: v.node.clone(),
+        gpu,
+        action,
+        subsystem: subsystem(&v.rule_id),
+        reason: condition_reason(&v.rule_id),
+        message: v.reason.clone(),
+        verdict_id: v.verdict_id.to_string(),
+        incident_id: v.incident_id.to_string(),
+        recovery: v.recovery,
+    }
+}
+
+/// Which node condition a rule speaks to, from its id (the default rule set names its family).
+pub fn subsystem(rule_id: &str) -> Subsystem {
+    let id = rule_id.to_ascii_lowercase();
+    if ["nvlink", "nvswitch", "sxid", "pcie", "xid-74", "xid-144"].iter().any(|k| id.contains(k)) {
+        Subsystem::Interconnect
+    } else if ["ecc", "row-remap", "retired", "memory", "xid-48", "xid-63", "xid-64", "xid-92", "xid-94", "xid-95"]
+        .iter()
+        .any(|k| id.contains(k))
+    {
+        Subsystem::Memory
+    } else if id.contains("maintenance") {
+        Subsystem::Maintenance
+    } else {
+        Subsystem::Gpu
+    }
+}
+
+/// A short CamelCase reason for the node condition: `xid-79-fallen-off-the-bus` gives `Xid79`,
+/// other rule ids their words joined (`temperature-shutdown` gives `TemperatureShutdown`).
+pub fn condition_reason(rule_id: &str) -> String {
+    let mut parts = rule_id.split('-');
+    if let (Some("xid"), Some(code)) = (parts.next(), parts.next())
+        && !code.is_empty()
+        && code.bytes().all(|b| b.is_ascii_digit())
+    {
+        return format!("Xid{code}");
+    }
+    rule_id
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut c = w.chars();
+            c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The outcome record for what the remediator did about `v`.
+pub fn outcome(v: &Verdict, result: &Result<Outcome, String>) -> ActionOutcome {
+    let (status, detail) = match result {
+        Ok(Outcome::Applied { plan, drain }) => {
+            let mut d = describe(plan);
+            if let Some(r) = drain {
+                d.push_str(&format!(
+                    "; drain: {} evicted, {} completed, {} force-deleted, {} skipped, {} blocked, {} remaining, {} failed",
+                    r.evicted.len(),
+                    r.completed.len(),
+                    r.force_deleted.len(),
+                    r.skipped.len(),
+                    r.blocked.len(),
+                    r.remaining.len(),
+                    r.failed.len()
+                ));
+            }
+            (ActionStatus::Applied, d)
+        }
+        Ok(Outcome::AlreadyDone) => (ActionStatus::AlreadyDone, "the node already reflects this verdict".to_owned()),
+        Ok(Outcome::Skipped { reason, would }) => {
+            let status = match reason {
+                Skip::MonitorOnly => ActionStatus::DryRun,
+                Skip::BreakerOpen(_) | Skip::RateLimited(_) => ActionStatus::BlockedByBreaker,
+                _ => ActionStatus::SkippedByMode,
+            };
+            let mut d = format!("did nothing because {reason}");
+            if let Some(plan) = would {
+                d.push_str(&format!("; would have: {}", describe(plan)));
+            }
+            (status, d)
+        }
+        Err(e) => (ActionStatus::Failed, e.clone()),
+    };
+    ActionOutcome {
+        verdict_id: v.verdict_id,
+        node: v.node.clone(),
+        action: v.action,
+        status,
+        detail,
+        at: chrono::Utc::now(),
+    }
+}
+
+/// One line for humans: what a plan changes.
+pub fn describe(plan: &crate::plan::Plan) -> String {
+    let mut parts = Vec::new();
+    if !plan.conditions.is_empty() {
+        parts.push(format!("{} condition(s) set", plan.conditions.len()));
+    }
+    if !plan.add_taints.is_empty() {
+        parts.push(format!("{} taint(s) added", plan.add_taints.len()));
+    }
+    if !plan.remove_taints.is_empty() {
+        parts.push(format!("{} taint(s) removed", plan.remove_taints.len()));
+    }
+    match plan.cordon {
+        Some(true) => parts.push("cordoned".to_owned()),
+        Some(false) => parts.push("uncordoned".to_owned()),
+        None => {}
+    }
+    if plan.drain.is_some() {
+        parts.push("drained".to_owned());
+    }
+    if let Some(state) = plan.set_labels.get(crate::plan::STATE_LABEL) {
+        parts.push(format!("state {state}"));
+    }
+    if parts.is_empty() { "no change".to_owned() } else { parts.join(", ") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_and_subsystems_follow_rule_ids() {
+        assert_eq!(condition_reason("xid-79-fallen-off-the-bus"), "Xid79");
+        assert_eq!(condition_reason("xid-application-repeated"), "XidApplicationRepeated");
+        assert_eq!(condition_reason("temperature-shutdown"), "TemperatureShutdown");
+        assert_eq!(subsystem("xid-79-fallen-off-the-bus"), Subsystem::Gpu);
+        assert_eq!(subsystem("xid-48-alone"), Subsystem::Memory);
+        assert_eq!(subsystem("nvlink-down"), Subsystem::Interconnect);
+        assert_eq!(subsystem("cloud-maintenance"), Subsystem::Maintenance);
+    }
+}
