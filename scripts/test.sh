@@ -15,4 +15,6 @@ command -v cargo >/dev/null || {
 eval "$(./compose/env)"
 export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG
 
+# End-to-end tests start every service binary, so build them all first.
+cargo build --workspace --bins
 cargo test --workspace --no-fail-fast "$@"

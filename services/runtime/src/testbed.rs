@@ -252,6 +252,23 @@ pub fn run_with_invalid_config(binary: &str, args: &[&str]) -> (Option<i32>, Str
     (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// The path of workspace binary `name` (built next to the running test's own folder), for tests
+/// that run several services. Fails with the command that builds them when it is missing.
+pub fn workspace_binary(name: &str) -> Result<std::path::PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(|d| d.parent()).ok_or("the test binary has no parent folder")?;
+    let path = dir.join(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "{} is missing: build the binaries first with `cargo build --workspace --bins` (scripts/test.sh does)",
+            path.display()
+        ))
+    }
+}
+
 /// A local address with a port nobody listens on right now.
 pub fn free_local_addr() -> std::io::Result<std::net::SocketAddr> {
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
