@@ -19,7 +19,7 @@ use std::time::Duration;
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::{
-    self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
+    self, Envelope, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
 };
 use gpumedic_runtime::postgres;
 use gpumedic_runtime::service::Service;
@@ -183,19 +183,14 @@ impl Classifier {
             let v = observe::verdict(&d, chrono::Utc::now());
             let bytes = gpumedic_schemas::encode(&v).expect("verdicts built from decisions always encode");
             let id = v.verdict_id.to_string();
-            let tp = kafka::traceparent(incoming_trace);
-            kafka::publish(
-                &self.producer,
-                topics::VERDICTS,
-                &v.node,
-                &bytes,
-                &[
-                    (record_headers::TRACEPARENT, tp.as_bytes()),
-                    (record_headers::EVENT_ID, id.as_bytes()),
-                    (record_headers::CONTENT_TYPE, Verdict::CONTENT_TYPE.as_bytes()),
-                ],
-            )
-            .await?;
+            let envelope = Envelope {
+                topic: topics::VERDICTS,
+                key: &v.node,
+                id: &id,
+                content_type: Verdict::CONTENT_TYPE,
+                incoming_trace,
+            };
+            kafka::publish_record(&self.producer, envelope, &bytes).await?;
             tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
                 recovery = v.recovery, verdict_id = %v.verdict_id, "Verdict published.");
             metrics::counter!("gpumedic_classifier_verdicts_total", "severity" => format!("{:?}", v.severity).to_lowercase(),

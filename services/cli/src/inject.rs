@@ -6,7 +6,7 @@
 
 use clap::Args;
 use gpumedic_runtime::config::{Problems, Validate as _};
-use gpumedic_runtime::kafka::{self, KafkaArgs, record_headers};
+use gpumedic_runtime::kafka::{self, KafkaArgs};
 use gpumedic_schemas::health::{
     Component, Detail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, Source, XidDetail,
 };
@@ -92,24 +92,25 @@ pub async fn run(args: InjectArgs) -> Result<(), String> {
     let settings =
         args.kafka.clone().validate().map_err(|p| gpumedic_runtime::config::render_problems("gpumedic inject", &p))?;
     let producer = settings.producer("gpumedic-inject").map_err(|e| e.to_string())?;
+    if !kafka::topic_exists(&producer, topics::HEALTH_RAW).await.map_err(|e| e.to_string())? {
+        return Err(format!(
+            "topic {} does not exist on {}; create the pipeline's topics with `gpumedic topics create`",
+            topics::HEALTH_RAW,
+            settings.bootstrap
+        ));
+    }
     for _ in 0..args.count {
         let event = event(&args).map_err(|p| gpumedic_runtime::config::render_problems("gpumedic inject", &p))?;
         let bytes = gpumedic_schemas::encode(&event).map_err(|e| e.to_string())?;
         let id = event.event_id.to_string();
-        let tp = kafka::traceparent(None);
-        kafka::publish(
-            &producer,
-            topics::HEALTH_RAW,
-            &event.node,
-            &bytes,
-            &[
-                (record_headers::TRACEPARENT, tp.as_bytes()),
-                (record_headers::EVENT_ID, id.as_bytes()),
-                (record_headers::CONTENT_TYPE, HealthEvent::CONTENT_TYPE.as_bytes()),
-            ],
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let envelope = kafka::Envelope {
+            topic: topics::HEALTH_RAW,
+            key: &event.node,
+            id: &id,
+            content_type: HealthEvent::CONTENT_TYPE,
+            incoming_trace: None,
+        };
+        kafka::publish_record(&producer, envelope, &bytes).await.map_err(|e| e.to_string())?;
         println!("{id}");
     }
     Ok(())

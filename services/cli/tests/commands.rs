@@ -36,6 +36,8 @@ fn rules_check_accepts_the_defaults_and_lists_every_problem_with_its_line() {
 async fn inject_publishes_a_synthetic_event_on_the_raw_topic() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testbed::unique_name("inject-node");
+    let out = Command::new(BIN).args(["topics", "create", "--kafka-bootstrap", &bootstrap]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = Command::new(BIN)
         .args(["inject", "--kafka-bootstrap", &bootstrap, "--node", &node, "--xid", "79", "--gpu-index", "3"])
         .output()

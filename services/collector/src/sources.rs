@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{self, KafkaError, Producer, record_headers};
+use gpumedic_runtime::kafka::{self, KafkaError, Producer};
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source};
 use gpumedic_schemas::{HealthEvent, Record as _, topics};
 use tokio_util::sync::CancellationToken;
@@ -25,19 +25,14 @@ impl Emitter {
     pub async fn emit(&self, event: &HealthEvent) -> Result<(), KafkaError> {
         let bytes = gpumedic_schemas::encode(event).expect("events built by the collector always encode");
         let id = event.event_id.to_string();
-        let tp = kafka::traceparent(None);
-        kafka::publish(
-            &self.producer,
-            topics::HEALTH_RAW,
-            &event.node,
-            &bytes,
-            &[
-                (record_headers::TRACEPARENT, tp.as_bytes()),
-                (record_headers::EVENT_ID, id.as_bytes()),
-                (record_headers::CONTENT_TYPE, HealthEvent::CONTENT_TYPE.as_bytes()),
-            ],
-        )
-        .await?;
+        let envelope = kafka::Envelope {
+            topic: topics::HEALTH_RAW,
+            key: &event.node,
+            id: &id,
+            content_type: HealthEvent::CONTENT_TYPE,
+            incoming_trace: None,
+        };
+        kafka::publish_record(&self.producer, envelope, &bytes).await?;
         metrics::counter!("gpumedic_collector_events_total", "kind" => format!("{:?}", event.kind)).increment(1);
         Ok(())
     }

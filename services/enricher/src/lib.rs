@@ -150,20 +150,14 @@ impl RecordHandler for Enrich {
         let key = event.node.clone();
         let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, chrono::Utc::now());
         let bytes = gpumedic_schemas::encode(&enriched).map_err(|e| HandleError::Invalid(e.to_string()))?;
-        let traceparent = kafka::traceparent(record.header(record_headers::TRACEPARENT));
-        kafka::publish(
-            &self.producer,
-            topics::HEALTH_ENRICHED,
-            &key,
-            &bytes,
-            &[
-                (record_headers::TRACEPARENT, traceparent.as_bytes()),
-                (record_headers::EVENT_ID, event_id.as_bytes()),
-                (record_headers::CONTENT_TYPE, EnrichedHealthEvent::CONTENT_TYPE.as_bytes()),
-            ],
-        )
-        .await
-        .map_err(|e| HandleError::Retry(Box::new(e)))?;
+        let envelope = kafka::Envelope {
+            topic: topics::HEALTH_ENRICHED,
+            key: &key,
+            id: &event_id,
+            content_type: EnrichedHealthEvent::CONTENT_TYPE,
+            incoming_trace: record.header(record_headers::TRACEPARENT),
+        };
+        kafka::publish_record(&self.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
         metrics::counter!("gpumedic_enricher_events_total").increment(1);
         Ok(())
     }

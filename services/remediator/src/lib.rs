@@ -240,23 +240,19 @@ impl RecordHandler for Handler {
         let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
         tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,
             detail = %outcome.detail, "Verdict handled.");
-        metrics::counter!("gpumedic_remediator_outcomes_total", "status" => format!("{:?}", outcome.status).to_lowercase())
-            .increment(1);
+        // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
+        let status =
+            serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        metrics::counter!("gpumedic_remediator_outcomes_total", "status" => status).increment(1);
         let bytes = gpumedic_schemas::encode(&outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
         let id = verdict.verdict_id.to_string();
-        let tp = kafka::traceparent(record.header(record_headers::TRACEPARENT));
-        kafka::publish(
-            &self.producer,
-            topics::ACTIONS,
-            &verdict.node,
-            &bytes,
-            &[
-                (record_headers::TRACEPARENT, tp.as_bytes()),
-                (record_headers::EVENT_ID, id.as_bytes()),
-                (record_headers::CONTENT_TYPE, ActionOutcome::CONTENT_TYPE.as_bytes()),
-            ],
-        )
-        .await
-        .map_err(|e| HandleError::Retry(Box::new(e)))
+        let envelope = kafka::Envelope {
+            topic: topics::ACTIONS,
+            key: &verdict.node,
+            id: &id,
+            content_type: ActionOutcome::CONTENT_TYPE,
+            incoming_trace: record.header(record_headers::TRACEPARENT),
+        };
+        kafka::publish_record(&self.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))
     }
 }

@@ -506,6 +506,56 @@ pub async fn publish(
         .map_err(|(source, _)| KafkaError::Produce { topic: topic.to_owned(), source })
 }
 
+/// Whether `topic` exists on the cluster (asked of the producer's connection). Publishing to a
+/// missing topic would only time out after `message.timeout.ms`, since auto-creation is off.
+pub async fn topic_exists(producer: &Producer, topic: &str) -> Result<bool, KafkaError> {
+    use rdkafka::producer::Producer as _;
+    let client = producer.clone();
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        client
+            .client()
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .map(|m| m.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    })
+    .await
+    .expect("metadata task")
+    .map_err(|source| KafkaError::Client { what: "metadata request", source })
+}
+
+/// Where a pipeline record goes and what its standard headers say.
+#[derive(Debug, Clone, Copy)]
+pub struct Envelope<'a> {
+    /// The topic.
+    pub topic: &'a str,
+    /// The key: the node name on every gpumedic topic.
+    pub key: &'a str,
+    /// The record's id (`gpumedic.event-id`).
+    pub id: &'a str,
+    /// The record's media type (`content-type`).
+    pub content_type: &'a str,
+    /// The `traceparent` of the record being handled, continued by this one.
+    pub incoming_trace: Option<&'a [u8]>,
+}
+
+/// Publishes a pipeline record with the headers every gpumedic record carries (`traceparent`,
+/// `gpumedic.event-id`, `content-type`) and waits for Kafka's acknowledgement.
+pub async fn publish_record(producer: &Producer, envelope: Envelope<'_>, payload: &[u8]) -> Result<(), KafkaError> {
+    let tp = traceparent(envelope.incoming_trace);
+    publish(
+        producer,
+        envelope.topic,
+        envelope.key,
+        payload,
+        &[
+            (record_headers::TRACEPARENT, tp.as_bytes()),
+            (record_headers::EVENT_ID, envelope.id.as_bytes()),
+            (record_headers::CONTENT_TYPE, envelope.content_type.as_bytes()),
+        ],
+    )
+    .await
+}
+
 /// Creates `topics` (and waits for Kafka) with backoff until it succeeds or `token` is cancelled.
 /// Returns `false` when cancelled first. A service that starts before Kafka stays unready rather
 /// than crash-looping.
