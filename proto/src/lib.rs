@@ -1,5 +1,11 @@
 //! gpumedic's gRPC ingest API: custom health monitors on a node publish events to the collector.
-//! The contract is `proto/gpumedic/ingest/v1/ingest.proto`; this crate is its generated code.
+//! The contract is `proto/gpumedic/ingest/v1/ingest.proto` (documented in docs/ingest.md); this
+//! crate is its generated client and server code, plus [`convert`], the validation and conversion
+//! of an ingest event into the raw `HealthEvent` the collector publishes.
+
+pub mod convert;
+
+pub use convert::{IngestContext, IngestError, to_health_event};
 
 /// Version 1 of the ingest API.
 pub mod ingest {

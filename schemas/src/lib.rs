@@ -8,6 +8,7 @@
 
 pub mod action;
 pub mod avro;
+mod binary;
 pub mod codec;
 pub mod compat;
 pub mod enriched;

@@ -2,6 +2,7 @@
 
 mod common;
 
+use common::XorShift;
 use gpumedic_schemas::codec::{self, DecodeError};
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Verdict};
 
@@ -75,22 +76,6 @@ fn trailing_bytes_are_rejected() {
     payload.extend_from_slice(&[1, 2, 3]);
     let err = codec::decode::<ActionOutcome>(&payload).unwrap_err();
     assert!(matches!(err, DecodeError::TrailingBytes(3)), "{err}");
-}
-
-/// Deterministic xorshift64*, so a failure reproduces from the printed iteration.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
 }
 
 /// Mutates valid payloads (bit flips, byte overwrites with boundary values, truncation,

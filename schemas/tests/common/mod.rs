@@ -1,4 +1,6 @@
-//! Fully populated records for the tests: every optional field set, every detail variant.
+//! Fully populated records for the tests (every optional field set, every detail variant), and a
+//! deterministic random source for the mutation tests. Also included by path by the codec bench
+//! and the fuzz crate's seed-corpus example.
 
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
@@ -187,5 +189,21 @@ pub fn action_outcome() -> ActionOutcome {
         status: ActionStatus::BlockedByBreaker,
         detail: "breaker open: 11 of 100 nodes quarantined (limit 10%)".into(),
         at: at(1_767_225_600_523_456),
+    }
+}
+
+/// Deterministic xorshift64*, so a failure reproduces from the printed iteration.
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
     }
 }
