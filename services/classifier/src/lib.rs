@@ -8,6 +8,7 @@
 //! the same ids (subscribers deduplicate) and rewrites nothing. A ticker closes bursts and quiet
 //! periods when no event arrives. At start the engine's state is rebuilt from the recorded events.
 
+pub mod api;
 pub mod observe;
 pub mod rules;
 pub mod store;
@@ -244,7 +245,8 @@ impl RecordHandler for Handler {
 
 /// Runs the classifier until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
-    let mut service = Service::start(NAME, &config.common);
+    let api_pool = api::SharedPool::default();
+    let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone()));
     let db_ready = service.readiness.register("database");
     let token = service.shutdown.token();
     let setup = async {
@@ -269,6 +271,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
     };
     let pool = classifier.lock().await.pool.clone();
+    let _ = api_pool.set(pool.clone());
     service
         .shutdown
         .spawn("database", postgres::watch_reachability(pool, db_ready, Duration::from_secs(10), token.clone()));

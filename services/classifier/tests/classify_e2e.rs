@@ -161,6 +161,32 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
         .unwrap();
     assert_eq!(verdicts, 2);
 
+    // The incident history API on the admin port tells the same story, and refuses bad filters.
+    let admin = classifier.admin_addr();
+    let (code, body) =
+        testbed::http_get(admin, &format!("/api/v1/incidents?node={node}&status=resolved")).await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let list: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+    assert_eq!(list.len(), 1, "{body}");
+    assert_eq!(list[0]["incident_id"], v.incident_id.to_string());
+    let (code, body) = testbed::http_get(admin, &format!("/api/v1/incidents/{}", v.incident_id)).await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let detail: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(detail["verdicts"].as_array().map(Vec::len), Some(2), "{body}");
+    assert_eq!(detail["events"][0]["event_id"], fault.event_id.to_string(), "{body}");
+    for bad in [
+        "/api/v1/incidents?status=closed",
+        "/api/v1/incidents?limit=0",
+        "/api/v1/incidents?color=red",
+        "/api/v1/incidents/not-a-uuid",
+    ] {
+        let (code, body) = testbed::http_get(admin, bad).await.unwrap();
+        assert_eq!(code, 400, "{bad}: {body}");
+        assert!(body.contains("error"), "{body}");
+    }
+    let (code, _) = testbed::http_get(admin, &format!("/api/v1/incidents/{}", uuid::Uuid::new_v4())).await.unwrap();
+    assert_eq!(code, 404);
+
     // Garbage on the enriched topic goes to its dead-letter topic; the classifier carries on.
     let garbage_key = format!("{node}-garbage");
     publish(&producer, topics::HEALTH_ENRICHED, &garbage_key, b"garbage", &[]).await.unwrap();

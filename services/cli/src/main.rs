@@ -3,6 +3,7 @@
 //! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics and checks
 //! kernel logs with the collector's own parser.
 
+mod incidents;
 mod inject;
 
 use std::process::ExitCode;
@@ -35,6 +36,9 @@ enum Command {
     /// Publish a synthetic health event on the raw topic (marked synthetic): a fault (`--xid 79`,
     /// `--gpu-lost`) or healthy evidence (`--healthy`). Prints each event id.
     Inject(inject::InjectArgs),
+    /// Incident history from the classifier's API: a list with filters, or one incident's story
+    /// with `--id`.
+    Incidents(incidents::IncidentsArgs),
     /// Work with classifier rule files.
     Rules {
         #[command(subcommand)]
@@ -94,6 +98,16 @@ fn main() -> ExitCode {
                         eprintln!("{e}");
                     }
                     eprintln!("{} problem{}", errors.len(), if errors.len() == 1 { "" } else { "s" });
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Incidents(args) => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            match runtime.block_on(incidents::run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("gpumedic incidents: {e}");
                     ExitCode::FAILURE
                 }
             }

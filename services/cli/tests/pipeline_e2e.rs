@@ -224,6 +224,22 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     assert_ne!(other_node.spec.as_ref().and_then(|s| s.unschedulable), Some(true), "Xid 13 once does not cordon");
     assert!(!gpumedic_taint(&other_node));
 
+    // The operator's view: `gpumedic incidents` reads the classifier's API.
+    let api = format!("http://{}", classifier.admin_addr());
+    let out = Command::new(GPUMEDIC).args(["incidents", "--api", &api, "--node", &faulty]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(table.contains(&incident.to_string()) && table.contains("xid-79-fallen-off-the-bus"), "{table}");
+    let out = Command::new(GPUMEDIC)
+        .args(["incidents", "--api", &api, "--id", &incident.to_string(), "--output", "json"])
+        .output()
+        .unwrap();
+    let story: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(story["actions"].as_array().is_some_and(|a| a.iter().any(|a| a["status"] == "applied")), "{story}");
+    let out = Command::new(GPUMEDIC).args(["incidents", "--api", &api, "--status", "closed"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("status"), "a bad filter is refused with the reason");
+
     for s in [&mut collector, &mut enricher, &mut classifier, &mut remediator] {
         let status = s.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
         assert!(status.success());

@@ -114,11 +114,17 @@ async fn metrics_text(State(state): State<AdminState>) -> impl IntoResponse {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render())
 }
 
-/// Serves the admin router on `addr` until `token` is cancelled.
-pub async fn serve(addr: SocketAddr, readiness: Readiness, token: CancellationToken) -> Result<(), AdminError> {
+/// Serves the admin router, plus a service's own read-only routes (`extra`), on `addr` until
+/// `token` is cancelled.
+pub async fn serve(
+    addr: SocketAddr,
+    readiness: Readiness,
+    token: CancellationToken,
+    extra: Router,
+) -> Result<(), AdminError> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| AdminError::Bind { addr, source })?;
     tracing::info!(%addr, "Admin server listening.");
-    let app = router(readiness, token.clone());
+    let app = router(readiness, token.clone()).merge(extra);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { token.cancelled().await })
         .await

@@ -24,11 +24,16 @@ pub struct Service {
 impl Service {
     /// Creates the service and starts its admin server.
     pub fn start(name: &'static str, common: &CommonConfig) -> Self {
+        Self::start_with_routes(name, common, axum::Router::new())
+    }
+
+    /// Like [`Service::start`], with the service's own HTTP routes served beside the admin ones.
+    pub fn start_with_routes(name: &'static str, common: &CommonConfig, routes: axum::Router) -> Self {
         // Install the metrics recorder before anything records.
         admin::metrics_handle();
         let readiness = Readiness::default();
         let mut shutdown = Shutdown::new(common.shutdown_deadline);
-        shutdown.spawn("admin-server", admin::serve(common.admin_addr, readiness.clone(), shutdown.token()));
+        shutdown.spawn("admin-server", admin::serve(common.admin_addr, readiness.clone(), shutdown.token(), routes));
         metrics::gauge!(format!("gpumedic_{name}_up")).set(1.0);
         Self { name, readiness, shutdown }
     }
