@@ -10,7 +10,7 @@ use gpumedic_runtime::kafka::{self, KafkaArgs};
 use gpumedic_schemas::health::{
     Component, Detail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, Source, XidDetail,
 };
-use gpumedic_schemas::{HealthEvent, Record as _, topics};
+use gpumedic_schemas::{HealthEvent, topics};
 
 /// Flags of `gpumedic inject`.
 #[derive(Debug, Args)]
@@ -99,19 +99,12 @@ pub async fn run(args: InjectArgs) -> Result<(), String> {
             settings.bootstrap
         ));
     }
+    // Published exactly as a collector publishes its own events.
+    let emitter = gpumedic_collector::sources::Emitter { producer };
     for _ in 0..args.count {
         let event = event(&args).map_err(|p| gpumedic_runtime::config::render_problems("gpumedic inject", &p))?;
-        let bytes = gpumedic_schemas::encode(&event).map_err(|e| e.to_string())?;
-        let id = event.event_id.to_string();
-        let envelope = kafka::Envelope {
-            topic: topics::HEALTH_RAW,
-            key: &event.node,
-            id: &id,
-            content_type: HealthEvent::CONTENT_TYPE,
-            incoming_trace: None,
-        };
-        kafka::publish_record(&producer, envelope, &bytes).await.map_err(|e| e.to_string())?;
-        println!("{id}");
+        emitter.emit(&event).await.map_err(|e| e.to_string())?;
+        println!("{}", event.event_id);
     }
     Ok(())
 }
