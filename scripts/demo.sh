@@ -99,7 +99,7 @@ tell "pods: $(kubectl get pods -n "$ns" --no-headers | wc -l) training pods in n
 rules=".testbed/demo-rules"
 rm -rf "$rules" && mkdir -p "$rules"
 for f in services/classifier/rules/*.yaml; do
-  sed -e 's/quiet: 15m/quiet: 10s/' "$f" >"$rules/$(basename "$f")"
+  sed -e 's/quiet: 15m/quiet: 20s/' "$f" >"$rules/$(basename "$f")"
 done
 
 export GPUMEDIC_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP" GPUMEDIC_SHUTDOWN_DEADLINE=10s KUBECONFIG
@@ -160,7 +160,7 @@ has_action() { [ -n "$(sql "SELECT 1 FROM actions a JOIN verdicts v USING (verdi
 waitfor 60 "the remediator's action to be recorded" has_action
 tell "recorded: the incident, its verdict and the remediator's action are in PostgreSQL"
 
-say "Recovery: the GPU answers again, and its heartbeats are healthy evidence held for the quiet period (10 s here)"
+say "Recovery: the GPU answers again, and its heartbeats are healthy evidence held for the quiet period (20 s here)"
 uncordoned() {
   [ "$(kubectl get node "$faulty" -o jsonpath='{.spec.unschedulable}')" != true ] &&
     [ "$(kubectl get node "$faulty" -o jsonpath='{.status.conditions[?(@.type=="GpuUnhealthy")].status}')" = False ]

@@ -181,7 +181,7 @@ impl Classifier {
     ) -> Result<Vec<(Decision, Verdict)>, kafka::KafkaError> {
         let mut out = Vec::with_capacity(decisions.len());
         for d in decisions {
-            let v = observe::verdict(&d, chrono::Utc::now());
+            let v = observe::verdict(&d);
             let bytes = gpumedic_schemas::encode(&v).expect("verdicts built from decisions always encode");
             let id = v.verdict_id.to_string();
             let envelope = Envelope {

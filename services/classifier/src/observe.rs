@@ -135,8 +135,11 @@ fn recovery_action(a: XidRecoveryAction) -> &'static str {
     }
 }
 
-/// The public verdict for a decision, issued at `issued_at`.
-pub fn verdict(d: &Decision, issued_at: DateTime<Utc>) -> Verdict {
+/// The public verdict for a decision. It is issued at the decision's own time (the event time
+/// that decided it), so a replay produces the same record, and a consumer can tell a verdict
+/// about an old fault from a fresh one.
+pub fn verdict(d: &Decision) -> Verdict {
+    let issued_at = DateTime::<Utc>::from_timestamp_micros(d.decided_at_micros).unwrap_or_default();
     let mut entity = gpumedic_schemas::health::Entity::default();
     if let Some(gpu) = &d.gpu {
         if gpu.starts_with("GPU-") || gpu.starts_with("MIG-") {

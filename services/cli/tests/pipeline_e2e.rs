@@ -17,14 +17,16 @@ fn bin(name: &str) -> String {
     testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
-/// The default rules, with the Xid 79 quiet period cut to seconds so recovery fits in a test.
+/// The default rules, with the Xid 79 quiet period cut to 20 s so recovery fits in a test. The
+/// engine runs on event time: a classifier catching up on a backlog sees 20 s of heartbeats at
+/// once, so a shorter period could quarantine and recover between two looks at the node.
 fn fast_rules() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(testbed::unique_name("e2e-rules"));
     std::fs::create_dir_all(&dir).unwrap();
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/rules");
     for entry in std::fs::read_dir(src).unwrap() {
         let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap().replace("quiet: 15m", "quiet: 4s");
+        let text = std::fs::read_to_string(&path).unwrap().replace("quiet: 15m", "quiet: 20s");
         std::fs::write(dir.join(path.file_name().unwrap()), text).unwrap();
     }
     dir
@@ -67,12 +69,13 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     let url = testbed::fresh_database(&admin, &db).await.expect("database");
     let kubeconfig = testbed::kubeconfig_path().display().to_string();
 
-    // The fleet: two GPU nodes, four GPU pods on the first.
+    // The fleet: three GPU nodes, four GPU pods on the first.
     let faulty = testbed::unique_name("e2e-gpu");
     let other = testbed::unique_name("e2e-gpu");
+    let repeat = testbed::unique_name("e2e-gpu");
     let ns = testbed::unique_name("e2e-ns");
     let nodes: Api<Node> = Api::all(client.clone());
-    for n in [&faulty, &other] {
+    for n in [&faulty, &other, &repeat] {
         let node =
             json!({ "metadata": { "name": n, "labels": { "nvidia.com/gpu.present": "true", "gpumedic.io/e2e": ns } } });
         nodes.create(&PostParams::default(), &serde_json::from_value(node).unwrap()).await.expect("node");
@@ -150,6 +153,15 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
+    // Garbage on the raw topic goes to its dead-letter topic, and nothing else stops.
+    let garbage_key = format!("{faulty}-garbage");
+    let producer = gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] }
+        .producer("e2e-garbage")
+        .unwrap();
+    gpumedic_runtime::kafka::publish(&producer, gpumedic_schemas::topics::HEALTH_RAW, &garbage_key, b"\xde\xad", &[])
+        .await
+        .unwrap();
+
     // Quarantined: condition, taint, cordon; then drained.
     let node = eventually("the faulty node to be cordoned, tainted and marked", Duration::from_secs(60), async || {
         let n = nodes.get(&faulty).await.ok()?;
@@ -204,6 +216,45 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     })
     .await;
 
+    // Xid 13 repeated on one GPU points at hardware: the default rules escalate to a cordon.
+    let gpu = "GPU-13131313-1313-1313-1313-131313131313";
+    let out = Command::new(GPUMEDIC)
+        .args([
+            "inject",
+            "--kafka-bootstrap",
+            &bootstrap,
+            "--node",
+            &repeat,
+            "--xid",
+            "13",
+            "--gpu-uuid",
+            gpu,
+            "--count",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    eventually("the node with a repeating Xid 13 to be cordoned", Duration::from_secs(60), async || {
+        let n = nodes.get(&repeat).await.ok()?;
+        (n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)).then_some(())
+    })
+    .await;
+    let escalated: String = sqlx::query_scalar("SELECT severity FROM verdicts WHERE node = $1 AND action = 'cordon'")
+        .bind(&repeat)
+        .fetch_one(&pool)
+        .await
+        .expect("a cordon verdict for the repeated Xid 13");
+    assert_eq!(escalated, "warning");
+    let dead = testbed::wait_for_record(
+        &gpumedic_runtime::kafka::dead_letter_topic(gpumedic_schemas::topics::HEALTH_RAW),
+        |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(dead.payload.as_deref(), Some(&b"\xde\xad"[..]));
+
     // Recovery: the simulated GPUs' heartbeats are healthy evidence; after the quiet period the
     // node is restored and the incident resolved.
     eventually("the node to be uncordoned and cleared", Duration::from_secs(60), async || {
@@ -245,7 +296,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         assert!(status.success());
     }
     pool.close().await;
-    for n in [&faulty, &other] {
+    for n in [&faulty, &other, &repeat] {
         nodes.delete(n, &DeleteParams::default()).await.ok();
     }
     namespaces.delete(&ns, &DeleteParams::default()).await.ok();

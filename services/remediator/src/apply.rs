@@ -291,8 +291,22 @@ impl Remediator {
 
 /// Counts the nodes matching `selector` (the GPU nodes the breaker's share is measured against).
 pub async fn count_nodes(client: &kube::Client, selector: &str) -> Result<usize, kube::Error> {
+    Ok(managed_nodes(client, selector).await?.len())
+}
+
+/// The names of the nodes that match `selector`: the GPU nodes gpumedic manages.
+pub async fn managed_nodes(
+    client: &kube::Client,
+    selector: &str,
+) -> Result<std::collections::HashSet<String>, kube::Error> {
     let nodes: Api<Node> = Api::all(client.clone());
-    Ok(nodes.list_metadata(&ListParams::default().labels(selector)).await?.items.len())
+    Ok(nodes
+        .list_metadata(&ListParams::default().labels(selector))
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect())
 }
 
 fn lock(gate: &Mutex<Gate>) -> std::sync::MutexGuard<'_, Gate> {

@@ -83,6 +83,11 @@ pub struct Args {
     /// Evict only the pods on the faulty GPU when the verdict names one.
     #[arg(long, env = "GPUMEDIC_PARTIAL_DRAIN")]
     partial_drain: bool,
+    /// Verdicts issued longer ago than this are reported and not acted on (recoveries still
+    /// are): a new consumer group, or one that was down for hours, must not quarantine nodes for
+    /// faults that were judged long ago.
+    #[arg(long, env = "GPUMEDIC_MAX_VERDICT_AGE", default_value = "15m")]
+    max_verdict_age: String,
 }
 
 /// The validated configuration.
@@ -102,6 +107,8 @@ pub struct Config {
     pub quarantines_per_minute: usize,
     /// GPU node selector.
     pub gpu_node_selector: String,
+    /// The oldest verdict acted on.
+    pub max_verdict_age: Duration,
 }
 
 impl Validate for Args {
@@ -128,6 +135,7 @@ impl Validate for Args {
         }
         let window = p.check("--breaker-window", parse_duration(&self.breaker_window));
         let deadline = p.check("--drain-deadline", parse_duration(&self.drain_deadline));
+        let max_verdict_age = p.check("--max-verdict-age", parse_duration(&self.max_verdict_age));
         if self.drain_grace_seconds.is_some_and(|g| g < 0) {
             p.push("--drain-grace-seconds", "must not be negative");
         }
@@ -151,6 +159,7 @@ impl Validate for Args {
             },
             quarantines_per_minute: self.quarantines_per_minute,
             gpu_node_selector: self.gpu_node_selector,
+            max_verdict_age: max_verdict_age.expect("checked"),
         })
     }
 }
@@ -175,37 +184,64 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
     };
     tracing::info!(mode = ?config.settings.policy.mode, "Remediator ready.");
-    let gpu_nodes = Arc::new(AtomicUsize::new(0));
-    service.shutdown.spawn(
-        "gpu-node-count",
-        count_gpu_nodes(remediator.client(), config.gpu_node_selector.clone(), gpu_nodes.clone(), kube_ready, token),
-    );
+    let fleet = Fleet {
+        client: remediator.client(),
+        selector: config.gpu_node_selector.clone(),
+        names: Arc::new(std::sync::RwLock::new(std::collections::HashSet::new())),
+        count: Arc::new(AtomicUsize::new(0)),
+    };
+    service.shutdown.spawn("gpu-node-count", count_gpu_nodes(fleet.clone(), kube_ready, token));
     service.spawn_consumer(
         config.kafka,
         config.group,
         vec![topics::VERDICTS],
         vec![topics::ACTIONS],
         topics::DEFAULT_PARTITIONS,
-        Handler { remediator, producer, gpu_nodes },
+        Handler { remediator, producer, fleet, max_verdict_age: config.max_verdict_age },
     );
     service.run().await
 }
 
-/// Keeps the count of GPU nodes (the breaker's denominator) current; ready once counted.
-async fn count_gpu_nodes(
+/// The GPU nodes gpumedic manages (those matching `--gpu-node-selector`): it acts on no other
+/// node, and the breaker's share is measured against their number.
+#[derive(Clone)]
+pub struct Fleet {
     client: kube::Client,
     selector: String,
+    names: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     count: Arc<AtomicUsize>,
+}
+
+impl Fleet {
+    async fn refresh(&self) -> Result<usize, kube::Error> {
+        let names = apply::managed_nodes(&self.client, &self.selector).await?;
+        let n = names.len();
+        *self.names.write().expect("fleet lock") = names;
+        self.count.store(n, Ordering::Release);
+        metrics::gauge!("gpumedic_remediator_gpu_nodes").set(n as f64);
+        Ok(n)
+    }
+
+    /// Whether `node` is managed; a node not seen yet triggers one fresh listing, so a node that
+    /// joined since the last refresh is not refused.
+    async fn manages(&self, node: &str) -> Result<bool, kube::Error> {
+        if self.names.read().expect("fleet lock").contains(node) {
+            return Ok(true);
+        }
+        self.refresh().await?;
+        Ok(self.names.read().expect("fleet lock").contains(node))
+    }
+}
+
+/// Keeps the fleet (the breaker's denominator) current; ready once listed.
+async fn count_gpu_nodes(
+    fleet: Fleet,
     ready: gpumedic_runtime::admin::ReadyFlag,
     token: tokio_util::sync::CancellationToken,
 ) -> Result<(), kube::Error> {
     loop {
-        match apply::count_nodes(&client, &selector).await {
-            Ok(n) => {
-                count.store(n, Ordering::Release);
-                metrics::gauge!("gpumedic_remediator_gpu_nodes").set(n as f64);
-                ready.set(true);
-            }
+        match fleet.refresh().await {
+            Ok(_) => ready.set(true),
             Err(e) => {
                 ready.set(false);
                 tracing::warn!(error = %e, "Cannot count GPU nodes; the breaker keeps the last count.");
@@ -222,7 +258,8 @@ async fn count_gpu_nodes(
 pub struct Handler {
     remediator: Remediator,
     producer: Producer,
-    gpu_nodes: Arc<AtomicUsize>,
+    fleet: Fleet,
+    max_verdict_age: Duration,
 }
 
 impl RecordHandler for Handler {
@@ -231,11 +268,18 @@ impl RecordHandler for Handler {
         let verdict: Verdict =
             gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
         let request = verdicts::remediation(&verdict);
-        let result = match self.remediator.remediate(&request, self.gpu_nodes.load(Ordering::Acquire)).await {
-            Ok(outcome) => Ok(outcome),
-            // A node that no longer exists will not come back for this verdict: record and move on.
-            Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
-            Err(e) => return Err(HandleError::Retry(Box::new(e))),
+        let managed = self.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
+        let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), self.max_verdict_age) {
+            Ok(apply::Outcome::Skipped { reason: plan::Skip::Stale(age), would: None })
+        } else if !managed {
+            Ok(apply::Outcome::Skipped { reason: plan::Skip::Unmanaged, would: None })
+        } else {
+            match self.remediator.remediate(&request, self.fleet.count.load(Ordering::Acquire)).await {
+                Ok(outcome) => Ok(outcome),
+                // A node that no longer exists will not come back for this verdict: record and move on.
+                Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
+                Err(e) => return Err(HandleError::Retry(Box::new(e))),
+            }
         };
         let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
         tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,

@@ -442,6 +442,10 @@ pub enum Skip {
     },
     /// The ownership annotation cannot be read; gpumedic will not guess what it owns.
     UnreadableRecord(String),
+    /// The verdict is older than the remediator acts on (its age).
+    Stale(std::time::Duration),
+    /// The node does not match the GPU node selector (or no longer exists).
+    Unmanaged,
 }
 
 impl std::fmt::Display for Skip {
@@ -456,6 +460,10 @@ impl std::fmt::Display for Skip {
             Skip::NothingApplied => f.write_str("gpumedic has applied nothing to the node"),
             Skip::OtherIncident { active } => write!(f, "the node is held for another incident ({active})"),
             Skip::UnreadableRecord(e) => write!(f, "the {APPLIED_ANNOTATION} annotation cannot be read: {e}"),
+            Skip::Stale(age) => write!(f, "the verdict is stale (issued {}s ago)", age.as_secs()),
+            Skip::Unmanaged => {
+                f.write_str("the node is not a managed GPU node (it does not match the GPU node selector)")
+            }
         }
     }
 }

@@ -77,6 +77,17 @@ pub fn condition_reason(rule_id: &str) -> String {
         .collect()
 }
 
+/// How old `v` is when it is too old to act on: never for a recovery, which only removes what
+/// gpumedic applied and is safe whenever it comes.
+pub fn stale(
+    v: &Verdict,
+    now: chrono::DateTime<chrono::Utc>,
+    max_age: std::time::Duration,
+) -> Option<std::time::Duration> {
+    let age = (now - v.issued_at).to_std().ok()?;
+    (!v.recovery && age > max_age).then_some(age)
+}
+
 /// The outcome record for what the remediator did about `v`.
 pub fn outcome(v: &Verdict, result: &Result<Outcome, String>) -> ActionOutcome {
     let (status, detail) = match result {
@@ -150,6 +161,33 @@ pub fn describe(plan: &crate::plan::Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn old_verdicts_are_stale_but_recoveries_never_are() {
+        let now = chrono::Utc::now();
+        let mut v = Verdict {
+            verdict_id: uuid::Uuid::nil(),
+            incident_id: uuid::Uuid::nil(),
+            node: "n".into(),
+            entity: Default::default(),
+            severity: gpumedic_schemas::Severity::Critical,
+            rule_id: "xid-79-fallen-off-the-bus".into(),
+            rule_version: 1,
+            action: RecommendedAction::RebootNode,
+            custom_action: None,
+            reason: String::new(),
+            evidence: vec![],
+            issued_at: now - chrono::Duration::minutes(20),
+            recovery: false,
+        };
+        let limit = std::time::Duration::from_secs(15 * 60);
+        assert!(stale(&v, now, limit).is_some_and(|age| age.as_secs() >= 1200));
+        v.recovery = true;
+        assert_eq!(stale(&v, now, limit), None);
+        v.recovery = false;
+        v.issued_at = now - chrono::Duration::minutes(1);
+        assert_eq!(stale(&v, now, limit), None);
+    }
 
     #[test]
     fn reasons_and_subsystems_follow_rule_ids() {
