@@ -4,6 +4,7 @@
 //! This crate holds the service frame: configuration, the Kafka producer and its readiness. The
 //! health sources (NVML, kernel log, DCGM, cloud maintenance, gRPC ingest) plug in behind it.
 
+pub mod dcgm;
 pub mod gpu;
 pub mod kernel_log;
 pub mod sampler;
