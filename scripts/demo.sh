@@ -103,6 +103,10 @@ for f in services/classifier/rules/*.yaml; do
 done
 
 export GPUMEDIC_KAFKA_BOOTSTRAP="$KAFKA_BOOTSTRAP" GPUMEDIC_SHUTDOWN_DEADLINE=10s KUBECONFIG
+# Each run uses new consumer groups; starting them at the end of the topics keeps this run's story
+# from queueing behind every record earlier runs and tests left (production groups start at the
+# beginning, so nothing is missed after a first deployment).
+fresh_groups="auto.offset.reset=latest"
 "$bin/gpumedic" topics create --kafka-bootstrap "$KAFKA_BOOTSTRAP" >/dev/null
 
 declare -A pid=()
@@ -124,10 +128,10 @@ for n in "${nodes[@]}"; do
     GPUMEDIC_SAMPLE_INTERVAL=1s GPUMEDIC_HEARTBEAT_INTERVAL=2s GPUMEDIC_KMSG_PATH=off "$bin/gpumedic-collector"
   port=$((port + 1))
 done
-start enricher 9402 GPUMEDIC_GROUP="demo-$run_id-enricher" GPUMEDIC_CLUSTER_NAME=demo "$bin/gpumedic-enricher"
-start classifier 9403 GPUMEDIC_GROUP="demo-$run_id-classifier" GPUMEDIC_DATABASE_URL="$DATABASE_URL" \
+start enricher 9402 GPUMEDIC_KAFKA_OPTIONS="$fresh_groups" GPUMEDIC_GROUP="demo-$run_id-enricher" GPUMEDIC_CLUSTER_NAME=demo "$bin/gpumedic-enricher"
+start classifier 9403 GPUMEDIC_KAFKA_OPTIONS="$fresh_groups" GPUMEDIC_GROUP="demo-$run_id-classifier" GPUMEDIC_DATABASE_URL="$DATABASE_URL" \
   GPUMEDIC_RULES_DIR="$rules" GPUMEDIC_ALLOW_SYNTHETIC=true GPUMEDIC_TICK=500ms "$bin/gpumedic-classifier"
-start remediator 9404 GPUMEDIC_GROUP="demo-$run_id-remediator" GPUMEDIC_MODE=cordon-drain \
+start remediator 9404 GPUMEDIC_KAFKA_OPTIONS="$fresh_groups" GPUMEDIC_GROUP="demo-$run_id-remediator" GPUMEDIC_MODE=cordon-drain \
   GPUMEDIC_GPU_NODE_SELECTOR="gpumedic.io/demo=$run_id" GPUMEDIC_BREAKER_MAX_SHARE=0.5 \
   GPUMEDIC_DRAIN_GRACE_SECONDS=0 GPUMEDIC_DRAIN_DEADLINE=60s "$bin/gpumedic-remediator"
 tell "collectors on 9410-9413, enricher 9402, classifier 9403, remediator 9404 (/healthz /readyz /metrics)"

@@ -95,6 +95,9 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     // The four services, each in its own consumer group so this test sees every record.
     let rules = fast_rules();
     let kafka = ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone());
+    // New groups start at the end of the topics: this test's records are not queued behind every
+    // record earlier tests left on the shared topics.
+    let fresh = ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned());
     let mut collector = ServiceProcess::start(
         &bin("gpumedic-collector"),
         &[],
@@ -111,7 +114,12 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     let mut enricher = ServiceProcess::start(
         &bin("gpumedic-enricher"),
         &[],
-        &[kafka.clone(), ("GPUMEDIC_GROUP", testbed::unique_name("e2e-enricher")), ("KUBECONFIG", kubeconfig.clone())],
+        &[
+            kafka.clone(),
+            fresh.clone(),
+            ("GPUMEDIC_GROUP", testbed::unique_name("e2e-enricher")),
+            ("KUBECONFIG", kubeconfig.clone()),
+        ],
     )
     .unwrap();
     let mut classifier = ServiceProcess::start(
@@ -119,6 +127,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-classifier")),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
@@ -132,6 +141,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-remediator")),
             ("KUBECONFIG", kubeconfig.clone()),
             ("GPUMEDIC_MODE", "cordon-drain".into()),
