@@ -56,7 +56,9 @@ impl ClusterCache {
         self.inner.read().expect("cache lock").nodes.len()
     }
 
-    fn apply_node(&self, node: &Node, settings: &ContextSettings) {
+    /// Adds or replaces `node` (what the Node watcher does on every change; public so benches
+    /// and tests fill the cache without a cluster).
+    pub fn apply_node(&self, node: &Node, settings: &ContextSettings) {
         let labels: BTreeMap<String, String> = node.labels().clone();
         let context = node_context(&labels, &settings.selected_labels, settings.cluster.as_deref());
         let mut index = self.inner.write().expect("cache lock");
@@ -70,7 +72,8 @@ impl ClusterCache {
         self.inner.write().expect("cache lock").nodes.remove(&node.name_any());
     }
 
-    fn apply_pod(&self, pod: &Pod) {
+    /// Adds, moves or removes `pod`'s workload entry (what the Pod watcher does on every change).
+    pub fn apply_pod(&self, pod: &Pod) {
         let key = pod_key(pod);
         let Some((node, workload)) = gpu_workload(pod) else {
             // No longer a bound, running GPU pod (finished, or never was one).

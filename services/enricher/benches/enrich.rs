@@ -1,0 +1,151 @@
+//! Throughput of the enrich step alone, on one core: what the enricher's record handler does
+//! between Kafka's poll and Kafka's produce (decode the raw record, look the node up in the watch
+//! cache, join the Xid catalog and the node's GPU workloads, encode the enriched record).
+//! The issue's goal is at least 50,000 events per second per core.
+//!
+//! The cache holds 1,000 nodes with 8 GPU pods each (one pod per GPU, tied to it by the
+//! `gpumedic.io/gpu-uuids` annotation), as the watchers would fill it. Events are a realistic mix:
+//! mostly per-GPU telemetry (temperature heartbeats), some Xids (with catalog context), and a few
+//! for nodes the cache does not know.
+//!
+//! ```sh
+//! cargo bench -p gpumedic-enricher --bench enrich -- --warm-up-time 1 --measurement-time 5
+//! ```
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+
+use chrono::Utc;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gpumedic_enricher::cache::{ClusterCache, ContextSettings};
+use gpumedic_enricher::catalog::XidCatalog;
+use gpumedic_enricher::enrich;
+use gpumedic_schemas::health::{Component, Detail, Entity, Source, TemperatureDetail, XidDetail};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+const NODES: usize = 1_000;
+const GPUS: usize = 8;
+
+fn gpu_uuid(node: usize, gpu: usize) -> String {
+    format!("GPU-{node:08x}-0000-0000-0000-{gpu:012x}")
+}
+
+fn node_name(node: usize) -> String {
+    format!("gpu-node-{node:04}")
+}
+
+fn filled_cache() -> ClusterCache {
+    let cache = ClusterCache::default();
+    let settings = ContextSettings {
+        selected_labels: vec!["gpumedic.io/pool".into(), "topology.kubernetes.io/region".into()],
+        cluster: Some("bench".into()),
+    };
+    for n in 0..NODES {
+        let labels: BTreeMap<&str, &str> = BTreeMap::from([
+            ("node.kubernetes.io/instance-type", "p5.48xlarge"),
+            ("topology.kubernetes.io/zone", "us-east-1a"),
+            ("topology.kubernetes.io/region", "us-east-1"),
+            ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+            ("nvidia.com/cuda.driver-version.full", "570.86.15"),
+            ("nvidia.com/gpu.present", "true"),
+            ("gpumedic.io/pool", "training"),
+        ]);
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": node_name(n), "labels": labels },
+        }))
+        .expect("node");
+        cache.apply_node(&node, &settings);
+        for g in 0..GPUS {
+            let pod: Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": format!("train-{n}-{g}"),
+                    "namespace": "ml",
+                    "annotations": { "gpumedic.io/gpu-uuids": gpu_uuid(n, g) },
+                    "ownerReferences": [{ "apiVersion": "batch/v1", "kind": "Job", "name": format!("train-{n}"),
+                                          "uid": "00000000-0000-0000-0000-000000000000", "controller": true }],
+                },
+                "spec": {
+                    "nodeName": node_name(n),
+                    "containers": [{ "name": "main", "image": "trainer",
+                                     "resources": { "limits": { "nvidia.com/gpu": "1" } } }],
+                },
+                "status": { "phase": "Running" },
+            }))
+            .expect("pod");
+            cache.apply_pod(&pod);
+        }
+    }
+    assert_eq!(cache.node_count(), NODES);
+    cache
+}
+
+/// 1,000 framed raw events: 94% telemetry, 5% Xids, 1% for nodes the cache does not know.
+fn raw_events() -> Vec<Vec<u8>> {
+    (0..1_000)
+        .map(|i| {
+            let n = (i * 7) % NODES;
+            let g = i % GPUS;
+            let entity = Entity { gpu_uuid: Some(gpu_uuid(n, g)), gpu_index: Some(g as i32), ..Entity::default() };
+            let (node, component, detail) = match i % 100 {
+                0..5 => (
+                    node_name(n),
+                    Component::Gpu,
+                    Detail::Xid(XidDetail {
+                        code: [79, 48, 13, 94, 63][i % 5],
+                        text: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.".into(),
+                        pid: Some(1234),
+                        process: Some("python".into()),
+                        nvlink5: None,
+                        recovery_action: None,
+                    }),
+                ),
+                5 => (format!("unknown-{n}"), Component::Gpu, Detail::Temperature(temperature())),
+                _ => (node_name(n), Component::Gpu, Detail::Temperature(temperature())),
+            };
+            let event = HealthEvent::new(node, Source::Nvml, component, entity, detail);
+            gpumedic_schemas::encode(&event).expect("encodes")
+        })
+        .collect()
+}
+
+fn temperature() -> TemperatureDetail {
+    TemperatureDetail { celsius: 61, slowdown_celsius: Some(87), shutdown_celsius: Some(92) }
+}
+
+/// The handler's work for one record, without Kafka.
+fn enrich_step(cache: &ClusterCache, catalog: &XidCatalog, payload: &[u8], out: &mut Vec<u8>) {
+    let event: HealthEvent = gpumedic_schemas::decode(payload).expect("decodes");
+    let node = cache.node(&event.node);
+    let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_ref(), catalog, Utc::now());
+    out.clear();
+    gpumedic_schemas::codec::encode_into(&enriched, out).expect("encodes");
+}
+
+fn bench(c: &mut Criterion) {
+    let cache = filled_cache();
+    let catalog = XidCatalog::embedded();
+    let events = raw_events();
+    let mut out = Vec::with_capacity(1024);
+
+    // Check the step does what the service does before timing it.
+    enrich_step(&cache, &catalog, &events[0], &mut out);
+    let enriched: EnrichedHealthEvent = gpumedic_schemas::decode(&out).expect("round trip");
+    assert!(!enriched.node_unknown);
+    assert!(enriched.xid_catalog.is_some(), "the first event is an Xid 79 with catalog context");
+    assert_eq!(enriched.workloads.len(), 1, "narrowed to the pod on the faulty GPU");
+
+    let mut group = c.benchmark_group("enrich");
+    group.throughput(Throughput::Elements(events.len() as u64));
+    group.bench_function("decode_enrich_encode_1000_mixed", |b| {
+        b.iter(|| {
+            for payload in &events {
+                enrich_step(&cache, &catalog, black_box(payload), &mut out);
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
