@@ -5,6 +5,7 @@
 
 mod incidents;
 mod inject;
+mod replay;
 
 use std::process::ExitCode;
 
@@ -39,6 +40,12 @@ enum Command {
     /// Incident history from the classifier's API: a list with filters, or one incident's story
     /// with `--id`.
     Incidents(incidents::IncidentsArgs),
+    /// Replay a topic over a time range (or an exported file): export it, re-publish it, or
+    /// backtest a rule set against it.
+    Replay {
+        #[command(subcommand)]
+        command: replay::ReplayCommand,
+    },
     /// Work with classifier rule files.
     Rules {
         #[command(subcommand)]
@@ -122,6 +129,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Replay { command } => match replay::run(command) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("gpumedic replay: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Topics { command: TopicsCommand::List } => {
             for t in topics::ALL {
                 println!("{t}");
