@@ -3,6 +3,7 @@
 //! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics and checks
 //! kernel logs with the collector's own parser.
 
+mod demo;
 mod incidents;
 mod inject;
 mod replay;
@@ -27,6 +28,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the whole pipeline on this machine with a simulated GPU fleet: bring the testbed up,
+    /// start the four services, inject Xid 79, and narrate detection, classification, cordon,
+    /// drain, the incident in Postgres and the recovery.
+    Demo(demo::DemoArgs),
     /// Print one JSON object per GPU health event found in a kernel log (FILE, or stdin), using
     /// the collector's parser: Xid, SXid, fallen off the bus, MCE, PCIe AER. Other lines print
     /// nothing.
@@ -125,6 +130,16 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("gpumedic inject: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Demo(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            match runtime.block_on(demo::run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("\ndemo failed: {e:#}");
                     ExitCode::FAILURE
                 }
             }
