@@ -1,29 +1,34 @@
 //! The collector: one per GPU node (a DaemonSet). It turns what the node knows about its GPUs into
 //! raw health events on `gpumedic.health.raw.v1`, keyed by node name.
 //!
-//! This crate holds the service frame: configuration, the Kafka producer and its readiness. The
-//! health sources (NVML, kernel log, DCGM, cloud maintenance, gRPC ingest) plug in behind it.
+//! This crate holds the service frame: configuration, the publisher (Kafka with an on-disk spool
+//! for outages) and its readiness. The health sources (NVML, kernel log, DCGM, cloud
+//! maintenance, gRPC ingest, fault injection) plug in behind it.
 
 pub mod dcgm;
 pub mod gpu;
+pub mod ingest;
 pub mod kernel_log;
+pub mod publisher;
 pub mod sampler;
 pub mod sources;
+pub mod spool;
+pub mod synthetic;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
-use gpumedic_runtime::kafka::{self, KafkaArgs, KafkaSettings, TopicSpec};
+use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration, parse_socket_addr};
+use gpumedic_runtime::kafka::{self, KafkaArgs, KafkaSettings};
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::health::Source;
 use gpumedic_schemas::{HealthEvent, topics};
 
 use crate::gpu::{GpuBackend, NvmlBackend, Simulated};
-use crate::sources::Emitter;
-use rdkafka::producer::Producer as _;
+use crate::publisher::{Publisher, PublisherSettings};
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "collector";
@@ -57,9 +62,28 @@ pub struct Args {
     /// The kernel log to follow (`off` to disable).
     #[arg(long, env = "GPUMEDIC_KMSG_PATH", default_value = "/dev/kmsg")]
     kmsg_path: String,
-    /// Where the collector keeps its state (the kernel-log cursor); a hostPath in Kubernetes.
+    /// Where the collector keeps its state (the kernel-log cursor, the spool); a hostPath in
+    /// Kubernetes.
     #[arg(long, env = "GPUMEDIC_STATE_DIR", default_value = "/var/lib/gpumedic")]
     state_dir: PathBuf,
+    /// Most bytes the on-disk spool (`<state-dir>/spool`) holds while Kafka is unreachable
+    /// (suffix KiB, MiB or GiB); when full, healthy heartbeats are dropped first.
+    #[arg(long, env = "GPUMEDIC_SPOOL_MAX_BYTES", default_value = "256MiB")]
+    spool_max_bytes: String,
+    /// How long Kafka may take to acknowledge an event before it is spooled instead.
+    #[arg(long, env = "GPUMEDIC_DELIVERY_TIMEOUT", default_value = "10s")]
+    delivery_timeout: String,
+    /// The unix socket of the gRPC ingest API for custom monitors: a path, empty for
+    /// `<state-dir>/ingest.sock`, or `off`.
+    #[arg(long, env = "GPUMEDIC_INGEST_SOCKET", default_value = "")]
+    ingest_socket: String,
+    /// Largest gRPC ingest message accepted (suffix KiB, MiB or GiB).
+    #[arg(long, env = "GPUMEDIC_INGEST_MAX_MESSAGE_BYTES", default_value = "4MiB")]
+    ingest_max_message_bytes: String,
+    /// Enables fault injection: an HTTP endpoint on this loopback address (e.g. 127.0.0.1:9401)
+    /// that publishes synthetic events for this node. Off when empty.
+    #[arg(long, env = "GPUMEDIC_SYNTHETIC_ADDR", default_value = "")]
+    synthetic_addr: String,
 }
 
 /// Which GPU backend to run.
@@ -94,6 +118,16 @@ pub struct Config {
     pub kmsg_path: Option<PathBuf>,
     /// The state folder.
     pub state_dir: PathBuf,
+    /// The spool's bound in bytes.
+    pub spool_max_bytes: u64,
+    /// How long a delivery may take before the event is spooled.
+    pub delivery_timeout: Duration,
+    /// The ingest socket, when the ingest API is served.
+    pub ingest_socket: Option<PathBuf>,
+    /// Largest ingest message, in bytes.
+    pub ingest_max_message_bytes: usize,
+    /// The fault-injection endpoint's address (loopback), when enabled.
+    pub synthetic_addr: Option<SocketAddr>,
 }
 
 impl Validate for Args {
@@ -119,6 +153,50 @@ impl Validate for Args {
         let sample_interval = p.check("--sample-interval", parse_duration(&self.sample_interval));
         let heartbeat_interval = p.check("--heartbeat-interval", parse_duration(&self.heartbeat_interval));
         let sample_timeout = p.check("--sample-timeout", parse_duration(&self.sample_timeout));
+        let spool_max_bytes = p.check(
+            "--spool-max-bytes",
+            parse_bytes(&self.spool_max_bytes).and_then(|b| {
+                if b < 1024 * 1024 {
+                    Err(format!("{b} bytes is too small for a spool; give at least 1MiB"))
+                } else {
+                    Ok(b)
+                }
+            }),
+        );
+        let delivery_timeout = p.check("--delivery-timeout", parse_duration(&self.delivery_timeout));
+        let ingest_max_message_bytes = p.check(
+            "--ingest-max-message-bytes",
+            parse_bytes(&self.ingest_max_message_bytes)
+                .and_then(|b| usize::try_from(b).map_err(|_| format!("{b} bytes is too large"))),
+        );
+        let ingest_socket = match self.ingest_socket.as_str() {
+            "off" => None,
+            "" => Some(self.state_dir.join("ingest.sock")),
+            path => Some(PathBuf::from(path)),
+        };
+        if let Some(path) = &ingest_socket
+            && path.as_os_str().len() > 107
+        {
+            p.push(
+                "--ingest-socket",
+                format!("{} is longer than a unix socket path may be (107 bytes)", path.display()),
+            );
+        }
+        let synthetic_addr = match self.synthetic_addr.as_str() {
+            "" | "off" => None,
+            raw => p.check(
+                "--synthetic-addr",
+                parse_socket_addr(raw).and_then(|addr| {
+                    if addr.ip().is_loopback() {
+                        Ok(addr)
+                    } else {
+                        Err(format!(
+                            "{addr} is not a loopback address: fault injection can cordon nodes, so it listens on 127.0.0.1 or [::1] only"
+                        ))
+                    }
+                }),
+            ),
+        };
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
@@ -129,8 +207,34 @@ impl Validate for Args {
             sample_timeout: sample_timeout.expect("checked"),
             kmsg_path: (self.kmsg_path != "off" && !self.kmsg_path.is_empty()).then(|| PathBuf::from(self.kmsg_path)),
             state_dir: self.state_dir,
+            spool_max_bytes: spool_max_bytes.expect("checked"),
+            delivery_timeout: delivery_timeout.expect("checked"),
+            ingest_socket,
+            ingest_max_message_bytes: ingest_max_message_bytes.expect("checked"),
+            synthetic_addr,
         })
     }
+}
+
+/// Parses a size in bytes: a number with an optional `KiB`, `MiB` or `GiB` suffix.
+pub fn parse_bytes(raw: &str) -> Result<u64, String> {
+    let raw = raw.trim();
+    let (digits, unit) = match raw.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => raw.split_at(i),
+        None => (raw, ""),
+    };
+    let factor: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("'{raw}': unknown unit '{other}'; use KiB, MiB or GiB")),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(factor))
+        .ok_or_else(|| format!("'{raw}' is not a size such as 256MiB"))
 }
 
 /// True for a valid DNS-1123 subdomain, the rule Kubernetes applies to node names.
@@ -151,22 +255,34 @@ pub enum CollectorError {
     /// Kafka failed.
     #[error(transparent)]
     Kafka(#[from] kafka::KafkaError),
+    /// The spool could not be opened.
+    #[error(transparent)]
+    Spool(#[from] spool::SpoolError),
 }
 
 /// Runs the collector until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
-    let ready = service.readiness.register("kafka-producer");
+    let ready = service.readiness.register("publisher");
     let token = service.shutdown.token();
-    let specs = [TopicSpec::new(topics::HEALTH_RAW, topics::DEFAULT_PARTITIONS)];
-    if !kafka::wait_for_topics(&config.kafka, &specs, &token).await {
-        return service.run().await;
-    }
-    let producer = match config.kafka.producer(&format!("{NAME}-{}", config.node_name)) {
-        Ok(p) => p,
-        Err(e) => return Err(ShutdownError::TaskFailed { task: "producer".into(), source: Box::new(e) }),
-    };
-    let emitter = Emitter { producer: producer.clone() };
+    let failed = |task: &str, e: CollectorError| ShutdownError::TaskFailed { task: task.into(), source: Box::new(e) };
+    // Kafka's own deadline for an acknowledgement, unless the operator set one: past it the event
+    // goes to the spool. Operator options come later and win.
+    let mut kafka = config.kafka.clone();
+    kafka.options.insert(0, ("message.timeout.ms".into(), config.delivery_timeout.as_millis().to_string()));
+    let producer = kafka.producer(&format!("{NAME}-{}", config.node_name)).map_err(|e| failed("producer", e.into()))?;
+    // The publisher starts without Kafka: events spool until the broker answers.
+    let (publisher, sink) = Publisher::open(
+        PublisherSettings {
+            kafka: config.kafka.clone(),
+            topic: topics::HEALTH_RAW.to_owned(),
+            spool_dir: config.state_dir.join("spool"),
+            spool_max_bytes: config.spool_max_bytes,
+        },
+        producer,
+    )
+    .map_err(|e| failed("spool", e.into()))?;
+    service.shutdown.spawn("publisher", publisher.run(token.clone()));
     ready.set(true);
     tracing::info!(node = %config.node_name, topic = topics::HEALTH_RAW, "Collector ready to publish.");
 
@@ -193,7 +309,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                     }),
                 );
                 event.healthy = false;
-                let _ = emitter.emit(&event).await;
+                let _ = sink.emit(&event).await;
                 None
             }
         },
@@ -210,7 +326,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                     timeout: config.sample_timeout,
                 },
                 backend,
-                emitter.clone(),
+                sink.clone(),
                 token.clone(),
             ),
         );
@@ -225,22 +341,22 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 config.node_name.clone(),
                 path,
                 config.state_dir.clone(),
-                emitter,
+                sink.clone(),
                 token.clone(),
             ),
         );
     }
-    service.shutdown.spawn("producer-flush", async move {
-        token.cancelled().await;
-        ready.set(false);
-        // Deliver what is queued before leaving; the deadline bounds this too.
-        if let Err(e) =
-            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10))).await.unwrap_or(Ok(()))
-        {
-            tracing::error!(error = %e, "Some health events were not delivered before shutdown.");
-        }
-        Ok::<_, CollectorError>(())
-    });
+    if let Some(socket) = config.ingest_socket.clone() {
+        let settings = ingest::IngestSettings {
+            socket,
+            node: config.node_name.clone(),
+            max_message_bytes: config.ingest_max_message_bytes,
+        };
+        service.shutdown.spawn("ingest", ingest::serve(settings, sink.clone(), token.clone()));
+    }
+    if let Some(addr) = config.synthetic_addr {
+        service.shutdown.spawn("synthetic", synthetic::serve(addr, config.node_name.clone(), sink, token.clone()));
+    }
     service.run().await
 }
 
@@ -256,5 +372,32 @@ mod tests {
         assert!(!is_dns_subdomain("GPU_Node"));
         assert!(!is_dns_subdomain("-node"));
         assert!(!is_dns_subdomain("a..b"));
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_bytes("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert!(parse_bytes("12MB").is_err());
+        assert!(parse_bytes("lots").is_err());
+    }
+
+    fn args(extra: &[&str]) -> Result<Config, Problems> {
+        let mut argv = vec!["gpumedic-collector", "--kafka-bootstrap", "127.0.0.1:1", "--node-name", "n1"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).expect("parses").validate()
+    }
+
+    #[test]
+    fn fault_injection_is_off_by_default_and_loopback_only() {
+        let c = args(&[]).expect("valid");
+        assert_eq!(c.synthetic_addr, None);
+        assert_eq!(c.ingest_socket, Some(PathBuf::from("/var/lib/gpumedic/ingest.sock")));
+        assert!(args(&["--synthetic-addr", "127.0.0.1:9401"]).is_ok());
+        assert!(args(&["--synthetic-addr", "[::1]:9401"]).is_ok());
+        let err = args(&["--synthetic-addr", "0.0.0.0:9401"]).expect_err("not loopback");
+        assert!(err.list().iter().any(|p| p.field == "--synthetic-addr" && p.message.contains("loopback")));
+        assert_eq!(args(&["--ingest-socket", "off"]).expect("valid").ingest_socket, None);
     }
 }

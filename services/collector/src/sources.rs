@@ -1,4 +1,6 @@
-//! The collector's long-running sources and the one place events leave the node.
+//! The collector's long-running sources, and [`Emitter`], which publishes straight to Kafka
+//! without the spool (for `gpumedic inject`; the service's sources publish through
+//! [`crate::publisher::Sink`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::gpu::GpuBackend;
 use crate::kernel_log::kmsg::{Cursor, KmsgReader, Resume, current_boot_id};
 use crate::kernel_log::{LogParser, event::to_health_event};
+use crate::publisher::{Outbox, Sink};
 use crate::sampler::Sampler;
 
 /// Publishes health events on the raw topic, keyed by node, with the standard headers.
@@ -86,7 +89,7 @@ pub struct SamplingSettings {
 pub async fn sample_gpus(
     settings: SamplingSettings,
     backend: Box<dyn GpuBackend>,
-    emitter: Emitter,
+    sink: Sink,
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
     let SamplingSettings { node, source, interval, heartbeat, timeout } = settings;
@@ -94,6 +97,9 @@ pub async fn sample_gpus(
     let mut sampler = Sampler::new(&node, source, heartbeat);
     let backend = std::sync::Arc::new(std::sync::Mutex::new(backend));
     let mut hung = false;
+    // Sampling never waits for the broker: the outbox drops heartbeats when the publisher is
+    // saturated and keeps faults for the next turn.
+    let mut outbox = Outbox::new(sink);
     loop {
         let b = backend.clone();
         let call = tokio::task::spawn_blocking(move || b.lock().expect("backend lock").sample());
@@ -128,11 +134,7 @@ pub async fn sample_gpus(
                 )]
             }
         };
-        for e in &events {
-            if !emitter.emit_until_done(e, &token).await {
-                return Ok(());
-            }
-        }
+        outbox.offer(events);
         tokio::select! {
             () = token.cancelled() => return Ok(()),
             () = tokio::time::sleep(interval) => {}
@@ -146,7 +148,7 @@ pub async fn follow_kernel_log(
     node: String,
     path: PathBuf,
     state_dir: PathBuf,
-    emitter: Emitter,
+    emitter: Sink,
     token: CancellationToken,
 ) -> Result<(), crate::kernel_log::kmsg::KmsgError> {
     let cursor_path = state_dir.join("kmsg.cursor");

@@ -10,6 +10,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 #[tokio::test]
 async fn starts_reports_ready_and_stops_on_sigterm() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    // A state folder of its own: the spool and the ingest socket live there.
+    let state = std::env::temp_dir().join(testbed::unique_name("collector-lifecycle"));
     testbed::assert_service_lifecycle(
         BIN,
         &[],
@@ -18,11 +20,13 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
             ("GPUMEDIC_NODE_NAME", testbed::unique_name("lifecycle-node")),
             ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
             ("GPUMEDIC_KMSG_PATH", "off".into()),
+            ("GPUMEDIC_STATE_DIR", state.display().to_string()),
         ],
         Duration::from_secs(60),
         Duration::from_secs(10),
     )
     .await;
+    std::fs::remove_dir_all(&state).ok();
 }
 
 #[test]
