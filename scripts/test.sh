@@ -13,8 +13,8 @@ command -v cargo >/dev/null || {
 
 ./compose/up >/dev/null
 eval "$(./compose/env)"
-export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG
+export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG SCHEMA_REGISTRY_URL
 
 # End-to-end tests start every service binary, so build them all first.
 cargo build --workspace --bins
-cargo test --workspace --no-fail-fast "$@"
+cargo test --workspace --all-features --no-fail-fast "$@"

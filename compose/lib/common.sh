@@ -10,6 +10,9 @@ REPO_ROOT="$(cd "$COMPOSE_DIR/.." && pwd)"
 # Pinned versions. The apiserver must stay inside the range k8s-openapi supports (see Cargo.toml).
 KAFKA_VERSION="${KAFKA_VERSION:-4.1.1}"
 KUBERNETES_VERSION="${KUBERNETES_VERSION:-v1.36.3}"
+# Apicurio Registry: the newest release whose dependencies all resolve from Maven Central (see
+# docs/testbed.md).
+REGISTRY_VERSION="${REGISTRY_VERSION:-2.4.2.Final}"
 
 # Ports on 127.0.0.1, chosen away from the defaults so a system PostgreSQL on 5432 or a developer's
 # own Kafka on 9092 never clash with the testbed.
@@ -19,6 +22,7 @@ POSTGRES_PORT="${GPUMEDIC_POSTGRES_PORT:-15432}"
 ETCD_PORT="${GPUMEDIC_ETCD_PORT:-12379}"
 ETCD_PEER_PORT="${GPUMEDIC_ETCD_PEER_PORT:-12380}"
 APISERVER_PORT="${GPUMEDIC_APISERVER_PORT:-16443}"
+SCHEMA_REGISTRY_PORT="${GPUMEDIC_SCHEMA_REGISTRY_PORT:-18081}"
 
 # Downloads and builds are cached outside the checkout, so a fresh clone (as CI makes) reuses them.
 CACHE_DIR="${GPUMEDIC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumedic}"
@@ -88,4 +92,5 @@ stop_daemon() {
 
 KUBECONFIG_PATH="$STATE_DIR/kubeconfig"
 KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
+SCHEMA_REGISTRY_URL="http://127.0.0.1:$SCHEMA_REGISTRY_PORT/apis/ccompat/v7"
 DATABASE_URL="postgres://$POSTGRES_USER:$POSTGRES_PASSWORD@127.0.0.1:$POSTGRES_PORT/$POSTGRES_DB"

@@ -133,6 +133,27 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------------
+# Apicurio Registry: the schema registry, Confluent-compatible API under /apis/ccompat/v7.
+# In-memory storage (H2): its schemas and ids do not survive a restart.
+registry_ready() {
+  curl -fsS "$SCHEMA_REGISTRY_URL/subjects"
+}
+
+start_registry() {
+  local dir="$CACHE_DIR/schema-registry-$REGISTRY_VERSION"
+  if port_open "$SCHEMA_REGISTRY_PORT"; then
+    registry_ready >/dev/null 2>&1 ||
+      die "something on port $SCHEMA_REGISTRY_PORT is not a schema registry (no answer at $SCHEMA_REGISTRY_URL/subjects); stop it or set GPUMEDIC_SCHEMA_REGISTRY_PORT"
+    return 0
+  fi
+  start_daemon schema-registry "$LOG_DIR/schema-registry.log" java -Xms64m -Xmx512m -Djava.awt.headless=true \
+    -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$SCHEMA_REGISTRY_PORT" \
+    -jar "$dir/schema-registry-1-runner.jar"
+  wait_for "schema registry" 120 registry_ready ||
+    die "the schema registry did not answer at $SCHEMA_REGISTRY_URL/subjects; see $LOG_DIR/schema-registry.log"
+}
+
+# ---------------------------------------------------------------------------------------------
 # etcd and kube-apiserver, with generated certificates and an admin kubeconfig (as envtest does).
 k8s_bin() { echo "$BIN_DIR/kubernetes-$KUBERNETES_VERSION"; }
 

@@ -22,6 +22,7 @@ use crate::avro;
 use crate::binary;
 use crate::enriched::EnrichedHealthEvent;
 use crate::health::HealthEvent;
+use crate::topics;
 use crate::verdict::Verdict;
 
 /// The first byte of every framed record.
@@ -66,30 +67,37 @@ pub trait Record: Serialize + DeserializeOwned {
     const SCHEMA_ID: u32;
     /// The `content-type` header value for the record (see docs/events.md).
     const CONTENT_TYPE: &'static str;
+    /// The topic that carries the record; with a schema registry, the record's schema is
+    /// registered under the subject `<topic>-value` (TopicNameStrategy).
+    const TOPIC: &'static str;
 }
 
 impl Record for HealthEvent {
     const NAME: &'static str = "io.gpumedic.events.HealthEvent";
     const SCHEMA_ID: u32 = HEALTH_EVENT_V1;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.health-event.v1+avro";
+    const TOPIC: &'static str = topics::HEALTH_RAW;
 }
 
 impl Record for EnrichedHealthEvent {
     const NAME: &'static str = "io.gpumedic.events.EnrichedHealthEvent";
     const SCHEMA_ID: u32 = ENRICHED_HEALTH_EVENT_V1;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.enriched-health-event.v1+avro";
+    const TOPIC: &'static str = topics::HEALTH_ENRICHED;
 }
 
 impl Record for Verdict {
     const NAME: &'static str = "io.gpumedic.events.Verdict";
     const SCHEMA_ID: u32 = VERDICT_V1;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.verdict.v1+avro";
+    const TOPIC: &'static str = topics::VERDICTS;
 }
 
 impl Record for ActionOutcome {
     const NAME: &'static str = "io.gpumedic.events.ActionOutcome";
     const SCHEMA_ID: u32 = ACTION_OUTCOME_V1;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.action-outcome.v1+avro";
+    const TOPIC: &'static str = topics::ACTIONS;
 }
 
 /// The schema registered under an embedded id, if any.
@@ -184,8 +192,14 @@ pub fn encode<T: Record>(record: &T) -> Result<Vec<u8>, EncodeError> {
 /// As [`encode`]; on error `buffer` may hold a partial record after its previous length.
 pub fn encode_into<T: Record>(record: &T, buffer: &mut Vec<u8>) -> Result<(), EncodeError> {
     table_entry(T::SCHEMA_ID).ok_or(EncodeError::UnknownSchemaId(T::SCHEMA_ID))?;
+    encode_into_with_id(record, T::SCHEMA_ID, buffer)
+}
+
+/// Appends `record` framed with schema id `id`, which must name this build's schema of `T` (the
+/// embedded id, or the id a schema registry gave that schema).
+pub(crate) fn encode_into_with_id<T: Record>(record: &T, id: u32, buffer: &mut Vec<u8>) -> Result<(), EncodeError> {
     buffer.push(MAGIC_BYTE);
-    buffer.extend_from_slice(&T::SCHEMA_ID.to_be_bytes());
+    buffer.extend_from_slice(&id.to_be_bytes());
     // Written from the type, not through apache-avro's schema walk: the type mirrors its schema
     // (see `binary`), and the schema walk cost half the throughput goal.
     binary::write(record, buffer).map_err(|e| EncodeError::Schema(Box::new(e)))
@@ -216,14 +230,19 @@ pub fn decode<T: Record>(payload: &[u8]) -> Result<T, DecodeError> {
         return Err(DecodeError::WrongRecordType { expected: T::NAME, found: entry.record.to_owned(), id });
     }
     if id == T::SCHEMA_ID {
-        // Same schema on both sides: read straight into T from the type (see `binary`), no
-        // schema walk and no intermediate Value.
-        let mut rest = body;
-        let record = binary::read::<T>(&mut rest).map_err(|e| DecodeError::Malformed(Box::new(e)))?;
-        return finish(record, rest);
+        return decode_body_fast(body);
     }
     let writer = schema_for_id(id).ok_or(DecodeError::UnknownSchemaId(id))?;
     decode_body_with_writer_schema(writer, body)
+}
+
+/// Decodes an unframed Avro body written with this build's schema of `T`.
+pub(crate) fn decode_body_fast<T: Record>(body: &[u8]) -> Result<T, DecodeError> {
+    // Same schema on both sides: read straight into T from the type (see `binary`), no schema
+    // walk and no intermediate Value.
+    let mut rest = body;
+    let record = binary::read::<T>(&mut rest).map_err(|e| DecodeError::Malformed(Box::new(e)))?;
+    finish(record, rest)
 }
 
 /// Decodes an unframed Avro body written with `writer_schema` into `T`, through Avro schema

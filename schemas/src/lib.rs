@@ -2,7 +2,9 @@
 //!
 //! The Avro schema files under `schemas/avro/` are the source of truth ([`avro`]); the Rust types
 //! ([`health`], [`enriched`], [`verdict`], [`action`]) mirror them field for field, and tests prove
-//! that they agree. [`codec`] frames records for Kafka; [`compat`] is the evolution gate.
+//! that they agree. [`codec`] frames records for Kafka; [`Codec`] is the codec the services share,
+//! resolving schema ids from the embedded table or (feature `registry`) from a schema registry
+//! through [`registry`]; [`compat`] is the evolution gate.
 //!
 //! Every topic is keyed by node name, so one node's records stay in order through the pipeline.
 
@@ -13,7 +15,10 @@ pub mod codec;
 pub mod compat;
 pub mod enriched;
 pub mod health;
+#[cfg(feature = "registry")]
+pub mod registry;
 mod serde_util;
+pub mod shared_codec;
 pub mod topics;
 pub mod verdict;
 
@@ -21,4 +26,7 @@ pub use action::{ActionOutcome, ActionStatus};
 pub use codec::{DecodeError, EncodeError, Record, decode, encode};
 pub use enriched::EnrichedHealthEvent;
 pub use health::{Detail, HealthEvent, Kind};
+pub use shared_codec::{Codec, DecodeFailure};
+#[cfg(feature = "registry")]
+pub use shared_codec::{RegistryOptions, RegistryStartError};
 pub use verdict::{RecommendedAction, Severity, Verdict};

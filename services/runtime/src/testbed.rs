@@ -108,6 +108,28 @@ pub async fn require_kubernetes() -> Result<kube::Client, Unreachable> {
     Ok(client)
 }
 
+/// Checks that the schema registry answers its Confluent-compatible API; returns its URL:
+/// `SCHEMA_REGISTRY_URL`, or the testbed's default `http://127.0.0.1:18081/apis/ccompat/v7`.
+pub async fn require_schema_registry() -> Result<String, Unreachable> {
+    let url =
+        std::env::var("SCHEMA_REGISTRY_URL").unwrap_or_else(|_| "http://127.0.0.1:18081/apis/ccompat/v7".to_owned());
+    let unreachable = |detail: String| Unreachable { server: "Schema registry", address: url.clone(), detail };
+    let rest = url.strip_prefix("http://").ok_or_else(|| unreachable("only http:// URLs are supported".into()))?;
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let addr: std::net::SocketAddr =
+        authority.parse().map_err(|e| unreachable(format!("{authority} is not an ip:port address: {e}")))?;
+    let path = match path.trim_end_matches('/') {
+        "" => "/subjects".to_owned(),
+        base => format!("/{base}/subjects"),
+    };
+    match tokio::time::timeout(Duration::from_secs(10), http_get(addr, &path)).await {
+        Ok(Ok((200, _))) => Ok(url.clone()),
+        Ok(Ok((code, body))) => Err(unreachable(format!("GET {path} answered HTTP {code}: {body}"))),
+        Ok(Err(e)) => Err(unreachable(e.to_string())),
+        Err(_) => Err(unreachable("timed out after 10 s".to_owned())),
+    }
+}
+
 /// A service binary started by a test: spawned with the testbed's addresses, polled on its
 /// `/readyz`, stopped with SIGTERM. Killed if dropped while running.
 pub struct ServiceProcess {
