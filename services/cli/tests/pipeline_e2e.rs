@@ -108,6 +108,8 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
             ("GPUMEDIC_SAMPLE_INTERVAL", "1s".into()),
             ("GPUMEDIC_HEARTBEAT_INTERVAL", "1s".into()),
             ("GPUMEDIC_KMSG_PATH", "off".into()),
+            // Its own state folder: the spool allows one collector per folder.
+            ("GPUMEDIC_STATE_DIR", std::env::temp_dir().join(testbed::unique_name("e2e-collector")).display().to_string()),
         ],
     )
     .unwrap();
