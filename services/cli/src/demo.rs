@@ -381,6 +381,8 @@ async fn story(
         ("GPUMEDIC_BREAKER_MAX_SHARE", "0.5".into()),
         ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
         ("GPUMEDIC_DRAIN_DEADLINE", "60s".into()),
+        // Leader election needs a namespace for its Lease and status object.
+        ("GPUMEDIC_LEASE_NAMESPACE", cx.ns.to_owned()),
     ]);
     services.start("remediator", remediator, &e, logs)?;
     ports.extend([9402, 9403, 9404]);

@@ -1,8 +1,11 @@
 //! `gpumedic`: the operator CLI.
 //!
-//! Subcommands grow with the pipeline; today it manages the pipeline's Kafka topics and checks
-//! kernel logs with the collector's own parser.
+//! Subcommands grow with the pipeline: the pipeline's Kafka topics, kernel logs checked with the
+//! collector's own parser, synthetic faults, incident history, rule checks, replay and backtest, the
+//! demo, and the remediator's control surface (circuit breaker status and reset, global pause and
+//! resume).
 
+mod control;
 mod demo;
 mod incidents;
 mod inject;
@@ -55,6 +58,29 @@ enum Command {
     Rules {
         #[command(subcommand)]
         command: RulesCommand,
+    },
+    /// The remediator's circuit breaker: `status` shows it, `reset` closes it.
+    Breaker {
+        #[command(subcommand)]
+        command: control::BreakerCommand,
+    },
+    /// Pause remediation globally: the leading remediator reports verdicts but changes nothing
+    /// new (no quarantine, drain, recovery or deferred action) until `gpumedic resume`.
+    Pause {
+        #[command(flatten)]
+        target: control::Target,
+        #[command(flatten)]
+        who: control::Who,
+        /// Why, recorded in the status object for the next operator.
+        #[arg(long, env = "GPUMEDIC_PAUSE_REASON")]
+        reason: Option<String>,
+    },
+    /// Lift the global pause.
+    Resume {
+        #[command(flatten)]
+        target: control::Target,
+        #[command(flatten)]
+        who: control::Who,
     },
     /// Manage the pipeline's Kafka topics.
     Topics {
@@ -114,6 +140,9 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Breaker { command } => block_on("breaker", control::breaker(command)),
+        Command::Pause { target, who, reason } => block_on("pause", control::pause(true, target, who, reason)),
+        Command::Resume { target, who } => block_on("resume", control::pause(false, target, who, None)),
         Command::Incidents(args) => {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
             match runtime.block_on(incidents::run(args)) {
@@ -186,6 +215,18 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// Runs one async subcommand to completion; its error is printed as `gpumedic <name>: ...`.
+fn block_on(name: &str, work: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    match runtime.block_on(work) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpumedic {name}: {e}");
+            ExitCode::FAILURE
         }
     }
 }

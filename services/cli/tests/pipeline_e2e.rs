@@ -146,6 +146,8 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
             fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-remediator")),
             ("KUBECONFIG", kubeconfig.clone()),
+            // Its Lease and status object live in the test's namespace.
+            ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
             ("GPUMEDIC_MODE", "cordon-drain".into()),
             ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/e2e={ns}")),
             ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),

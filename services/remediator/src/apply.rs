@@ -9,6 +9,7 @@
 //! - conditions go through the status subresource as a strategic merge patch, which merges the
 //!   condition list by `type`, so only gpumedic's condition changes.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -133,6 +134,8 @@ pub struct Remediator {
     evictions: kube::Client,
     settings: Arc<Settings>,
     gate: Arc<Mutex<Gate>>,
+    /// The global pause, set from the status object while the process runs.
+    paused: Arc<AtomicBool>,
 }
 
 impl Remediator {
@@ -142,7 +145,29 @@ impl Remediator {
         let mut no_retry = config;
         no_retry.default_retry = false;
         let evictions = kube::Client::try_from(no_retry).map_err(ApplyError::Client)?;
-        Ok(Self { client, evictions, settings: Arc::new(settings), gate: Arc::new(Mutex::new(gate)) })
+        Ok(Self {
+            client,
+            evictions,
+            settings: Arc::new(settings),
+            gate: Arc::new(Mutex::new(gate)),
+            paused: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// Sets or lifts the global pause (see [`Policy::paused`]); `Settings::policy.paused` pauses
+    /// for good.
+    pub fn set_paused(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Release);
+    }
+
+    /// Whether the global pause is set.
+    pub fn paused(&self) -> bool {
+        self.settings.policy.paused || self.paused.load(Ordering::Acquire)
+    }
+
+    /// The edge's settings.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
     }
 
     /// The client nodes are read and written with.
@@ -169,7 +194,8 @@ impl Remediator {
             let node = read(&nodes, name).await?;
             let view = crate::plan::NodeView::from_node(&node);
             let mut admitted = false;
-            let decision = plan(&view, request, &self.settings.policy, &mut || {
+            let policy = Policy { paused: self.paused(), ..self.settings.policy };
+            let decision = plan(&view, request, &policy, &mut || {
                 let a = lock(&self.gate).admit(name, gpu_nodes, Instant::now());
                 admitted = a == Admission::Allowed;
                 a

@@ -2,44 +2,60 @@
 //! cordon, drain, repair hooks) within strict safety limits, and publishes what it did on
 //! `gpumedic.actions.v1`. One replica leads at a time.
 //!
-//! This crate holds the service frame (configuration, the consumer group on the verdict topic,
-//! the Kubernetes client and readiness) and the remediation core:
+//! This crate holds the service frame (configuration, leadership, the consumer group on the
+//! verdict topic, the Kubernetes client and readiness) and the remediation core:
 //! - [`request`]: what is asked ([`request::Remediation`]), independent of the verdict's wire format;
 //! - [`plan`]: the pure planner, node as it is + request + mode -> exact changes or "nothing, because";
 //! - [`safety`]: the circuit breaker and the quarantine rate limit, pure with the clock passed in;
 //! - [`drain`]: which pods leave (pure) and the Eviction API drain (edge);
-//! - [`apply`]: the thin Kubernetes edge that carries plans out and records Events.
-//!
+//! - [`apply`]: the thin Kubernetes edge that carries plans out and records Events;
+//! - [`lease`]: leader election over a `coordination.k8s.io` Lease (pure decision, thin edge);
+//! - [`control`]: the status object (breaker state, pause, reset requests) shared with the CLI;
+//! - [`window`] and [`maintenance`]: maintenance windows (pure) and deferred actions (edge);
 //! - [`verdicts`]: verdict in, action outcome out.
 //!
-//! Each verdict is applied (or deliberately not, with the reason), the outcome is published on
+//! Only the leader consumes: it joins the consumer group when it takes the lease and leaves it
+//! when it loses or releases the lease, so the partitions move to the next leader. Each verdict
+//! is applied (or deliberately not, with the reason), the outcome is published on
 //! `gpumedic.actions.v1` and acknowledged, and only then is the verdict's offset stored. Applying
-//! the same verdict twice yields one action (`already_done` the second time).
+//! the same verdict twice yields one action (`already_done` the second time), which is what lets
+//! a new leader pick up a verdict the old one was in the middle of.
 
 pub mod apply;
+pub mod control;
 pub mod drain;
+pub mod lease;
+pub mod maintenance;
 pub mod plan;
 pub mod request;
 pub mod safety;
 pub mod verdicts;
+pub mod window;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
+use gpumedic_runtime::BoxError;
+use gpumedic_runtime::admin::ReadyFlag;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::{
     self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::{ActionOutcome, Record as _, Verdict, topics};
+use gpumedic_schemas::{ActionOutcome, Record as _, Severity, Verdict, topics};
+use tokio_util::sync::CancellationToken;
 
-use crate::apply::{ApplyError, Remediator, Settings};
+use crate::apply::{ApplyError, Outcome, Remediator, Settings};
+use crate::control::StatusClient;
 use crate::drain::{DrainMode, DrainPolicy};
-use crate::plan::{Mode, Policy};
+use crate::lease::{LeaseClient, LeaseSettings};
+use crate::plan::{Mode, Policy, Skip};
+use crate::request::Action;
 use crate::safety::{BreakerLimits, Gate};
+use crate::window::Window;
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "remediator";
@@ -55,6 +71,13 @@ pub struct Args {
     /// Kafka consumer group shared by all remediator replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-remediator")]
     group: String,
+    /// The topic verdicts are read from (the public contract's; another one only for staging
+    /// side by side or tests).
+    #[arg(long, env = "GPUMEDIC_VERDICTS_TOPIC", default_value = topics::VERDICTS)]
+    verdicts_topic: String,
+    /// The topic action outcomes are published on (as --verdicts-topic).
+    #[arg(long, env = "GPUMEDIC_ACTIONS_TOPIC", default_value = topics::ACTIONS)]
+    actions_topic: String,
     /// How far the remediator may go: `monitor-only` (decide and report, change nothing),
     /// `cordon-drain`, or `full-remediation` (adds repair hooks).
     #[arg(long, env = "GPUMEDIC_MODE", default_value = "monitor-only")]
@@ -88,6 +111,37 @@ pub struct Args {
     /// faults that were judged long ago.
     #[arg(long, env = "GPUMEDIC_MAX_VERDICT_AGE", default_value = "15m")]
     max_verdict_age: String,
+    /// The namespace of the leader-election Lease and the status object: the remediator's own
+    /// (unset: $POD_NAMESPACE, else `gpumedic`).
+    #[arg(long, env = "GPUMEDIC_LEASE_NAMESPACE")]
+    lease_namespace: Option<String>,
+    /// The leader-election Lease, shared by the replicas of one deployment.
+    #[arg(long, env = "GPUMEDIC_LEASE_NAME", default_value = "gpumedic-remediator")]
+    lease_name: String,
+    /// How long a lease that is not renewed stays valid: the longest a failover takes.
+    #[arg(long, env = "GPUMEDIC_LEASE_DURATION", default_value = "15s")]
+    lease_duration: String,
+    /// How often the leader renews the lease and a standby looks at it. The leader stops acting
+    /// when it could not renew for the lease duration less this.
+    #[arg(long, env = "GPUMEDIC_LEASE_RENEW", default_value = "5s")]
+    lease_renew: String,
+    /// This replica's name in the lease (unset: $POD_NAME, else hostname and process id).
+    #[arg(long, env = "GPUMEDIC_IDENTITY")]
+    identity: Option<String>,
+    /// The status object (a ConfigMap in the lease namespace): breaker state, pause, resets.
+    #[arg(long, env = "GPUMEDIC_STATUS_CONFIGMAP", default_value = control::STATUS_CONFIGMAP)]
+    status_configmap: String,
+    /// How often the leader reads the status object for a pause, a resume or a breaker reset.
+    #[arg(long, env = "GPUMEDIC_CONTROL_POLL", default_value = "2s")]
+    control_poll: String,
+    /// A maintenance window, repeatable or `;`-separated, in UTC: `Sat 02:00-06:00`,
+    /// `Mon-Fri 22:00-02:00`, `daily 03:00-04:00`. With windows, warning and info verdicts that
+    /// drain or repair mark the node now and wait for the next window; without, nothing waits.
+    #[arg(long = "maintenance-window", env = "GPUMEDIC_MAINTENANCE_WINDOWS", value_delimiter = ';')]
+    maintenance_windows: Vec<String>,
+    /// How often the leader looks for deferred actions while a window is open.
+    #[arg(long, env = "GPUMEDIC_MAINTENANCE_CHECK", default_value = "30s")]
+    maintenance_check: String,
 }
 
 /// The validated configuration.
@@ -99,6 +153,10 @@ pub struct Config {
     pub kafka: KafkaSettings,
     /// The consumer group.
     pub group: String,
+    /// The verdict topic.
+    pub verdicts_topic: String,
+    /// The actions topic.
+    pub actions_topic: String,
     /// The edge's settings.
     pub settings: Settings,
     /// Breaker limits.
@@ -109,6 +167,32 @@ pub struct Config {
     pub gpu_node_selector: String,
     /// The oldest verdict acted on.
     pub max_verdict_age: Duration,
+    /// Leader election.
+    pub lease: LeaseSettings,
+    /// The status object's name (in the lease namespace).
+    pub status_configmap: String,
+    /// How often the status object is read.
+    pub control_poll: Duration,
+    /// Maintenance windows; empty: nothing waits.
+    pub windows: Vec<Window>,
+    /// How often deferred actions are looked for while a window is open.
+    pub maintenance_check: Duration,
+}
+
+/// This replica's default identity: the pod name, else hostname and process id.
+fn default_identity() -> String {
+    if let Ok(pod) = std::env::var("POD_NAME")
+        && !pod.trim().is_empty()
+    {
+        return pod;
+    }
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "remediator".to_owned());
+    format!("{host}-{}", std::process::id())
 }
 
 impl Validate for Args {
@@ -120,6 +204,11 @@ impl Validate for Args {
         let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
+        }
+        for (flag, topic) in [("--verdicts-topic", &self.verdicts_topic), ("--actions-topic", &self.actions_topic)] {
+            if topic.trim().is_empty() {
+                p.push(flag, "the topic must not be empty");
+            }
         }
         let mode = p.check(
             "--mode",
@@ -139,10 +228,39 @@ impl Validate for Args {
         if self.drain_grace_seconds.is_some_and(|g| g < 0) {
             p.push("--drain-grace-seconds", "must not be negative");
         }
+        let lease_duration = p.check("--lease-duration", parse_duration(&self.lease_duration));
+        let lease_renew = p.check("--lease-renew", parse_duration(&self.lease_renew));
+        if let (Some(d), Some(r)) = (lease_duration, lease_renew)
+            && (r.is_zero() || r * 2 > d)
+        {
+            p.push("--lease-renew", "must be more than zero and at most half of --lease-duration");
+        }
+        if self.lease_name.trim().is_empty() {
+            p.push("--lease-name", "must not be empty");
+        }
+        if self.status_configmap.trim().is_empty() {
+            p.push("--status-configmap", "must not be empty");
+        }
+        let control_poll = p.check("--control-poll", parse_duration(&self.control_poll));
+        let maintenance_check = p.check("--maintenance-check", parse_duration(&self.maintenance_check));
+        let mut windows = Vec::new();
+        for raw in self.maintenance_windows.iter().filter(|w| !w.trim().is_empty()) {
+            if let Some(w) = p.check("--maintenance-window", raw.parse::<Window>()) {
+                windows.push(w);
+            }
+        }
+        let namespace = self
+            .lease_namespace
+            .or_else(|| std::env::var("POD_NAMESPACE").ok())
+            .filter(|n| !n.trim().is_empty())
+            .unwrap_or_else(|| "gpumedic".to_owned());
+        let identity = self.identity.filter(|i| !i.trim().is_empty()).unwrap_or_else(default_identity);
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
             group: self.group,
+            verdicts_topic: self.verdicts_topic,
+            actions_topic: self.actions_topic,
             settings: Settings {
                 policy: Policy { mode: mode.expect("checked"), partial_drain: self.partial_drain, ..Policy::default() },
                 drain: DrainPolicy {
@@ -160,46 +278,464 @@ impl Validate for Args {
             quarantines_per_minute: self.quarantines_per_minute,
             gpu_node_selector: self.gpu_node_selector,
             max_verdict_age: max_verdict_age.expect("checked"),
+            lease: LeaseSettings {
+                namespace,
+                name: self.lease_name,
+                identity,
+                duration: lease_duration.expect("checked"),
+                renew: lease_renew.expect("checked"),
+            },
+            status_configmap: self.status_configmap,
+            control_poll: control_poll.expect("checked"),
+            windows,
+            maintenance_check: maintenance_check.expect("checked"),
         })
     }
+}
+
+/// What every part of a running remediator shares.
+struct Shared {
+    remediator: Remediator,
+    producer: Producer,
+    fleet: Fleet,
+    status: StatusClient,
+    kafka: KafkaSettings,
+    group: String,
+    verdicts_topic: String,
+    actions_topic: String,
+    max_verdict_age: Duration,
+    windows: Vec<Window>,
+    control_poll: Duration,
+    maintenance_check: Duration,
+    lease_namespace: String,
+    /// Turns ready once the leader's consumer has its partitions; a standby holds it ready.
+    consuming: ReadyFlag,
+    /// Whether the status object says the breaker is open, as last read or written.
+    open_persisted: AtomicBool,
+    /// Serialises the leader's writes to the status object (a trip and a reset must not cross).
+    status_writes: tokio::sync::Mutex<()>,
 }
 
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
     let kube_ready = service.readiness.register("gpu-nodes-counted");
+    let lease_ready = service.readiness.register("lease-reachable");
+    // Named for what it means on the leader; a standby holds it ready, because a standby is a
+    // healthy replica that must not be restarted or kept out of a rollout for not leading.
+    let consuming = service.readiness.register("kafka-partitions-assigned-or-standby");
     let token = service.shutdown.token();
     let setup = async {
-        let kube_config = kube::Config::infer().await.map_err(|e| Box::new(e) as gpumedic_runtime::BoxError)?;
+        let kube_config = kube::Config::infer().await.map_err(|e| Box::new(e) as BoxError)?;
         let remediator = Remediator::new(
             kube_config,
             config.settings.clone(),
             Gate::new(config.breaker, config.quarantines_per_minute),
         )?;
         let producer = config.kafka.producer(NAME)?;
-        Ok::<_, gpumedic_runtime::BoxError>((remediator, producer))
+        Ok::<_, BoxError>((remediator, producer))
     };
     let (remediator, producer) = match setup.await {
         Ok(v) => v,
         Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
     };
-    tracing::info!(mode = ?config.settings.policy.mode, "Remediator ready.");
+    tracing::info!(mode = ?config.settings.policy.mode, identity = %config.lease.identity,
+        lease = %format!("{}/{}", config.lease.namespace, config.lease.name), "Remediator ready.");
+    let client = remediator.client();
     let fleet = Fleet {
-        client: remediator.client(),
+        client: client.clone(),
         selector: config.gpu_node_selector.clone(),
         names: Arc::new(std::sync::RwLock::new(std::collections::HashSet::new())),
         count: Arc::new(AtomicUsize::new(0)),
     };
-    service.shutdown.spawn("gpu-node-count", count_gpu_nodes(fleet.clone(), kube_ready, token));
-    service.spawn_consumer(
-        config.kafka,
-        config.group,
-        vec![topics::VERDICTS],
-        vec![topics::ACTIONS],
-        topics::DEFAULT_PARTITIONS,
-        Handler { remediator, producer, fleet, max_verdict_age: config.max_verdict_age },
-    );
+    service.shutdown.spawn("gpu-node-count", count_gpu_nodes(fleet.clone(), kube_ready, token.clone()));
+    metrics::gauge!("gpumedic_remediator_leader").set(0.0);
+    let shared = Arc::new(Shared {
+        remediator,
+        producer,
+        fleet,
+        status: StatusClient::new(client.clone(), &config.lease.namespace, &config.status_configmap),
+        kafka: config.kafka,
+        group: config.group,
+        verdicts_topic: config.verdicts_topic,
+        actions_topic: config.actions_topic,
+        max_verdict_age: config.max_verdict_age,
+        windows: config.windows,
+        control_poll: config.control_poll,
+        maintenance_check: config.maintenance_check,
+        lease_namespace: config.lease.namespace.clone(),
+        consuming,
+        open_persisted: AtomicBool::new(false),
+        status_writes: tokio::sync::Mutex::new(()),
+    });
+    let lease = LeaseClient::new(client, config.lease);
+    service.shutdown.spawn("leadership", lead(shared, lease, lease_ready, token));
     service.run().await
+}
+
+/// Why a leadership term ended.
+enum TermEnd {
+    Shutdown,
+    Lost,
+    Failed(BoxError),
+}
+
+/// Stands by until this replica holds the lease, then leads (consumes verdicts, watches the
+/// status object, carries out deferred actions) until it loses the lease or the service stops.
+/// On loss it stops acting at once (the term's tasks are cancelled: a drain in progress stops, the
+/// verdict's offset is not stored, the consumer leaves the group) and stands by again; on shutdown
+/// it releases the lease so a standby takes over at its next look.
+async fn lead(
+    shared: Arc<Shared>,
+    mut lease: LeaseClient,
+    lease_ready: ReadyFlag,
+    token: CancellationToken,
+) -> Result<(), BoxError> {
+    let specs = kafka::stage_topics(
+        &[shared.verdicts_topic.as_str()],
+        &[shared.actions_topic.as_str()],
+        topics::DEFAULT_PARTITIONS,
+    );
+    if !kafka::wait_for_topics(&shared.kafka, &specs, &token).await {
+        return Ok(());
+    }
+    let renew = lease.settings().renew;
+    let deadline = lease.settings().renew_deadline();
+    loop {
+        shared.consuming.set(true);
+        loop {
+            match lease.try_lead().await {
+                Ok(true) => break,
+                Ok(false) => lease_ready.set(true),
+                Err(e) => {
+                    lease_ready.set(false);
+                    tracing::warn!(error = %e, "Cannot reach the lease; standing by.");
+                }
+            }
+            tokio::select! {
+                () = token.cancelled() => return Ok(()),
+                () = tokio::time::sleep(renew) => {}
+            }
+        }
+        lease_ready.set(true);
+        tracing::info!(identity = %lease.settings().identity, "Leading: this replica holds the lease and acts on verdicts.");
+        metrics::gauge!("gpumedic_remediator_leader").set(1.0);
+        metrics::counter!("gpumedic_remediator_leadership_terms_total").increment(1);
+        shared.consuming.set(false);
+        let term = token.child_token();
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(consume(shared.clone(), term.clone()));
+        tasks.spawn(watch_status(shared.clone(), term.clone()));
+        if !shared.windows.is_empty() {
+            tasks.spawn(carry_out_deferred(shared.clone(), term.clone()));
+        }
+        let mut renewed = Instant::now();
+        let end = loop {
+            tokio::select! {
+                // Biased: on shutdown the term's tasks return as well, and that is not a failure.
+                biased;
+                () = token.cancelled() => break TermEnd::Shutdown,
+                Some(joined) = tasks.join_next() => {
+                    if token.is_cancelled() {
+                        break TermEnd::Shutdown;
+                    }
+                    break TermEnd::Failed(match joined {
+                        Ok(Ok(())) => "a leader task ended on its own".into(),
+                        Ok(Err(e)) => e,
+                        Err(e) => Box::new(e),
+                    });
+                }
+                () = tokio::time::sleep(renew) => {
+                    match lease.try_lead().await {
+                        Ok(true) => renewed = Instant::now(),
+                        Ok(false) => break TermEnd::Lost,
+                        Err(e) => tracing::warn!(error = %e, "Cannot renew the lease; still leading until the renew deadline."),
+                    }
+                    if lease::lost(renewed, deadline, Instant::now()) {
+                        break TermEnd::Lost;
+                    }
+                }
+            }
+        };
+        term.cancel();
+        while let Some(joined) = tasks.join_next().await {
+            if let Ok(Err(e)) = joined {
+                tracing::warn!(error = %e, "A leader task failed while stopping.");
+            }
+        }
+        metrics::gauge!("gpumedic_remediator_leader").set(0.0);
+        match end {
+            TermEnd::Lost => {
+                tracing::warn!("Lost the lease: stopped acting and left the consumer group; standing by.");
+                metrics::counter!("gpumedic_remediator_leadership_lost_total").increment(1);
+            }
+            TermEnd::Shutdown => {
+                if let Err(e) = lease.release().await {
+                    tracing::warn!(error = %e, "Could not release the lease; a standby takes over when it expires.");
+                }
+                return Ok(());
+            }
+            TermEnd::Failed(e) => {
+                if let Err(e) = lease.release().await {
+                    tracing::warn!(error = %e, "Could not release the lease; a standby takes over when it expires.");
+                }
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Loads what the previous leader left (breaker, pause) and consumes verdicts until `term` ends.
+async fn consume(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    loop {
+        match begin_term(&shared).await {
+            Ok(()) => break,
+            Err(e) => tracing::warn!(error = %e, "Cannot load the breaker and pause state; retrying before consuming."),
+        }
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+    let consumer =
+        shared.kafka.consumer(NAME, &shared.group, &[shared.verdicts_topic.as_str()], shared.consuming.clone())?;
+    let dlq = shared.kafka.producer(&format!("{NAME}-dlq"))?;
+    let handler = Handler { shared: shared.clone(), term: term.clone() };
+    kafka::run_consumer(NAME, consumer, dlq, handler, term).await?;
+    Ok(())
+}
+
+/// A new leader's state: the pause and an open breaker from the status object, and the
+/// quarantines still within the breaker's window from the nodes (gpumedic's taint and its
+/// `timeAdded`), so a failover neither closes the breaker nor hands out a fresh budget.
+async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
+    let status = shared.status.read().await?;
+    shared.remediator.set_paused(status.paused);
+    metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
+    let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
+    let now = Instant::now();
+    let wall = chrono::Utc::now();
+    let mut gate = lock_gate(&shared.remediator);
+    let window = gate.breaker.window();
+    let quarantined: Vec<(String, Instant)> = nodes
+        .iter()
+        .filter_map(|n| {
+            let added = quarantined_at(n)?;
+            let age = (wall - added).to_std().unwrap_or_default();
+            (age < window).then(|| (n.metadata.name.clone().unwrap_or_default(), now.checked_sub(age).unwrap_or(now)))
+        })
+        .collect();
+    let trip = status
+        .breaker_open
+        .then(|| status.breaker_reason.clone().unwrap_or_else(|| "tripped under an earlier leader".to_owned()));
+    tracing::info!(
+        breaker_open = trip.is_some(),
+        paused = status.paused,
+        counted = quarantined.len(),
+        "Loaded the breaker and pause state for this term."
+    );
+    gate.breaker.restore(trip, quarantined, now);
+    shared.open_persisted.store(status.breaker_open, Ordering::Release);
+    metrics::gauge!("gpumedic_remediator_breaker_open").set(if status.breaker_open { 1.0 } else { 0.0 });
+    Ok(())
+}
+
+/// When gpumedic's taint went on `node`, if it carries one.
+fn quarantined_at(node: &k8s_openapi::api::core::v1::Node) -> Option<chrono::DateTime<chrono::Utc>> {
+    let taints = node.spec.as_ref()?.taints.as_ref()?;
+    let taint = taints.iter().find(|t| t.key == plan::TAINT_KEY)?;
+    let added = serde_json::to_value(taint).ok()?;
+    chrono::DateTime::parse_from_rfc3339(added["timeAdded"].as_str()?).ok().map(|t| t.with_timezone(&chrono::Utc))
+}
+
+fn lock_gate(remediator: &Remediator) -> std::sync::MutexGuard<'_, Gate> {
+    // The gate's state is a few maps updated in place; a panic elsewhere cannot leave it half
+    // written, so a poisoned lock is still safe to use.
+    remediator.gate().lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Writes a trip the gate has and the status object does not show yet. Called after every
+/// remediation, before its outcome is acknowledged, so no trip is lost to a crash.
+async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
+    if shared.open_persisted.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let trip = {
+        let mut gate = lock_gate(&shared.remediator);
+        gate.breaker.trip().cloned().map(|t| (t.reason, gate.breaker.counted(Instant::now())))
+    };
+    let Some((reason, counted)) = trip else { return Ok(()) };
+    let _writing = shared.status_writes.lock().await;
+    shared.status.patch(&control::trip_patch(&reason, &control::now(), counted)).await?;
+    shared.open_persisted.store(true, Ordering::Release);
+    metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
+    metrics::counter!("gpumedic_remediator_breaker_trips_total").increment(1);
+    tracing::error!(%reason, "The circuit breaker tripped: no new quarantines until an operator runs `gpumedic breaker reset`.");
+    record_status_event(
+        shared,
+        "CircuitBreakerTripped",
+        &format!("No new quarantines until `gpumedic breaker reset`: {reason}"),
+        true,
+    )
+    .await;
+    Ok(())
+}
+
+/// Follows the status object while leading: the pause, a reset request, and a breaker the object
+/// shows closed while this leader holds it open (re-written: only a reset closes it).
+async fn watch_status(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    loop {
+        if let Err(e) = follow_status(&shared).await {
+            tracing::warn!(error = %e, "Cannot read the status object; keeping the last pause and breaker state.");
+        }
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(shared.control_poll) => {}
+        }
+    }
+}
+
+async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
+    let status = shared.status.read().await?;
+    if status.paused != shared.remediator.paused() {
+        tracing::warn!(paused = status.paused, by = ?status.paused_by, reason = ?status.pause_reason,
+            "{}", if status.paused { "Remediation paused: verdicts are reported, nothing is changed." } else { "Remediation resumed." });
+        shared.remediator.set_paused(status.paused);
+        metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
+    }
+    if status.reset_requested() {
+        let by = status.reset_requested_by.clone().unwrap_or_else(|| "unknown".to_owned());
+        let _writing = shared.status_writes.lock().await;
+        let was_open = lock_gate(&shared.remediator).breaker.trip().is_some();
+        lock_gate(&shared.remediator).breaker.reset();
+        shared.status.patch(&control::reset_done_patch(&by, &control::now())).await?;
+        shared.open_persisted.store(false, Ordering::Release);
+        metrics::gauge!("gpumedic_remediator_breaker_open").set(0.0);
+        metrics::counter!("gpumedic_remediator_breaker_resets_total").increment(1);
+        tracing::warn!(%by, was_open, "The circuit breaker was reset: closed, with a fresh quarantine budget.");
+        drop(_writing);
+        record_status_event(
+            shared,
+            "CircuitBreakerReset",
+            &format!("Reset by {by}; the quarantine budget starts afresh"),
+            false,
+        )
+        .await;
+        return Ok(());
+    }
+    shared.open_persisted.store(status.breaker_open, Ordering::Release);
+    if status.breaker_open && lock_gate(&shared.remediator).breaker.trip().is_none() {
+        // Opened by hand (`breaker: open`): honour it like a trip.
+        let reason = status.breaker_reason.unwrap_or_else(|| "opened in the status object".to_owned());
+        lock_gate(&shared.remediator).breaker.open(reason, Instant::now());
+        metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
+    }
+    persist_trip(shared).await
+}
+
+/// An Event on the status object, so `kubectl describe configmap` tells the breaker's story.
+async fn record_status_event(shared: &Shared, reason: &str, message: &str, warning: bool) {
+    let settings = shared.remediator.settings();
+    if let Err(e) = control::record_event(
+        &shared.remediator.client(),
+        &shared.lease_namespace,
+        shared.status.name(),
+        &settings.component,
+        reason,
+        message,
+        warning,
+    )
+    .await
+    {
+        tracing::warn!(error = %e, %reason, "Could not record an Event on the status object.");
+    }
+}
+
+/// While leading and while a maintenance window is open, carries out the deferred actions
+/// recorded on the managed nodes, publishes their outcomes and removes the records. Paused, or
+/// held by the breaker or the rate limit, a record stays for the next look.
+async fn carry_out_deferred(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    loop {
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(shared.maintenance_check) => {}
+        }
+        if shared.remediator.paused() || !window::open_at(&shared.windows, chrono::Utc::now()) {
+            continue;
+        }
+        let nodes = match maintenance::pending(&shared.remediator.client(), &shared.fleet.selector).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot list the nodes with deferred actions; trying again later.");
+                continue;
+            }
+        };
+        for node in nodes {
+            if term.is_cancelled() {
+                return Ok(());
+            }
+            let name = node.metadata.name.clone().unwrap_or_default();
+            if let Err(e) = carry_out(&shared, &node, &term).await {
+                tracing::warn!(node = %name, error = %e, "A deferred action did not go through; it stays for the next look.");
+            }
+        }
+    }
+}
+
+/// Carries out the deferred action on `node`, if it may go now.
+async fn carry_out(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    term: &CancellationToken,
+) -> Result<(), BoxError> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let deferred = match maintenance::deferred_on(node) {
+        Some(Ok(d)) => d,
+        Some(Err(e)) => {
+            tracing::warn!(node = %name, error = %e, "Dropping an unreadable deferred action.");
+            maintenance::clear(&shared.remediator.client(), &name).await?;
+            return Ok(());
+        }
+        None => return Ok(()),
+    };
+    let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
+    let result = tokio::select! {
+        () = term.cancelled() => return Ok(()),
+        r = shared.remediator.remediate(&deferred.request, gpu_nodes) => r,
+    };
+    persist_trip(shared).await?;
+    let result = match result {
+        Ok(Outcome::Skipped { reason: Skip::BreakerOpen(_) | Skip::RateLimited(_) | Skip::Paused, .. }) => {
+            return Ok(());
+        }
+        Ok(o) => Ok(o),
+        Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
+        Err(e) => return Err(Box::new(e)),
+    };
+    let outcome = verdicts::outcome_for(deferred.verdict_id, &name, deferred.action, &result);
+    tracing::info!(node = %name, verdict_id = %deferred.verdict_id, status = ?outcome.status,
+        detail = %outcome.detail, "Carried out a deferred action in the maintenance window.");
+    publish(shared, &outcome, None).await?;
+    maintenance::clear(&shared.remediator.client(), &name).await?;
+    Ok(())
+}
+
+/// Publishes `outcome` on the actions topic and waits for the acknowledgement.
+async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Option<&[u8]>) -> Result<(), HandleError> {
+    let status =
+        serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
+    metrics::counter!("gpumedic_remediator_outcomes_total", "status" => status).increment(1);
+    let bytes = gpumedic_schemas::encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
+    let id = outcome.verdict_id.to_string();
+    let envelope = kafka::Envelope {
+        topic: &shared.actions_topic,
+        key: &outcome.node,
+        id: &id,
+        content_type: ActionOutcome::CONTENT_TYPE,
+        incoming_trace: trace,
+    };
+    kafka::publish_record(&shared.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))
 }
 
 /// The GPU nodes gpumedic manages (those matching `--gpu-node-selector`): it acts on no other
@@ -254,12 +790,56 @@ async fn count_gpu_nodes(
     }
 }
 
-/// The consumer's handler: apply the verdict, publish the outcome, then let the offset be stored.
+/// The consumer's handler for one leadership term: apply the verdict, publish the outcome, then
+/// let the offset be stored. When the term ends mid-verdict (the lease is lost, or shutdown) the
+/// work in hand stops at once and the offset is not stored: the next leader takes the verdict up
+/// again, and because every step is idempotent it does only what is left.
 pub struct Handler {
-    remediator: Remediator,
-    producer: Producer,
-    fleet: Fleet,
-    max_verdict_age: Duration,
+    shared: Arc<Shared>,
+    term: CancellationToken,
+}
+
+impl Handler {
+    /// What the remediator does with `request` from `verdict` on a managed node, fresh enough.
+    async fn act(&self, verdict: &Verdict, request: &request::Remediation) -> Result<Outcome, ApplyError> {
+        let shared = &self.shared;
+        let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
+        let now = chrono::Utc::now();
+        let defers = !request.recovery
+            && !shared.remediator.paused()
+            && shared.remediator.settings().policy.mode != Mode::MonitorOnly
+            && window::deferrable(verdict.severity == Severity::Critical, request.action)
+            && !window::open_at(&shared.windows, now);
+        let Some(not_before) = defers.then(|| window::next_opening(&shared.windows, now)).flatten() else {
+            let outcome = shared.remediator.remediate(request, gpu_nodes).await?;
+            if request.recovery && !shared.remediator.paused() {
+                maintenance::clear(&shared.remediator.client(), &request.node)
+                    .await
+                    .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
+            }
+            return Ok(outcome);
+        };
+        // Mark now (the condition tells people and schedulers), the rest in the window.
+        let mark = request::Remediation { action: Action::Monitor, ..request.clone() };
+        match shared.remediator.remediate(&mark, gpu_nodes).await? {
+            Outcome::Applied { .. } | Outcome::AlreadyDone => {}
+            other => return Ok(other),
+        }
+        let deferred = maintenance::Deferred {
+            verdict_id: verdict.verdict_id,
+            action: verdict.action,
+            request: request.clone(),
+            deferred_at: now,
+            not_before,
+        };
+        maintenance::defer(&shared.remediator.client(), &deferred)
+            .await
+            .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
+        let at = not_before.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        tracing::info!(node = %request.node, verdict_id = %verdict.verdict_id, not_before = %at, "Deferred a non-urgent action to the next maintenance window.");
+        metrics::counter!("gpumedic_remediator_deferred_total").increment(1);
+        Ok(Outcome::Skipped { reason: Skip::Deferred(at), would: None })
+    }
 }
 
 impl RecordHandler for Handler {
@@ -268,35 +848,30 @@ impl RecordHandler for Handler {
         let verdict: Verdict =
             gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
         let request = verdicts::remediation(&verdict);
-        let managed = self.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
-        let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), self.max_verdict_age) {
-            Ok(apply::Outcome::Skipped { reason: plan::Skip::Stale(age), would: None })
+        let shared = self.shared.clone();
+        let managed = shared.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
+        let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), shared.max_verdict_age) {
+            Ok(Outcome::Skipped { reason: Skip::Stale(age), would: None })
         } else if !managed {
-            Ok(apply::Outcome::Skipped { reason: plan::Skip::Unmanaged, would: None })
+            Ok(Outcome::Skipped { reason: Skip::Unmanaged, would: None })
         } else {
-            match self.remediator.remediate(&request, self.fleet.count.load(Ordering::Acquire)).await {
+            let acted = tokio::select! {
+                // Stop at once: the next leader (or this one, after a restart) takes it up again.
+                () = self.term.cancelled() => return Err(HandleError::Retry("the leadership term ended".into())),
+                r = self.act(&verdict, &request) => r,
+            };
+            match acted {
                 Ok(outcome) => Ok(outcome),
                 // A node that no longer exists will not come back for this verdict: record and move on.
                 Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
                 Err(e) => return Err(HandleError::Retry(Box::new(e))),
             }
         };
+        // A trip is durable before the verdict that caused it is acknowledged.
+        persist_trip(&shared).await.map_err(HandleError::Retry)?;
         let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
         tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,
             detail = %outcome.detail, "Verdict handled.");
-        // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
-        let status =
-            serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-        metrics::counter!("gpumedic_remediator_outcomes_total", "status" => status).increment(1);
-        let bytes = gpumedic_schemas::encode(&outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
-        let id = verdict.verdict_id.to_string();
-        let envelope = kafka::Envelope {
-            topic: topics::ACTIONS,
-            key: &verdict.node,
-            id: &id,
-            content_type: ActionOutcome::CONTENT_TYPE,
-            incoming_trace: record.header(record_headers::TRACEPARENT),
-        };
-        kafka::publish_record(&self.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))
+        publish(&shared, &outcome, record.header(record_headers::TRACEPARENT)).await
     }
 }

@@ -446,6 +446,9 @@ pub enum Skip {
     Stale(std::time::Duration),
     /// The node does not match the GPU node selector (or no longer exists).
     Unmanaged,
+    /// Not urgent: the node is marked now and the rest waits for the maintenance window that
+    /// opens at this time (RFC 3339).
+    Deferred(String),
 }
 
 impl std::fmt::Display for Skip {
@@ -463,6 +466,9 @@ impl std::fmt::Display for Skip {
             Skip::Stale(age) => write!(f, "the verdict is stale (issued {}s ago)", age.as_secs()),
             Skip::Unmanaged => {
                 f.write_str("the node is not a managed GPU node (it does not match the GPU node selector)")
+            }
+            Skip::Deferred(at) => {
+                write!(f, "the action is not urgent and waits for the maintenance window opening at {at}")
             }
         }
     }

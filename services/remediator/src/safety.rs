@@ -109,6 +109,32 @@ impl CircuitBreaker {
         self.quarantined.clear();
     }
 
+    /// Replaces the breaker's state with what a previous leader left: the trip persisted in the
+    /// status object (`Some(reason)` when open) and the quarantines still within the window (found
+    /// on the nodes), so a failover or restart neither closes an open breaker nor hands out a
+    /// fresh budget.
+    pub fn restore(
+        &mut self,
+        trip: Option<String>,
+        quarantined: impl IntoIterator<Item = (String, Instant)>,
+        now: Instant,
+    ) {
+        self.trip = trip.map(|reason| Trip { at: now, reason });
+        self.quarantined = quarantined.into_iter().collect();
+        self.expire(now);
+    }
+
+    /// Opens the breaker by hand (an operator wrote `breaker: open` in the status object); a
+    /// breaker already open keeps its reason.
+    pub fn open(&mut self, reason: String, now: Instant) {
+        self.trip.get_or_insert(Trip { at: now, reason });
+    }
+
+    /// The window the quarantines are counted in.
+    pub fn window(&self) -> Duration {
+        self.limits.window
+    }
+
     /// How many quarantines count within the window at `now`.
     pub fn counted(&mut self, now: Instant) -> usize {
         self.expire(now);
@@ -259,6 +285,19 @@ mod tests {
         assert_eq!(b.admit("a", 10, t0), Admission::Allowed);
         b.cancel("a");
         assert_eq!(b.admit("b", 10, t0), Admission::Allowed);
+    }
+
+    #[test]
+    fn a_restored_breaker_stays_open_and_counts_what_it_was_given() {
+        let t0 = Instant::now();
+        let mut b = CircuitBreaker::new(limits(1.0, 2));
+        b.restore(Some("tripped before the failover".into()), [], t0);
+        assert!(matches!(b.admit("a", 10, t0), Admission::BreakerOpen(why) if why.contains("failover")));
+        let now = t0 + Duration::from_secs(601);
+        b.restore(None, [("a".to_owned(), now), ("old".to_owned(), t0)], now);
+        assert_eq!(b.counted(now), 1, "quarantines older than the window are dropped");
+        assert_eq!(b.admit("b", 10, now), Admission::Allowed);
+        assert!(matches!(b.admit("c", 10, now), Admission::BreakerOpen(_)));
     }
 
     #[test]

@@ -90,6 +90,17 @@ pub fn stale(
 
 /// The outcome record for what the remediator did about `v`.
 pub fn outcome(v: &Verdict, result: &Result<Outcome, String>) -> ActionOutcome {
+    outcome_for(v.verdict_id, &v.node, v.action, result)
+}
+
+/// The outcome record for what the remediator did about verdict `verdict_id` on `node`, which
+/// asked for `action` (also used for deferred actions carried out in a maintenance window).
+pub fn outcome_for(
+    verdict_id: uuid::Uuid,
+    node: &str,
+    action: RecommendedAction,
+    result: &Result<Outcome, String>,
+) -> ActionOutcome {
     let (status, detail) = match result {
         Ok(Outcome::Applied { plan, drain }) => {
             let mut d = describe(plan);
@@ -122,14 +133,7 @@ pub fn outcome(v: &Verdict, result: &Result<Outcome, String>) -> ActionOutcome {
         }
         Err(e) => (ActionStatus::Failed, e.clone()),
     };
-    ActionOutcome {
-        verdict_id: v.verdict_id,
-        node: v.node.clone(),
-        action: v.action,
-        status,
-        detail,
-        at: chrono::Utc::now(),
-    }
+    ActionOutcome { verdict_id, node: node.to_owned(), action, status, detail, at: chrono::Utc::now() }
 }
 
 /// One line for humans: what a plan changes.

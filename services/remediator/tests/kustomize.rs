@@ -340,17 +340,38 @@ fn assert_classifier(objects: &[Value]) {
     assert_eq!(data, originals, "the rules ConfigMap must hold services/classifier/rules/*.yaml, unchanged");
 }
 
-/// The remediator's mode, and one replica until leader election exists.
+/// The remediator's mode; a leader and a standby, each knowing its pod name and namespace (the
+/// lease identity, and where the lease and status object live); its namespaced Role covers the
+/// Lease and the status object by name.
 fn assert_remediator(objects: &[Value], mode: &str) {
     let deploy = find(objects, "Deployment", "gpumedic-remediator");
     let env = environment(objects, &containers(deploy)[0]);
     assert_eq!(env.get("GPUMEDIC_MODE").and_then(Value::as_str), Some(mode), "the remediator's GPUMEDIC_MODE");
-    assert_eq!(
-        deploy.pointer("/spec/replicas").and_then(Value::as_u64),
-        Some(1),
-        "one remediator: no leader election yet"
-    );
-    assert_eq!(str_at(deploy, "/spec/strategy/type"), Some("Recreate"), "never two remediators during a rollout");
+    assert_eq!(deploy.pointer("/spec/replicas").and_then(Value::as_u64), Some(2), "a leader and a standby");
+    for (var, field) in [("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace")] {
+        assert_eq!(
+            env.get(var).and_then(|v| v.pointer("/fieldRef/fieldPath")).and_then(Value::as_str),
+            Some(field),
+            "{var} from the downward API"
+        );
+    }
+    let role = find(objects, "Role", "gpumedic-remediator");
+    let rules = role.pointer("/rules").and_then(Value::as_array).expect("rules");
+    let named = |resource: &str, name: &str, verb: &str| {
+        rules.iter().any(|r| {
+            let has = |key: &str, v: &str| r[key].as_array().is_some_and(|a| a.iter().any(|x| x == v));
+            has("resources", resource) && has("resourceNames", name) && has("verbs", verb)
+        })
+    };
+    assert!(named("leases", "gpumedic-remediator", "update"), "the Lease, by name");
+    assert!(named("configmaps", "gpumedic-remediator-status", "patch"), "the status object, by name");
+    for r in rules {
+        let verbs: BTreeSet<&str> = r["verbs"].as_array().expect("verbs").iter().filter_map(Value::as_str).collect();
+        assert!(
+            r.get("resourceNames").is_some() || verbs == BTreeSet::from(["create"]),
+            "only create goes unnamed: {r}"
+        );
+    }
 }
 
 /// Bindings point at roles and ServiceAccounts that are deployed, in the right namespace, and

@@ -18,6 +18,10 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             ("GPUMEDIC_GROUP", testbed::unique_name("remediator")),
             ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            // Its own lease and status object, in a namespace the testbed always has.
+            ("GPUMEDIC_LEASE_NAMESPACE", "default".into()),
+            ("GPUMEDIC_LEASE_NAME", testbed::unique_name("lifecycle-lease")),
+            ("GPUMEDIC_STATUS_CONFIGMAP", testbed::unique_name("lifecycle-status")),
         ],
         Duration::from_secs(60),
         Duration::from_secs(10),
@@ -29,10 +33,23 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 fn invalid_config_lists_every_problem_and_exits_64() {
     let (code, stderr) = testbed::run_with_invalid_config(
         BIN,
-        &["--kafka-bootstrap", "nohost", "--kafka-option", "novalue", "--group", " "],
+        &[
+            "--kafka-bootstrap",
+            "nohost",
+            "--kafka-option",
+            "novalue",
+            "--group",
+            " ",
+            "--lease-duration",
+            "4s",
+            "--lease-renew",
+            "3s",
+            "--maintenance-window",
+            "Caturday 01:00-02:00",
+        ],
     );
     assert_eq!(code, Some(64), "{stderr}");
-    for field in ["--kafka-bootstrap", "--kafka-option", "--group"] {
+    for field in ["--kafka-bootstrap", "--kafka-option", "--group", "--lease-renew", "--maintenance-window"] {
         assert!(stderr.contains(field), "{field} missing from: {stderr}");
     }
 }

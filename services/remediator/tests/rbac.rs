@@ -1,15 +1,18 @@
-//! The remediator's ClusterRole (rbac/clusterrole.yaml) and leader-election Role (rbac/role.yaml)
-//! against the testbed's kube-apiserver with RBAC on: bound to a ServiceAccount, they are enough
-//! to quarantine and drain a node, and they refuse what the remediator must never do.
+//! The remediator's ClusterRole (rbac/clusterrole.yaml) and namespaced Role (rbac/role.yaml: the
+//! leader-election Lease and the status object) against the testbed's kube-apiserver with RBAC
+//! on: bound to a ServiceAccount, they are enough to quarantine and drain a node, lead, and keep
+//! the breaker's state, and they refuse what the remediator must never do.
 
 mod common;
 
 use common::*;
 use gpumedic_remediator::apply::{Outcome, Remediator};
+use gpumedic_remediator::control::{self, StatusClient};
+use gpumedic_remediator::lease::{LeaseClient, LeaseSettings};
 use gpumedic_remediator::request::Action;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
@@ -75,7 +78,7 @@ async fn the_cluster_role_is_enough_to_quarantine_and_drain_and_refuses_the_rest
     leases.metadata.namespace = Some(ns.clone());
     Api::<Role>::namespaced(admin.clone(), &ns).create(&PostParams::default(), &leases).await.expect("role");
     let lease_binding: RoleBinding = serde_json::from_value(json!({
-        "metadata": { "name": "remediator-leases" },
+        "metadata": { "name": "remediator-namespaced" },
         "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": leases.metadata.name },
         "subjects": [{ "kind": "ServiceAccount", "name": "remediator", "namespace": ns }]
     }))
@@ -103,12 +106,39 @@ async fn the_cluster_role_is_enough_to_quarantine_and_drain_and_refuses_the_rest
     r.remediate(&recovery(&request(&name, Action::Drain)), 10).await.expect("recovery");
     assert!(!cordoned(&get_node(&admin, &name).await));
 
-    // Leader election: a Lease in its own namespace, and nowhere else.
+    // Leader election: its Lease in its own namespace (create, renew, release), and nowhere else.
+    let settings = LeaseSettings {
+        namespace: ns.clone(),
+        name: "gpumedic-remediator".into(),
+        identity: "remediator-0".into(),
+        duration: std::time::Duration::from_secs(15),
+        renew: std::time::Duration::from_secs(5),
+    };
+    let mut elector = LeaseClient::new(restricted.clone(), settings);
+    assert!(elector.try_lead().await.expect("the role allows creating the lease"), "first comer leads");
+    assert!(elector.try_lead().await.expect("the role allows renewing the lease"), "the holder renews");
+    elector.release().await.expect("the role allows releasing the lease");
     let lease: Lease = serde_json::from_value(json!({ "metadata": { "name": "gpumedic-remediator" } })).unwrap();
-    Api::<Lease>::namespaced(restricted.clone(), &ns).create(&PostParams::default(), &lease).await.expect("own lease");
     forbidden(
         Api::<Lease>::namespaced(restricted.clone(), &other_ns).create(&PostParams::default(), &lease).await,
         "a lease elsewhere",
+    );
+    forbidden(Api::<Lease>::namespaced(restricted.clone(), &ns).get("another-lease").await, "reading another lease");
+
+    // The status object: created and patched by name; no other ConfigMap is readable.
+    let status = StatusClient::new(restricted.clone(), &ns, control::STATUS_CONFIGMAP);
+    status
+        .patch(&control::trip_patch("test trip", &control::now(), 3))
+        .await
+        .expect("the role allows the status object");
+    assert!(status.read().await.expect("readable").breaker_open);
+    forbidden(
+        Api::<ConfigMap>::namespaced(restricted.clone(), &ns).get("gpumedic-config").await,
+        "reading another ConfigMap",
+    );
+    forbidden(
+        Api::<ConfigMap>::namespaced(restricted.clone(), &other_ns).get(control::STATUS_CONFIGMAP).await,
+        "the status object elsewhere",
     );
 
     // Outside the role.

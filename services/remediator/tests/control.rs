@@ -1,0 +1,402 @@
+//! The remediator's control plane, as processes against the testbed: two replicas sharing a
+//! Lease (exactly one acts; the standby takes over a drain the killed leader left half done,
+//! repeating no step), the circuit breaker persisted in the status object (a restart keeps it
+//! open, `gpumedic breaker reset` closes it, recoveries proceed while it is open), the global
+//! pause through `gpumedic pause|resume`, and a maintenance window that defers a non-urgent drain
+//! and carries it out when it opens. Each test has its own namespace (Lease, status object, pods),
+//! nodes, topics and consumer group.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use gpumedic_remediator::control::{self, StatusClient};
+use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
+use gpumedic_runtime::kafka::{KafkaSettings, publish};
+use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, DeleteParams, PostParams};
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use serde_json::json;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
+
+/// One test's world: its namespace, fleet label, topics and group.
+struct World {
+    client: kube::Client,
+    ns: String,
+    fleet: String,
+    verdicts: String,
+    actions: String,
+    group: String,
+    bootstrap: String,
+}
+
+impl World {
+    async fn new() -> Self {
+        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = admin().await;
+        let ns = namespace(&client).await;
+        Self {
+            client,
+            ns,
+            fleet: testbed::unique_name("fleet"),
+            verdicts: testbed::unique_name("verdicts"),
+            actions: testbed::unique_name("actions"),
+            group: testbed::unique_name("remediator"),
+            bootstrap,
+        }
+    }
+
+    async fn node(&self) -> String {
+        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+    }
+
+    /// Starts a remediator replica named `identity`, with short lease timings and `extra` env.
+    fn start(&self, identity: &str, extra: &[(&str, String)]) -> ServiceProcess {
+        let mut env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
+            ("GPUMEDIC_GROUP", self.group.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
+            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
+            ("GPUMEDIC_IDENTITY", identity.to_owned()),
+            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
+            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
+            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
+            ("GPUMEDIC_MODE", "cordon-drain".into()),
+            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
+            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
+            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
+            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+        ];
+        for (k, v) in extra {
+            env.retain(|(key, _)| key != k);
+            env.push((k, v.clone()));
+        }
+        ServiceProcess::start(BIN, &[], &env).expect("the remediator starts")
+    }
+
+    async fn publish(&self, verdict: &Verdict) {
+        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![] }
+            .producer("control-test")
+            .expect("producer");
+        publish(&producer, &self.verdicts, &verdict.node, &gpumedic_schemas::encode(verdict).unwrap(), &[])
+            .await
+            .expect("verdict published");
+    }
+
+    /// Waits for the outcome of verdict `id` that `want` accepts.
+    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
+        let record = testbed::wait_for_record(
+            &self.actions,
+            |r| {
+                gpumedic_schemas::decode::<ActionOutcome>(r.payload.as_deref().unwrap_or_default())
+                    .is_ok_and(|o| o.verdict_id == id && want(&o))
+            },
+            Duration::from_secs(120),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("no matching outcome for verdict {id}: {e}"));
+        gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
+    }
+
+    /// Every outcome on the actions topic, read until it has been quiet for a few seconds.
+    async fn all_outcomes(&self) -> Vec<ActionOutcome> {
+        let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", testbed::unique_name("reader"))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        consumer.subscribe(&[&self.actions]).unwrap();
+        let mut all = Vec::new();
+        while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_secs(5), consumer.recv()).await {
+            let r = gpumedic_runtime::kafka::Record::from_message(&m);
+            all.push(gpumedic_schemas::decode(r.payload.as_deref().unwrap()).unwrap());
+        }
+        all
+    }
+
+    async fn holder(&self) -> Option<String> {
+        Api::<Lease>::namespaced(self.client.clone(), &self.ns)
+            .get_opt("gpumedic-remediator")
+            .await
+            .expect("lease read")
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity)
+    }
+
+    async fn status(&self) -> control::Status {
+        StatusClient::new(self.client.clone(), &self.ns, control::STATUS_CONFIGMAP).read().await.expect("status")
+    }
+
+    /// Runs the `gpumedic` CLI against this world's namespace; returns stdout.
+    fn cli(&self, args: &[&str]) -> String {
+        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new(bin)
+            .args(args)
+            .args(["--namespace", &self.ns])
+            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("GPUMEDIC_OPERATOR", "tester")
+            .output()
+            .expect("gpumedic runs");
+        assert!(out.status.success(), "gpumedic {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, severity: Severity, recovery: bool) -> Verdict {
+    Verdict {
+        verdict_id: uuid::Uuid::new_v4(),
+        incident_id: incident,
+        node: node.to_owned(),
+        entity: Default::default(),
+        severity,
+        rule_id: "xid-79-fallen-off-the-bus".into(),
+        rule_version: 1,
+        action,
+        custom_action: None,
+        reason: "GPU has fallen off the bus".into(),
+        evidence: vec![],
+        issued_at: chrono::Utc::now(),
+        recovery,
+    }
+}
+
+async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn metric(process: &ServiceProcess, line: &str) -> bool {
+    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
+}
+
+fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
+    labels(node).get("gpumedic.io/state").cloned()
+}
+
+#[tokio::test]
+async fn leader_failover_mid_drain_finishes_the_drain_once() {
+    let w = World::new().await;
+    let name = w.node().await;
+    pod(&w.client, &w.ns, "held-0", &name, json!({ "labels": { "app": "held" } })).await;
+    mark_running(&w.client, &w.ns, "held-0").await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(w.client.clone(), &w.ns);
+    let pdb = json!({ "metadata": { "name": "held" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "held" } } } });
+    pdbs.create(&PostParams::default(), &serde_json::from_value(pdb).unwrap()).await.expect("pdb");
+
+    let slow_drain = [("GPUMEDIC_DRAIN_DEADLINE", "180s".to_owned())];
+    let mut first = Some(w.start("rem-a", &slow_drain));
+    first.as_mut().unwrap().wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut second = w.start("rem-b", &slow_drain);
+    second.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(w.holder().await.as_deref(), Some("rem-a"), "the first replica leads");
+    assert!(metric(first.as_ref().unwrap(), "gpumedic_remediator_leader 1").await);
+    assert!(metric(&second, "gpumedic_remediator_leader 0").await, "the standby is ready but does not lead");
+
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    w.publish(&v).await;
+    // Mid-drain: cordoned, tainted, draining, the PodDisruptionBudget holding the pod.
+    eventually("the leader to start draining", Duration::from_secs(60), async || {
+        let n = get_node(&w.client, &name).await;
+        (state(&n).as_deref() == Some("draining")).then_some(())
+    })
+    .await;
+    eventually("the DrainStarted Event", Duration::from_secs(30), async || {
+        event_reasons(&w.client, &name).await.iter().any(|e| e == "DrainStarted").then_some(())
+    })
+    .await;
+
+    let killed = std::time::Instant::now();
+    drop(first.take()); // SIGKILL: no release, no commit.
+    eventually("the standby to take the lease over", Duration::from_secs(60), async || {
+        (w.holder().await.as_deref() == Some("rem-b")).then_some(())
+    })
+    .await;
+    println!("takeover after SIGKILL: {:?} (lease duration 4s, renew 1s)", killed.elapsed());
+    // The budget lifts; the new leader's drain (picked up from the redelivered verdict) finishes.
+    pdbs.delete("held", &DeleteParams::default()).await.expect("pdb lifted");
+    eventually("the node to be drained", Duration::from_secs(120), async || {
+        let n = get_node(&w.client, &name).await;
+        (state(&n).as_deref() == Some("drained")).then_some(())
+    })
+    .await;
+    assert!(pods_left(&w.client, &w.ns).await.is_empty());
+
+    let applied = w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(applied.detail.contains("1 evicted"), "the new leader evicted the pod: {}", applied.detail);
+    assert!(!applied.detail.contains("cordoned"), "the new leader did not cordon again: {}", applied.detail);
+    let all: Vec<_> = w.all_outcomes().await.into_iter().filter(|o| o.verdict_id == v.verdict_id).collect();
+    assert_eq!(all.len(), 1, "one outcome for the verdict (the killed leader never finished it): {all:?}");
+    let events = event_reasons(&w.client, &name).await;
+    for once in ["Cordoned", "Tainted", "Drained"] {
+        assert_eq!(events.iter().filter(|e| *e == once).count(), 1, "{once} once: {events:?}");
+    }
+    let node = get_node(&w.client, &name).await;
+    assert!(cordoned(&node));
+    assert_eq!(gpumedic_taints(&node).len(), 1);
+    let status = second.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success(), "the leader exits 0 on SIGTERM: {status}");
+    assert_eq!(w.holder().await, None, "a leader shutting down releases the lease");
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gpumedic_breaker_reset() {
+    let w = World::new().await;
+    let mut nodes = Vec::new();
+    for _ in 0..4 {
+        nodes.push(w.node().await);
+    }
+    // Two of four may be quarantined; the third trips the breaker.
+    let limits = [("GPUMEDIC_BREAKER_MAX_SHARE", "0.5".to_owned())];
+    let mut r = w.start("rem-a", &limits);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let incidents: Vec<uuid::Uuid> = nodes.iter().map(|_| uuid::Uuid::new_v4()).collect();
+    let cordon = |i: usize| verdict(&nodes[i], incidents[i], RecommendedAction::Cordon, Severity::Critical, false);
+    for i in 0..2 {
+        let v = cordon(i);
+        w.publish(&v).await;
+        w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    }
+    let v = cordon(2);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::BlockedByBreaker).await;
+    let status = w.status().await;
+    assert!(status.breaker_open, "the trip is in the status object: {status:?}");
+    assert!(status.breaker_reason.as_deref().is_some_and(|r| r.contains("3 of 4")), "{status:?}");
+    assert!(metric(&r, "gpumedic_remediator_breaker_open 1").await);
+
+    // A restart keeps it open.
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut r = w.start("rem-a2", &limits);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let v = cordon(3);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::BlockedByBreaker).await;
+    assert!(!cordoned(&get_node(&w.client, &nodes[3]).await));
+
+    // Recoveries proceed while it is open.
+    let v = verdict(&nodes[0], incidents[0], RecommendedAction::None, Severity::Info, true);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(!cordoned(&get_node(&w.client, &nodes[0]).await), "recovered while the breaker is open");
+
+    let shown: serde_json::Value = serde_json::from_str(&w.cli(&["breaker", "status", "-o", "json"])).unwrap();
+    assert_eq!((shown["breakerOpen"].as_bool(), shown["leader"].as_str()), (Some(true), Some("rem-a2")), "{shown}");
+    w.cli(&["breaker", "reset"]);
+    eventually("the leader to carry the reset out", Duration::from_secs(30), async || {
+        let s = w.status().await;
+        (!s.breaker_open && !s.reset_requested()).then_some(s)
+    })
+    .await;
+    let shown: serde_json::Value = serde_json::from_str(&w.cli(&["breaker", "status", "-o", "json"])).unwrap();
+    assert_eq!(shown["lastResetBy"], "tester", "{shown}");
+    let v = cordon(3);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(cordoned(&get_node(&w.client, &nodes[3]).await), "quarantines go through after the reset");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let refs: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    cleanup(&w.client, &refs, &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let mut r = w.start("rem-a", &[]);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let table = w.cli(&["pause", "--reason", "driver rollout"]);
+    assert!(table.contains("PAUSED") && table.contains("yes"), "{table}");
+    eventually("the leader to pause", Duration::from_secs(30), async || {
+        metric(&r, "gpumedic_remediator_paused 1").await.then_some(())
+    })
+    .await;
+    let before = get_node(&w.client, &name).await;
+    let incident = uuid::Uuid::new_v4();
+    let v = verdict(&name, incident, RecommendedAction::Drain, Severity::Critical, false);
+    w.publish(&v).await;
+    let o = w.outcome(v.verdict_id, |_| true).await;
+    assert_eq!(o.status, ActionStatus::SkippedByMode);
+    assert!(o.detail.contains("paused"), "{}", o.detail);
+    let after = get_node(&w.client, &name).await;
+    assert_eq!(after.metadata.labels, before.metadata.labels);
+    assert_eq!(after.metadata.annotations, before.metadata.annotations);
+    assert_eq!(after.spec, before.spec, "no cordon, no taint");
+    assert_eq!(conditions(&after), conditions(&before), "no condition");
+
+    w.cli(&["resume"]);
+    eventually("the leader to resume", Duration::from_secs(30), async || {
+        metric(&r, "gpumedic_remediator_paused 0").await.then_some(())
+    })
+    .await;
+    let v = verdict(&name, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(cordoned(&get_node(&w.client, &name).await));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_non_urgent_drain_waits_for_the_maintenance_window_and_runs_when_it_opens() {
+    let w = World::new().await;
+    let waits = w.node().await;
+    let urgent = w.node().await;
+    pod(&w.client, &w.ns, "job-0", &waits, json!({})).await;
+    // A window opening 30 s from now (long enough to defer first on a busy machine).
+    let opens = chrono::DateTime::from_timestamp(chrono::Utc::now().timestamp() + 30, 0).expect("a time");
+    let closes = opens + chrono::Duration::minutes(30);
+    let window = format!("daily {}-{} UTC", opens.format("%H:%M:%S"), closes.format("%H:%M:%S"));
+    let mut r = w.start(
+        "rem-a",
+        &[("GPUMEDIC_MAINTENANCE_WINDOWS", window.clone()), ("GPUMEDIC_MAINTENANCE_CHECK", "1s".into())],
+    );
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let v = verdict(&waits, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    w.publish(&v).await;
+    let critical = verdict(&urgent, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    w.publish(&critical).await;
+    let deferred = w.outcome(v.verdict_id, |_| true).await;
+    assert!(
+        chrono::Utc::now() < opens,
+        "the machine was too slow: the window ({window}) opened before the verdict was handled"
+    );
+    assert_eq!(deferred.status, ActionStatus::SkippedByMode, "{}", deferred.detail);
+    assert!(deferred.detail.contains("maintenance window"), "{}", deferred.detail);
+    let node = get_node(&w.client, &waits).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "nothing disruptive before the window");
+    assert!(conditions(&node).iter().any(|(t, s, _)| t == "GpuUnhealthy" && s == "True"), "marked now");
+    assert!(node.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(DEFERRED_ANNOTATION)));
+    // A critical verdict does not wait.
+    w.outcome(critical.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(cordoned(&get_node(&w.client, &urgent).await));
+
+    // The window opens: the deferred drain runs and its outcome is published.
+    let done = w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(chrono::Utc::now() >= opens, "not before the window opened");
+    assert!(done.detail.contains("cordoned") && done.detail.contains("drain"), "{}", done.detail);
+    let node = get_node(&w.client, &waits).await;
+    assert_eq!(state(&node).as_deref(), Some("drained"));
+    assert!(node.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)));
+    assert!(pods_left(&w.client, &w.ns).await.is_empty());
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&waits, &urgent], &[&w.ns]).await;
+}
