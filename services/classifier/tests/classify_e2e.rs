@@ -61,7 +61,7 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
     let db = testbed::unique_name("classify").replace('-', "_");
     let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] };
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
     settings
         .ensure_topics(&stage_topics(&[topics::HEALTH_ENRICHED, topics::ACTIONS], &[topics::VERDICTS], 12))
         .await

@@ -100,7 +100,8 @@ pub async fn run(args: InjectArgs) -> Result<(), String> {
         ));
     }
     // Published exactly as a collector publishes its own events.
-    let emitter = gpumedic_collector::sources::Emitter { producer };
+    let codec = settings.codec().await.map_err(|e| e.to_string())?;
+    let emitter = gpumedic_collector::sources::Emitter { producer, codec };
     for _ in 0..args.count {
         let event = event(&args).map_err(|p| gpumedic_runtime::config::render_problems("gpumedic inject", &p))?;
         emitter.emit(&event).await.map_err(|e| e.to_string())?;

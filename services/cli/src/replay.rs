@@ -225,7 +225,11 @@ pub fn parse_time(text: &str, now: DateTime<Utc>) -> anyhow::Result<i64> {
 impl Input {
     fn settings(&self) -> anyhow::Result<Option<KafkaSettings>> {
         let Some(bootstrap) = &self.kafka_bootstrap else { return Ok(None) };
-        let args = KafkaArgs { kafka_bootstrap: bootstrap.clone(), kafka_options: self.kafka_options.clone() };
+        let args = KafkaArgs {
+            kafka_bootstrap: bootstrap.clone(),
+            kafka_options: self.kafka_options.clone(),
+            schema_registry_url: None,
+        };
         Ok(Some(args.validate().map_err(|p| anyhow::anyhow!(render_problems("gpumedic replay", &p)))?))
     }
 

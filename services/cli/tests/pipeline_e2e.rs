@@ -109,7 +109,10 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
             ("GPUMEDIC_HEARTBEAT_INTERVAL", "1s".into()),
             ("GPUMEDIC_KMSG_PATH", "off".into()),
             // Its own state folder: the spool allows one collector per folder.
-            ("GPUMEDIC_STATE_DIR", std::env::temp_dir().join(testbed::unique_name("e2e-collector")).display().to_string()),
+            (
+                "GPUMEDIC_STATE_DIR",
+                std::env::temp_dir().join(testbed::unique_name("e2e-collector")).display().to_string(),
+            ),
         ],
     )
     .unwrap();
@@ -169,9 +172,10 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
 
     // Garbage on the raw topic goes to its dead-letter topic, and nothing else stops.
     let garbage_key = format!("{faulty}-garbage");
-    let producer = gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] }
-        .producer("e2e-garbage")
-        .unwrap();
+    let producer =
+        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None }
+            .producer("e2e-garbage")
+            .unwrap();
     gpumedic_runtime::kafka::publish(&producer, gpumedic_schemas::topics::HEALTH_RAW, &garbage_key, b"\xde\xad", &[])
         .await
         .unwrap();

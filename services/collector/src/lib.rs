@@ -271,6 +271,9 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut kafka = config.kafka.clone();
     kafka.options.insert(0, ("message.timeout.ms".into(), config.delivery_timeout.as_millis().to_string()));
     let producer = kafka.producer(&format!("{NAME}-{}", config.node_name)).map_err(|e| failed("producer", e.into()))?;
+    // With a schema registry, this build's schema must be registered before the first event is
+    // encoded: an unreachable registry stops the start (the kernel-log cursor keeps its place).
+    let codec = config.kafka.codec().await.map_err(|e| failed("schema-registry", e.into()))?;
     // The publisher starts without Kafka: events spool until the broker answers.
     let (publisher, sink) = Publisher::open(
         PublisherSettings {
@@ -280,6 +283,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             spool_max_bytes: config.spool_max_bytes,
         },
         producer,
+        codec,
     )
     .map_err(|e| failed("spool", e.into()))?;
     service.shutdown.spawn("publisher", publisher.run(token.clone()));

@@ -30,13 +30,14 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, TopicSpec, record_headers};
-use gpumedic_schemas::{HealthEvent, Record as _};
+use gpumedic_schemas::{Codec, HealthEvent, Record as _};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use tokio::sync::{mpsc, oneshot};
@@ -85,8 +86,10 @@ struct Outgoing {
 ///
 /// # Errors
 /// [`PublishError::Encode`] when the event does not encode.
-pub fn to_record(event: &HealthEvent) -> Result<SpoolRecord, PublishError> {
-    let value = gpumedic_schemas::encode(event).map_err(|e| PublishError::Encode(e.to_string()))?;
+pub fn to_record(event: &HealthEvent, codec: &Codec) -> Result<SpoolRecord, PublishError> {
+    // Encoded now, with the schema id of this build's writer schema: a spooled record keeps it, and
+    // ids never change in the embedded table or in a schema registry.
+    let value = codec.encode(event).map_err(|e| PublishError::Encode(e.to_string()))?;
     Ok(SpoolRecord {
         key: event.node.clone(),
         id: event.event_id.to_string(),
@@ -100,6 +103,7 @@ pub fn to_record(event: &HealthEvent) -> Result<SpoolRecord, PublishError> {
 #[derive(Clone)]
 pub struct Sink {
     tx: mpsc::Sender<Outgoing>,
+    codec: Arc<Codec>,
 }
 
 impl Sink {
@@ -109,7 +113,7 @@ impl Sink {
     /// # Errors
     /// [`PublishError::Closed`] at shutdown, [`PublishError::Encode`].
     pub async fn submit(&self, event: &HealthEvent) -> Result<oneshot::Receiver<Outcome>, PublishError> {
-        let record = to_record(event)?;
+        let record = to_record(event, &self.codec)?;
         let (ack, rx) = oneshot::channel();
         self.tx.send(Outgoing { record, ack: Some(ack) }).await.map_err(|_| PublishError::Closed)?;
         Ok(rx)
@@ -141,7 +145,7 @@ impl Sink {
 
     /// Queues `event` without waiting and without an answer; false when the channel is full.
     pub fn try_offer(&self, event: &HealthEvent) -> bool {
-        let record = match to_record(event) {
+        let record = match to_record(event, &self.codec) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, event_id = %event.event_id, "A health event cannot be published; it is lost.");
@@ -235,10 +239,14 @@ impl Publisher {
     ///
     /// # Errors
     /// [`SpoolError`] when the spool cannot be opened.
-    pub fn open(settings: PublisherSettings, producer: Producer) -> Result<(Self, Sink), SpoolError> {
+    pub fn open(
+        settings: PublisherSettings,
+        producer: Producer,
+        codec: Arc<Codec>,
+    ) -> Result<(Self, Sink), SpoolError> {
         let spool = Spool::open(&settings.spool_dir, settings.spool_max_bytes)?;
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
-        Ok((Self { settings, producer, spool, rx }, Sink { tx }))
+        Ok((Self { settings, producer, spool, rx }, Sink { tx, codec }))
     }
 
     fn send(&self, record: &SpoolRecord) -> Result<BoxFuture<'static, Result<(), String>>, String> {

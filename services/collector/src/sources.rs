@@ -21,12 +21,14 @@ use crate::sampler::Sampler;
 pub struct Emitter {
     /// The producer.
     pub producer: Producer,
+    /// The codec (embedded schema ids, or a schema registry's).
+    pub codec: std::sync::Arc<gpumedic_schemas::Codec>,
 }
 
 impl Emitter {
     /// Publishes `event` and waits for Kafka's acknowledgement.
     pub async fn emit(&self, event: &HealthEvent) -> Result<(), KafkaError> {
-        let bytes = gpumedic_schemas::encode(event).expect("events built by the collector always encode");
+        let bytes = self.codec.encode(event).expect("events built by the collector always encode");
         let id = event.event_id.to_string();
         let envelope = kafka::Envelope {
             topic: topics::HEALTH_RAW,

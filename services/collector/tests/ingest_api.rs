@@ -33,7 +33,7 @@ impl Collector {
         let topic = testbed::unique_name("ingest-test");
         let state = std::env::temp_dir().join(testbed::unique_name("collector-ingest"));
         let socket = state.join("ingest.sock");
-        let kafka = KafkaSettings { bootstrap, options: Vec::new() };
+        let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None };
         let producer = kafka.producer("ingest-test").expect("producer");
         let (publisher, sink) = Publisher::open(
             PublisherSettings {
@@ -43,6 +43,7 @@ impl Collector {
                 spool_max_bytes: 16 << 20,
             },
             producer,
+            std::sync::Arc::new(gpumedic_schemas::Codec::embedded()),
         )
         .expect("spool opens");
         let token = CancellationToken::new();

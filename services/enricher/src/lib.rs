@@ -11,6 +11,7 @@ pub mod catalog;
 pub mod enrich;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
@@ -20,7 +21,7 @@ use gpumedic_runtime::kafka::{
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Record as _, topics};
+use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
 
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
@@ -117,7 +118,14 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
     };
     tracing::info!(catalog_version = %config.catalog.version, codes = config.catalog.len(), "Xid catalog loaded.");
-    let handler = Enrich { cache, catalog: config.catalog, producer };
+    let codec = match config.kafka.codec().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "Cannot use the schema registry.");
+            return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
+        }
+    };
+    let handler = Enrich { cache, catalog: config.catalog, producer, codec };
     service.spawn_consumer(
         config.kafka,
         config.group,
@@ -134,13 +142,12 @@ pub struct Enrich {
     cache: ClusterCache,
     catalog: XidCatalog,
     producer: Producer,
+    codec: Arc<Codec>,
 }
 
 impl RecordHandler for Enrich {
     async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
-        let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
-        let event: HealthEvent =
-            gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
+        let event: HealthEvent = kafka::decode_payload(&self.codec, record).await?;
         let node = self.cache.node(&event.node);
         if node.is_none() {
             metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
@@ -149,7 +156,7 @@ impl RecordHandler for Enrich {
         let event_id = event.event_id.to_string();
         let key = event.node.clone();
         let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, chrono::Utc::now());
-        let bytes = gpumedic_schemas::encode(&enriched).map_err(|e| HandleError::Invalid(e.to_string()))?;
+        let bytes = self.codec.encode(&enriched).map_err(|e| HandleError::Invalid(e.to_string()))?;
         let envelope = kafka::Envelope {
             topic: topics::HEALTH_ENRICHED,
             key: &key,

@@ -35,7 +35,7 @@ async fn send(producer: &Producer, key: &str, payload: &[u8]) {
 async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![] };
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
     settings
         .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
         .await

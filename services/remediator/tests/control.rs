@@ -83,7 +83,7 @@ impl World {
     }
 
     async fn publish(&self, verdict: &Verdict) {
-        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![] }
+        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
             .producer("control-test")
             .expect("producer");
         publish(&producer, &self.verdicts, &verdict.node, &gpumedic_schemas::encode(verdict).unwrap(), &[])

@@ -9,6 +9,7 @@
 //! within a partition (one node's events) is kept.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -20,6 +21,8 @@ use rdkafka::message::{Header, Headers as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use tokio_util::sync::CancellationToken;
+
+use gpumedic_schemas::{Codec, RegistryOptions};
 
 use crate::BoxError;
 use crate::admin::ReadyFlag;
@@ -55,6 +58,14 @@ pub enum KafkaError {
     /// Committing offsets at shutdown failed.
     #[error("cannot commit offsets: {0}")]
     Commit(#[source] RdKafkaError),
+    /// The schema registry could not be used at start (unreachable, or it refused a schema).
+    #[error("schema registry at {url}: {source}")]
+    SchemaRegistry {
+        /// The registry's URL.
+        url: String,
+        /// What went wrong.
+        source: Box<gpumedic_schemas::RegistryStartError>,
+    },
     /// Producing a record failed after librdkafka's own retries.
     #[error("cannot produce to '{topic}': {source}")]
     Produce {
@@ -76,6 +87,13 @@ pub struct KafkaArgs {
     /// tuning, for example `security.protocol=SASL_SSL`.
     #[arg(long = "kafka-option", env = "GPUMEDIC_KAFKA_OPTIONS", value_delimiter = ',')]
     pub kafka_options: Vec<String>,
+
+    /// A Confluent-compatible schema registry (for example `http://registry:8081`, or Apicurio's
+    /// `.../apis/ccompat/v7`): this build's schemas are registered under `<topic>-value` at start
+    /// and writer schemas resolve by id from it. Without it, ids resolve from the table embedded
+    /// in gpumedic (docs/events.md).
+    #[arg(long, env = "GPUMEDIC_SCHEMA_REGISTRY_URL")]
+    pub schema_registry_url: Option<String>,
 }
 
 /// [`KafkaArgs`] validated.
@@ -85,6 +103,8 @@ pub struct KafkaSettings {
     pub bootstrap: String,
     /// Extra librdkafka properties, applied last.
     pub options: Vec<(String, String)>,
+    /// The schema registry's URL, when one is used.
+    pub schema_registry: Option<String>,
 }
 
 impl Validate for KafkaArgs {
@@ -109,7 +129,13 @@ impl Validate for KafkaArgs {
                 _ => p.push("--kafka-option", format!("'{raw}' must be key=value")),
             }
         }
-        p.finish(|| KafkaSettings { bootstrap: self.kafka_bootstrap, options })
+        let schema_registry = self.schema_registry_url.filter(|u| !u.trim().is_empty());
+        if let Some(url) = &schema_registry
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            p.push("--schema-registry-url", format!("'{url}' must be an http:// or https:// URL"));
+        }
+        p.finish(|| KafkaSettings { bootstrap: self.kafka_bootstrap, options, schema_registry })
     }
 }
 
@@ -199,6 +225,21 @@ impl KafkaSettings {
             source,
         })?;
         Ok(consumer)
+    }
+
+    /// The codec records are written and read with: registry-backed when a schema registry is
+    /// configured (this build's schemas are registered now, so a registry that is unreachable or
+    /// refuses a schema stops the start with the reason), else the embedded schema table.
+    pub async fn codec(&self) -> Result<Arc<Codec>, KafkaError> {
+        let Some(url) = &self.schema_registry else { return Ok(Arc::new(Codec::embedded())) };
+        let codec = Codec::with_registry(url, RegistryOptions::default())
+            .await
+            .map_err(|source| KafkaError::SchemaRegistry { url: url.clone(), source: Box::new(source) })?;
+        if !codec.embedded_ids_readable() {
+            tracing::warn!(%url, "Schema ids 1-4 in this registry are not gpumedic's schemas: records written without a registry cannot be read through it (docs/events.md).");
+        }
+        tracing::info!(%url, "Schemas registered; writer schemas resolve from the registry.");
+        Ok(Arc::new(codec))
     }
 
     /// Creates the topics that do not exist yet; existing ones are left as they are.
@@ -448,6 +489,20 @@ pub async fn run_consumer<H: RecordHandler>(
     }
 }
 
+/// Decodes a record's payload with `codec` for a [`RecordHandler`]: a bad record is
+/// [`HandleError::Invalid`] (dead-lettered with the reason), an unreachable schema registry is
+/// [`HandleError::Retry`] (the record is probably fine).
+pub async fn decode_payload<T: gpumedic_schemas::Record>(codec: &Codec, record: &Record) -> Result<T, HandleError> {
+    let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
+    codec.decode(payload).await.map_err(|e| {
+        if e.is_transient() {
+            HandleError::Retry(Box::new(e))
+        } else {
+            HandleError::Invalid(format!("{}: {e}", e.reason()))
+        }
+    })
+}
+
 /// Header names every gpumedic record carries (see docs/events.md).
 pub mod record_headers {
     /// W3C trace context.
@@ -611,7 +666,21 @@ mod tests {
         KafkaArgs {
             kafka_bootstrap: bootstrap.to_owned(),
             kafka_options: options.iter().map(|s| (*s).to_owned()).collect(),
+            schema_registry_url: None,
         }
+    }
+
+    #[test]
+    fn a_schema_registry_url_must_be_http() {
+        let mut a = args("k:9092", &[]);
+        a.schema_registry_url = Some("registry:8081".into());
+        assert!(a.validate().unwrap_err().list().iter().any(|p| p.field == "--schema-registry-url"));
+        let mut a = args("k:9092", &[]);
+        a.schema_registry_url = Some("http://registry:8081".into());
+        assert_eq!(a.validate().unwrap().schema_registry.as_deref(), Some("http://registry:8081"));
+        let mut a = args("k:9092", &[]);
+        a.schema_registry_url = Some(String::new());
+        assert_eq!(a.validate().unwrap().schema_registry, None);
     }
 
     #[test]

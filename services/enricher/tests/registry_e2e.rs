@@ -1,0 +1,90 @@
+//! The enricher with a schema registry (the testbed's Apicurio, Confluent-compatible API): it
+//! reads a raw event written with the registry's schema id, writes the enriched event with the
+//! registry's id for its own schema, and dead-letters a record whose id the registry does not
+//! know.
+
+use std::time::Duration;
+
+use gpumedic_runtime::kafka::{KafkaSettings, dlq_headers, publish};
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::codec::split_frame;
+use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
+use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, RegistryOptions, topics};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
+
+#[tokio::test]
+async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let registry = testbed::require_schema_registry().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    settings
+        .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
+        .await
+        .expect("topics");
+    // The same subjects the services use, so the same ids.
+    let codec = Codec::with_registry(&registry, RegistryOptions::default()).await.expect("registry codec");
+
+    let mut enricher = testbed::ServiceProcess::start(
+        BIN,
+        &[],
+        &[
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+            ("GPUMEDIC_SCHEMA_REGISTRY_URL", registry.clone()),
+            ("GPUMEDIC_GROUP", testbed::unique_name("enricher-registry")),
+            // Only this test's records: older ones on the shared topic were written without a
+            // registry, and their embedded ids mean nothing to it.
+            ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".into()),
+            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+        ],
+    )
+    .expect("enricher starts");
+    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let node = testbed::unique_name("reg-node");
+    let detail = Detail::Xid(XidDetail {
+        code: 79,
+        text: "GPU has fallen off the bus.".into(),
+        pid: None,
+        process: None,
+        nvlink5: None,
+        recovery_action: None,
+    });
+    let event = HealthEvent::new(&node, Source::KernelLog, Component::Gpu, Entity::default(), detail);
+    let payload = codec.encode(&event).unwrap();
+    assert_eq!(split_frame(&payload).unwrap().0, codec.writer_id::<HealthEvent>(), "written with the registry's id");
+    let producer = settings.producer("enricher-registry-test").unwrap();
+    publish(&producer, topics::HEALTH_RAW, &node, &payload, &[]).await.unwrap();
+    // An id no schema has in the registry.
+    let unknown_key = format!("{node}-unknown-id");
+    let mut unknown = vec![0u8];
+    unknown.extend_from_slice(&0x7fff_fff0u32.to_be_bytes());
+    unknown.extend_from_slice(b"body");
+    publish(&producer, topics::HEALTH_RAW, &unknown_key, &unknown, &[]).await.unwrap();
+
+    let out = testbed::wait_for_record(
+        topics::HEALTH_ENRICHED,
+        |r| r.key.as_deref() == Some(node.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let bytes = out.payload.as_deref().unwrap();
+    assert_eq!(split_frame(bytes).unwrap().0, codec.writer_id::<EnrichedHealthEvent>());
+    let enriched: EnrichedHealthEvent = codec.decode(bytes).await.expect("decodes through the registry");
+    assert_eq!(enriched.event, event);
+    assert_eq!(enriched.xid_catalog.as_ref().map(|c| c.name.as_str()), Some("GPU has fallen off the bus"));
+
+    let dead = testbed::wait_for_record(
+        &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
+        |r| r.key.as_deref() == Some(unknown_key.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let reason = String::from_utf8_lossy(dead.header(dlq_headers::REASON).unwrap()).into_owned();
+    assert!(reason.starts_with("unknown_schema_id"), "{reason}");
+    let status = enricher.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success());
+}
