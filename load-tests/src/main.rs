@@ -1,8 +1,13 @@
 //! gpumedic's load tests, run against the testbed's real servers.
 //!
-//! Each scenario prints a one-line summary and writes a JSON result. Today: the raw Kafka ceiling
-//! (produce and consume the same record size with no processing), the figure every pipeline
-//! throughput number is printed beside.
+//! Each scenario prints a one-line summary and writes a JSON result:
+//! - `kafka-ceiling`: the raw Kafka ceiling (produce and consume the same record size with no
+//!   processing), the figure every pipeline throughput number is printed beside.
+//! - `classify-throughput`: the classifier binary working through a pre-filled topic of enriched
+//!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
+//!   rate of the same records, measured in the same run (see [`classify`]).
+
+mod classify;
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +43,9 @@ enum Scenario {
         #[arg(long, default_value_t = 12)]
         partitions: i32,
     },
+    /// Events per second classified and persisted by the classifier binary, beside the raw Kafka
+    /// consume rate and the raw Postgres insert rate of the same events.
+    ClassifyThroughput(classify::Options),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -66,6 +74,13 @@ async fn main() -> anyhow::Result<()> {
             );
             std::fs::create_dir_all(&cli.out_dir)?;
             let path = cli.out_dir.join("kafka-ceiling.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
+            println!("result written to {}", path.display());
+        }
+        Scenario::ClassifyThroughput(options) => {
+            let result = classify::run(options).await?;
+            std::fs::create_dir_all(&cli.out_dir)?;
+            let path = cli.out_dir.join("classify-throughput.json");
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }

@@ -2,14 +2,20 @@
 //! event, incident, verdict and action in Postgres (its sole writer), and publishes verdicts on
 //! `gpumedic.verdicts.v1`, keyed by node.
 //!
-//! For each enriched record: decode, observe (rules), publish the resulting verdicts and wait for
-//! Kafka's acknowledgement, then commit the event and verdicts to Postgres, and only then let the
-//! offset be stored. Verdict ids are deterministic, so a crash anywhere in between republishes
-//! the same ids (subscribers deduplicate) and rewrites nothing. A ticker closes bursts and quiet
-//! periods when no event arrives. At start the engine's state is rebuilt from the recorded events.
+//! Records are handled a batch at a time ([`kafka::run_batch_consumer`]): decode each record
+//! (undecodable ones go to the dead-letter topic), observe the events through the engine in
+//! order, publish all resulting verdicts at once and wait for every acknowledgement, then write
+//! the whole batch (events, incidents, verdicts, action outcomes) in one Postgres statement, and
+//! only then let the offsets be stored. Verdict ids are deterministic and every write is
+//! idempotent, so a crash anywhere in between republishes the same ids (subscribers deduplicate)
+//! and rewrites nothing. A ticker closes bursts and quiet periods when no event arrives; a
+//! retention job keeps the daily event partitions; rule files are reloaded when they change. At
+//! start the engine's state is rebuilt from the recorded events.
 
 pub mod api;
 pub mod observe;
+pub mod reload;
+pub mod retention;
 pub mod rules;
 pub mod store;
 
@@ -18,14 +24,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use gpumedic_runtime::BoxError;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::{
-    self, Envelope, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
+    self, BatchHandler, BatchSettings, Disposition, Envelope, KafkaArgs, KafkaSettings, Producer, Record,
+    record_headers,
 };
 use gpumedic_runtime::postgres;
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Record as _, Verdict, topics};
+use gpumedic_schemas::{ActionOutcome, Codec, EnrichedHealthEvent, Record as _, Verdict, topics};
 use tokio::sync::Mutex;
 
 use crate::rules::engine::{Decision, Engine};
@@ -67,6 +75,42 @@ pub struct Args {
     /// How often time-based conditions (burst ends, quiet periods) are evaluated without events.
     #[arg(long, env = "GPUMEDIC_TICK", default_value = "2s")]
     tick: String,
+    /// At most this many records are classified and written to Postgres together. Batches fill
+    /// only under backlog (see --batch-linger); larger ones cost fewer round trips per event
+    /// (docs/benchmarks.md).
+    #[arg(long, env = "GPUMEDIC_BATCH_MAX", default_value_t = 5000)]
+    batch_max: usize,
+    /// How long a batch waits for more records after its first one (a latency cap when quiet).
+    #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "5ms")]
+    batch_linger: String,
+    /// How long recorded health events are kept; older daily partitions are dropped hourly.
+    /// Incidents, verdicts and actions are kept.
+    #[arg(long, env = "GPUMEDIC_EVENT_RETENTION", default_value = "30d")]
+    event_retention: String,
+    /// How often the rule files of --rules-dir are checked for changes (and reloaded when valid).
+    #[arg(long, env = "GPUMEDIC_RULES_POLL", default_value = "2s")]
+    rules_poll: String,
+    /// The topic of enriched health events to classify.
+    #[arg(long, env = "GPUMEDIC_ENRICHED_TOPIC", default_value = topics::HEALTH_ENRICHED)]
+    enriched_topic: String,
+    /// The topic verdicts are published on.
+    #[arg(long, env = "GPUMEDIC_VERDICTS_TOPIC", default_value = topics::VERDICTS)]
+    verdicts_topic: String,
+    /// The topic of the remediator's action outcomes, recorded in Postgres.
+    #[arg(long, env = "GPUMEDIC_ACTIONS_TOPIC", default_value = topics::ACTIONS)]
+    actions_topic: String,
+}
+
+/// The classifier's topics. Fixed in production (the defaults); tests and benchmarks give each
+/// run its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topics {
+    /// Enriched health events in.
+    pub enriched: String,
+    /// Verdicts out.
+    pub verdicts: String,
+    /// Action outcomes in.
+    pub actions: String,
 }
 
 /// The validated configuration.
@@ -88,6 +132,18 @@ pub struct Config {
     pub rebuild_window: Duration,
     /// The tick interval.
     pub tick: Duration,
+    /// How records are batched.
+    pub batch: BatchSettings,
+    /// How long events are kept.
+    pub event_retention: Duration,
+    /// Where the rules came from, when from files: watched and reloaded.
+    pub rules_dir: Option<PathBuf>,
+    /// Whether synthetic events are acted on (kept across reloads).
+    pub allow_synthetic: bool,
+    /// How often the rule files are checked.
+    pub rules_poll: Duration,
+    /// The topics.
+    pub topics: Topics,
 }
 
 impl Validate for Args {
@@ -121,6 +177,43 @@ impl Validate for Args {
         };
         let rebuild_window = p.check("--rebuild-window", parse_duration(&self.rebuild_window));
         let tick = p.check("--tick", parse_duration(&self.tick));
+        if !(1..=100_000).contains(&self.batch_max) {
+            p.push("--batch-max", format!("{} is not from 1 to 100000", self.batch_max));
+        }
+        let linger = p.check("--batch-linger", parse_duration(&self.batch_linger));
+        if linger.is_some_and(|l| l > Duration::from_secs(10)) {
+            p.push("--batch-linger", "must be at most 10s (it delays every verdict)");
+        }
+        let retention = p.check("--event-retention", parse_duration(&self.event_retention));
+        if let Some(r) = retention {
+            if r < Duration::from_secs(86_400) {
+                p.push("--event-retention", "must be at least 1d (events are dropped a day at a time)");
+            } else if rebuild_window.is_some_and(|w| r < w) {
+                p.push("--event-retention", "must be at least --rebuild-window (the rebuild reads those events)");
+            }
+        }
+        let rules_poll = p.check("--rules-poll", parse_duration(&self.rules_poll));
+        if rules_poll.is_some_and(|d| d.is_zero()) {
+            p.push("--rules-poll", "must be more than 0");
+        }
+        for (flag, topic) in [
+            ("--enriched-topic", &self.enriched_topic),
+            ("--verdicts-topic", &self.verdicts_topic),
+            ("--actions-topic", &self.actions_topic),
+        ] {
+            if topic.is_empty()
+                || topic.len() > 249
+                || !topic.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            {
+                p.push(flag, format!("'{topic}' is not a Kafka topic name ([a-zA-Z0-9._-], 1 to 249 characters)"));
+            }
+        }
+        if self.enriched_topic == self.verdicts_topic
+            || self.enriched_topic == self.actions_topic
+            || self.verdicts_topic == self.actions_topic
+        {
+            p.push("--enriched-topic", "the enriched, verdicts and actions topics must differ");
+        }
         p.finish(|| {
             let rules = rules.expect("checked");
             Config {
@@ -132,6 +225,16 @@ impl Validate for Args {
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),
+                batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked") },
+                event_retention: retention.expect("checked"),
+                rules_dir: self.rules_dir,
+                allow_synthetic: self.allow_synthetic,
+                rules_poll: rules_poll.expect("checked"),
+                topics: Topics {
+                    enriched: self.enriched_topic,
+                    verdicts: self.verdicts_topic,
+                    actions: self.actions_topic,
+                },
             }
         })
     }
@@ -165,81 +268,169 @@ pub async fn connect_and_migrate(url: &str, pool_size: u32) -> Result<sqlx::PgPo
     Ok(pool)
 }
 
-/// The engine with its outputs, shared by the record handler and the ticker.
+/// The engine with its outputs, shared by the batch handler, the ticker and the rules watcher.
 pub struct Classifier {
     engine: Engine,
     pool: sqlx::PgPool,
     producer: Producer,
+    verdicts_topic: String,
+    codec: Arc<Codec>,
 }
 
 impl Classifier {
-    /// Publishes verdicts for `decisions` (waiting for Kafka's acknowledgement); returns them.
+    /// Publishes the verdicts for `decisions` all at once (each continuing the trace of the record
+    /// that caused it) and waits for every acknowledgement; returns them with their decisions.
     async fn publish(
         &self,
-        decisions: Vec<Decision>,
-        incoming_trace: Option<&[u8]>,
+        decisions: &[(Decision, Option<&[u8]>)],
     ) -> Result<Vec<(Decision, Verdict)>, kafka::KafkaError> {
-        let mut out = Vec::with_capacity(decisions.len());
-        for d in decisions {
-            let v = observe::verdict(&d);
-            let bytes = gpumedic_schemas::encode(&v).expect("verdicts built from decisions always encode");
-            let id = v.verdict_id.to_string();
+        let out: Vec<(Decision, Verdict)> = decisions.iter().map(|(d, _)| (d.clone(), observe::verdict(d))).collect();
+        let encoded: Vec<(Vec<u8>, String)> = out
+            .iter()
+            .map(|(_, v)| {
+                let bytes = self.codec.encode(v).expect("verdicts built from decisions always encode");
+                (bytes, v.verdict_id.to_string())
+            })
+            .collect();
+        // Futures are first polled in order, so the records are queued in decision order, and
+        // librdkafka (idempotent producer) keeps that order within each partition.
+        let sends = out.iter().zip(&encoded).zip(decisions).map(|(((_, v), (bytes, id)), (_, trace))| {
             let envelope = Envelope {
-                topic: topics::VERDICTS,
+                topic: &self.verdicts_topic,
                 key: &v.node,
-                id: &id,
+                id,
                 content_type: Verdict::CONTENT_TYPE,
-                incoming_trace,
+                incoming_trace: *trace,
             };
-            kafka::publish_record(&self.producer, envelope, &bytes).await?;
+            kafka::publish_record(&self.producer, envelope, bytes)
+        });
+        futures::future::try_join_all(sends).await?;
+        for (_, v) in &out {
             tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
                 recovery = v.recovery, verdict_id = %v.verdict_id, "Verdict published.");
             metrics::counter!("gpumedic_classifier_verdicts_total", "severity" => format!("{:?}", v.severity).to_lowercase(),
                 "recovery" => v.recovery.to_string()).increment(1);
-            out.push((d, v));
         }
         Ok(out)
     }
 }
 
-/// The consumer's handler: enriched events into the engine; action outcomes into the record.
-pub struct Handler {
-    classifier: Arc<Mutex<Classifier>>,
-    /// Decisions of the event being retried: the engine has already taken the event in (and
-    /// would ignore it a second time), so they must not be lost with a failed publish.
-    retrying: Option<(String, Vec<Decision>)>,
+/// Where a batch's time goes: `decode` (Avro and the JSON kept in Postgres), `classify` (the
+/// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
+fn stage_seconds(stage: &'static str, from: std::time::Instant, to: std::time::Instant) {
+    metrics::histogram!("gpumedic_classifier_batch_stage_seconds", "stage" => stage)
+        .record(to.duration_since(from).as_secs_f64());
 }
 
-impl RecordHandler for Handler {
-    async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
-        let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
-        let retry = |e: Box<dyn std::error::Error + Send + Sync>| HandleError::Retry(e);
-        if record.topic == topics::ACTIONS {
-            let outcome: ActionOutcome =
-                gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
-            let c = self.classifier.lock().await;
-            return store::record_action(&c.pool, &outcome).await.map_err(|e| retry(Box::new(e)));
+/// Identifies a batch by its first and last record and its length: the consumer loop offers a
+/// failed batch again unchanged, so the same key means the same records.
+type BatchKey = (String, i32, i64, String, i32, i64, usize);
+
+fn batch_key(records: &[Record]) -> Option<BatchKey> {
+    let (first, last) = (records.first()?, records.last()?);
+    Some((
+        first.topic.clone(),
+        first.partition,
+        first.offset,
+        last.topic.clone(),
+        last.partition,
+        last.offset,
+        records.len(),
+    ))
+}
+
+/// The consumer's batch handler: enriched events into the engine and all of the batch into
+/// Postgres at once; action outcomes into the record.
+pub struct Handler {
+    classifier: Arc<Mutex<Classifier>>,
+    actions_topic: String,
+    /// Decisions of the batch being retried, with the index of the record behind each: the
+    /// engine has already taken its events in (and would ignore them a second time), so they must
+    /// not be lost with a failed publish or write.
+    retrying: Option<(BatchKey, Vec<(Decision, usize)>)>,
+}
+
+impl Handler {
+    /// A handler over `classifier`, recording outcomes read from `actions_topic`.
+    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String) -> Self {
+        Handler { classifier, actions_topic, retrying: None }
+    }
+}
+
+impl BatchHandler for Handler {
+    #[tracing::instrument(name = "classify_batch", skip_all, fields(records = records.len()))]
+    async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
+        let started = std::time::Instant::now();
+        let mut dispositions = vec![Disposition::Done; records.len()];
+        let mut batch = store::Batch { events: store::EventRows::with_capacity(records.len()), ..Default::default() };
+        let mut observations = Vec::with_capacity(records.len());
+        let codec = self.classifier.lock().await.codec.clone();
+        for (i, record) in records.iter().enumerate() {
+            let Some(payload) = record.payload.as_deref() else {
+                dispositions[i] = Disposition::DeadLetter("empty record".into());
+                continue;
+            };
+            if record.topic == self.actions_topic {
+                match codec.decode::<ActionOutcome>(payload).await {
+                    Ok(outcome) => batch.actions.push(&outcome),
+                    // An unreachable schema registry: the whole batch waits and is retried.
+                    Err(e) if e.is_transient() => return Err(Box::new(e)),
+                    Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
+                }
+                continue;
+            }
+            match codec.decode::<EnrichedHealthEvent>(payload).await {
+                Ok(event) => match batch.events.push(&event) {
+                    Ok(()) => observations.push((i, observe::observation(&event))),
+                    Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
+                },
+                Err(e) if e.is_transient() => return Err(Box::new(e)),
+                Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
+            }
         }
-        let event: EnrichedHealthEvent =
-            gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
-        let observation = observe::observation(&event);
-        let mut c = self.classifier.lock().await;
+        let key = batch_key(records);
+        let c = &mut *self.classifier.lock().await;
+        let decoded = std::time::Instant::now();
+        stage_seconds("decode", started, decoded);
         let decisions = match self.retrying.take() {
-            Some((id, decisions)) if id == observation.event_id => decisions,
-            _ => c.engine.observe(&observation),
+            Some((k, decisions)) if Some(&k) == key.as_ref() => decisions,
+            _ => {
+                let mut decisions = Vec::new();
+                for (i, o) in &observations {
+                    decisions.extend(c.engine.observe(o).into_iter().map(|d| (d, *i)));
+                }
+                decisions
+            }
         };
+        let classified = std::time::Instant::now();
+        stage_seconds("classify", decoded, classified);
         let outcome = async {
-            let published = c.publish(decisions.clone(), record.header(record_headers::TRACEPARENT)).await?;
-            store::record_event(&c.pool, &event, &published).await?;
-            Ok::<_, ClassifierError>(())
+            let traced: Vec<(Decision, Option<&[u8]>)> =
+                decisions.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
+            let published = c.publish(&traced).await?;
+            let acknowledged = std::time::Instant::now();
+            stage_seconds("publish", classified, acknowledged);
+            batch.decisions = store::DecisionRows::new(&published);
+            let written = store::write_batch(&c.pool, &batch).await?;
+            stage_seconds("write", acknowledged, std::time::Instant::now());
+            Ok::<_, ClassifierError>(written)
         }
         .await;
-        if let Err(e) = outcome {
-            self.retrying = Some((observation.event_id.clone(), decisions));
-            return Err(retry(Box::new(e)));
+        match outcome {
+            Ok(written) => {
+                let events = batch.events.len() as u64;
+                metrics::counter!("gpumedic_classifier_events_total").increment(events);
+                metrics::counter!("gpumedic_classifier_duplicate_events_total")
+                    .increment(events.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
+                Ok(dispositions)
+            }
+            Err(e) => {
+                if let Some(key) = key {
+                    self.retrying = Some((key, decisions));
+                }
+                Err(Box::new(e))
+            }
         }
-        metrics::counter!("gpumedic_classifier_events_total").increment(1);
-        Ok(())
     }
 }
 
@@ -248,9 +439,12 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let api_pool = api::SharedPool::default();
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone()));
     let db_ready = service.readiness.register("database");
+    let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();
     let setup = async {
         let pool = connect_and_migrate(&config.database_url, config.database_pool).await?;
+        // Partitions for today and the days ahead exist before the first event is written.
+        retention::maintain_logged(&pool, config.event_retention).await;
         let since = chrono::Utc::now() - chrono::Duration::from_std(config.rebuild_window).unwrap_or_default();
         let history = store::events_since(&pool, since).await?;
         let observations: Vec<_> = history.iter().map(observe::observation).collect();
@@ -261,7 +455,14 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             "Incident state rebuilt."
         );
         let producer = config.kafka.producer(NAME)?;
-        Ok::<_, ClassifierError>(Classifier { engine, pool, producer })
+        let codec = config.kafka.codec().await?;
+        Ok::<_, ClassifierError>(Classifier {
+            engine,
+            pool,
+            producer,
+            verdicts_topic: config.topics.verdicts.clone(),
+            codec,
+        })
     };
     let classifier = match setup.await {
         Ok(c) => Arc::new(Mutex::new(c)),
@@ -272,18 +473,28 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     };
     let pool = classifier.lock().await.pool.clone();
     let _ = api_pool.set(pool.clone());
-    service
-        .shutdown
-        .spawn("database", postgres::watch_reachability(pool, db_ready, Duration::from_secs(10), token.clone()));
-    service.shutdown.spawn("ticker", ticker(classifier.clone(), config.tick, token));
-    service.spawn_consumer(
-        config.kafka,
-        config.group,
-        vec![topics::HEALTH_ENRICHED, topics::ACTIONS],
-        vec![topics::VERDICTS],
-        topics::DEFAULT_PARTITIONS,
-        Handler { classifier, retrying: None },
+    service.shutdown.spawn(
+        "database",
+        postgres::watch_reachability(pool.clone(), db_ready, Duration::from_secs(10), token.clone()),
     );
+    service.shutdown.spawn("retention", retention::run(pool, config.event_retention, token.clone()));
+    service.shutdown.spawn("ticker", ticker(classifier.clone(), config.tick, token.clone()));
+    if let Some(dir) = config.rules_dir.clone() {
+        let watch = reload::watch(classifier.clone(), dir, config.allow_synthetic, config.rules_poll, token.clone());
+        service.shutdown.spawn("rules-watch", watch);
+    }
+    let Config { kafka: settings, group, topics: t, batch, .. } = config;
+    let handler = Handler::new(classifier, t.actions.clone());
+    service.shutdown.spawn("consumer", async move {
+        let inputs = [t.enriched.as_str(), t.actions.as_str()];
+        let specs = kafka::stage_topics(&inputs, &[t.verdicts.as_str()], topics::DEFAULT_PARTITIONS);
+        if !kafka::wait_for_topics(&settings, &specs, &token).await {
+            return Ok(());
+        }
+        let consumer = settings.consumer(NAME, &group, &inputs, assigned)?;
+        let dlq = settings.producer(&format!("{NAME}-dlq"))?;
+        kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
+    });
     service.run().await
 }
 
@@ -299,14 +510,15 @@ async fn ticker(
             () = tokio::time::sleep(every) => {}
         }
         let mut c = classifier.lock().await;
-        let decisions = c.engine.tick(chrono::Utc::now().timestamp_micros());
+        let decisions: Vec<(Decision, Option<&[u8]>)> =
+            c.engine.tick(chrono::Utc::now().timestamp_micros()).into_iter().map(|d| (d, None)).collect();
         if decisions.is_empty() {
             continue;
         }
         // The engine already moved on, so retry from the decisions we hold until both writes
         // succeed (ids are deterministic: a repeat publish is deduplicated downstream).
         loop {
-            match c.publish(decisions.clone(), None).await {
+            match c.publish(&decisions).await {
                 Ok(published) => match store::record_decisions(&c.pool, &published).await {
                     Ok(()) => break,
                     Err(e) => tracing::warn!(error = %e, "Cannot record tick decisions; retrying."),
@@ -318,5 +530,12 @@ async fn ticker(
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
+    }
+}
+
+/// The engine's rules, for the rules watcher.
+impl Classifier {
+    fn replace_rules(&mut self, rules: RuleSet) {
+        self.engine.replace_rules(rules);
     }
 }

@@ -1,123 +1,316 @@
 //! Postgres writes. The classifier is the only writer, and every write is idempotent (keyed by
-//! event id, incident id, verdict id, and verdict+action+status), so a redelivered record or a
-//! replayed tick changes nothing.
+//! event id and time, incident id, verdict id, and verdict+action+status), so a redelivered batch
+//! or a replayed tick changes nothing.
+//!
+//! A batch of records becomes one statement, one round trip: column arrays bound once and
+//! expanded with `UNNEST` into multi-row inserts of events, incidents, verdicts and actions,
+//! combined with data-modifying CTEs so they commit (or fail) together.
+
+use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Verdict};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
+use uuid::Uuid;
 
 use crate::rules::engine::{Decision, DecisionKind};
 
-/// A failed write; the record is retried.
+/// A failed write; the batch is retried.
 pub type StoreError = sqlx::Error;
 
-/// Records an event and the decisions it caused in one transaction.
-pub async fn record_event(
-    pool: &PgPool,
-    e: &EnrichedHealthEvent,
-    decisions: &[(Decision, Verdict)],
-) -> Result<(), StoreError> {
-    let mut tx = pool.begin().await?;
-    let ev = &e.event;
-    let xid = match &ev.detail {
-        gpumedic_schemas::Detail::Xid(x) => Some(x.code),
-        _ => None,
-    };
-    let json = serde_json::to_value(e).map_err(|err| sqlx::Error::Encode(Box::new(err)))?;
-    sqlx::query(
-        "INSERT INTO health_events (event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid,
-                                    healthy, synthetic, record)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-         ON CONFLICT (event_id) DO NOTHING",
-    )
-    .bind(ev.event_id)
-    .bind(&ev.node)
-    .bind(ev.observed_at)
-    .bind(json_name(&ev.source))
-    .bind(json_name(&ev.component))
-    .bind(json_name(&ev.kind))
-    .bind(&ev.entity.gpu_uuid)
-    .bind(&ev.entity.pci_bus_id)
-    .bind(xid)
-    .bind(ev.healthy)
-    .bind(ev.synthetic)
-    .bind(json)
-    .execute(&mut *tx)
-    .await?;
-    write_decisions(&mut tx, decisions).await?;
-    tx.commit().await
+/// Health events as column arrays, ready to insert.
+#[derive(Debug, Default, Clone)]
+pub struct EventRows {
+    ids: Vec<Uuid>,
+    nodes: Vec<String>,
+    observed_at: Vec<DateTime<Utc>>,
+    sources: Vec<String>,
+    components: Vec<String>,
+    kinds: Vec<String>,
+    gpu_uuids: Vec<Option<String>>,
+    pci_bus_ids: Vec<Option<String>>,
+    xids: Vec<Option<i32>>,
+    healthy: Vec<bool>,
+    synthetic: Vec<bool>,
+    /// The whole record as JSON text, stored as `json` (see migration 0002).
+    records: Vec<String>,
+}
+
+impl EventRows {
+    /// Room for `n` events.
+    pub fn with_capacity(n: usize) -> Self {
+        EventRows {
+            ids: Vec::with_capacity(n),
+            nodes: Vec::with_capacity(n),
+            observed_at: Vec::with_capacity(n),
+            sources: Vec::with_capacity(n),
+            components: Vec::with_capacity(n),
+            kinds: Vec::with_capacity(n),
+            gpu_uuids: Vec::with_capacity(n),
+            pci_bus_ids: Vec::with_capacity(n),
+            xids: Vec::with_capacity(n),
+            healthy: Vec::with_capacity(n),
+            synthetic: Vec::with_capacity(n),
+            records: Vec::with_capacity(n),
+        }
+    }
+
+    /// Adds one event (the whole record is kept as JSON, for rebuilds and the API).
+    pub fn push(&mut self, e: &EnrichedHealthEvent) -> Result<(), serde_json::Error> {
+        let record = serde_json::to_string(e)?;
+        let ev = &e.event;
+        self.ids.push(ev.event_id);
+        self.nodes.push(ev.node.clone());
+        self.observed_at.push(ev.observed_at);
+        self.sources.push(json_name(&ev.source));
+        self.components.push(json_name(&ev.component));
+        self.kinds.push(json_name(&ev.kind));
+        self.gpu_uuids.push(ev.entity.gpu_uuid.clone());
+        self.pci_bus_ids.push(ev.entity.pci_bus_id.clone());
+        self.xids.push(match &ev.detail {
+            gpumedic_schemas::Detail::Xid(x) => Some(x.code),
+            _ => None,
+        });
+        self.healthy.push(ev.healthy);
+        self.synthetic.push(ev.synthetic);
+        self.records.push(record);
+        Ok(())
+    }
+
+    /// How many events.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// No events.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// Incidents and verdicts from decisions, as column arrays.
+#[derive(Debug, Default, Clone)]
+pub struct DecisionRows {
+    // Incidents, one row per incident: decisions of one incident in a batch are folded, because
+    // one statement may not upsert the same row twice.
+    incident_ids: Vec<Uuid>,
+    incident_nodes: Vec<String>,
+    incident_gpus: Vec<Option<String>>,
+    incident_rules: Vec<String>,
+    /// Severity of a new row: that of the last non-recovery decision, else the first's.
+    incident_severity: Vec<String>,
+    /// Severity for an existing row: the last non-recovery decision's, or none to keep it.
+    incident_new_severity: Vec<Option<String>>,
+    incident_opened_at: Vec<DateTime<Utc>>,
+    incident_resolved_at: Vec<Option<DateTime<Utc>>>,
+    incident_summary: Vec<String>,
+    // Verdicts, one row each.
+    verdict_ids: Vec<Uuid>,
+    verdict_incidents: Vec<Uuid>,
+    verdict_nodes: Vec<String>,
+    verdict_gpus: Vec<Option<String>>,
+    verdict_severity: Vec<String>,
+    verdict_rules: Vec<String>,
+    verdict_rule_versions: Vec<i32>,
+    verdict_actions: Vec<String>,
+    verdict_reasons: Vec<String>,
+    verdict_recovery: Vec<bool>,
+    /// Evidence ids comma-joined (Postgres arrays of arrays must be rectangular).
+    verdict_evidence: Vec<String>,
+    verdict_issued_at: Vec<DateTime<Utc>>,
+}
+
+impl DecisionRows {
+    /// The rows for `decisions`, in the order they were made.
+    pub fn new(decisions: &[(Decision, Verdict)]) -> Self {
+        let mut rows = DecisionRows::default();
+        let mut index: HashMap<Uuid, usize> = HashMap::new();
+        for (d, v) in decisions {
+            let at = micros(d.decided_at_micros);
+            let recovery = matches!(d.kind, DecisionKind::Recover);
+            match index.get(&d.incident_id) {
+                None => {
+                    index.insert(d.incident_id, rows.incident_ids.len());
+                    rows.incident_ids.push(d.incident_id);
+                    rows.incident_nodes.push(d.node.clone());
+                    rows.incident_gpus.push(d.gpu.clone());
+                    rows.incident_rules.push(d.rule_id.clone());
+                    rows.incident_severity.push(d.severity.as_str().to_owned());
+                    rows.incident_new_severity.push((!recovery).then(|| d.severity.as_str().to_owned()));
+                    rows.incident_opened_at.push(at);
+                    rows.incident_resolved_at.push(recovery.then_some(at));
+                    rows.incident_summary.push(d.reason.clone());
+                }
+                Some(&i) => {
+                    if recovery {
+                        rows.incident_resolved_at[i] = Some(at);
+                    } else {
+                        rows.incident_severity[i] = d.severity.as_str().to_owned();
+                        rows.incident_new_severity[i] = Some(d.severity.as_str().to_owned());
+                    }
+                }
+            }
+            rows.verdict_ids.push(v.verdict_id);
+            rows.verdict_incidents.push(v.incident_id);
+            rows.verdict_nodes.push(v.node.clone());
+            rows.verdict_gpus.push(d.gpu.clone());
+            rows.verdict_severity.push(d.severity.as_str().to_owned());
+            rows.verdict_rules.push(v.rule_id.clone());
+            rows.verdict_rule_versions.push(v.rule_version);
+            rows.verdict_actions.push(json_name(&v.action));
+            rows.verdict_reasons.push(v.reason.clone());
+            rows.verdict_recovery.push(v.recovery);
+            rows.verdict_evidence.push(v.evidence.iter().map(Uuid::to_string).collect::<Vec<_>>().join(","));
+            rows.verdict_issued_at.push(v.issued_at);
+        }
+        rows
+    }
+
+    /// No decisions.
+    pub fn is_empty(&self) -> bool {
+        self.verdict_ids.is_empty()
+    }
+}
+
+/// Action outcomes as column arrays.
+#[derive(Debug, Default, Clone)]
+pub struct ActionRows {
+    verdict_ids: Vec<Uuid>,
+    actions: Vec<String>,
+    statuses: Vec<String>,
+    details: Vec<String>,
+    at: Vec<DateTime<Utc>>,
+}
+
+impl ActionRows {
+    /// Adds one outcome.
+    pub fn push(&mut self, a: &ActionOutcome) {
+        self.verdict_ids.push(a.verdict_id);
+        self.actions.push(json_name(&a.action));
+        self.statuses.push(json_name(&a.status));
+        self.details.push(a.detail.clone());
+        self.at.push(a.at);
+    }
+
+    /// No outcomes.
+    pub fn is_empty(&self) -> bool {
+        self.verdict_ids.is_empty()
+    }
+}
+
+/// One batch to write.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    /// The events.
+    pub events: EventRows,
+    /// The incidents and verdicts.
+    pub decisions: DecisionRows,
+    /// The remediator's action outcomes.
+    pub actions: ActionRows,
+}
+
+/// What a batch write changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Written {
+    /// Events that were new (the rest were already recorded: a redelivery).
+    pub new_events: i64,
+}
+
+// Every part is an INSERT ... SELECT FROM UNNEST(arrays): one statement, one round trip, one
+// implicit transaction. The foreign key from verdicts to incidents is checked at the end of the
+// statement, after the incidents CTE has inserted. Incidents are inserted when new and updated
+// when they exist: the UPDATE sees only rows from before the statement, so it never touches a row
+// the INSERT just made (which already has the folded values).
+const WRITE_BATCH: &str = "
+WITH ev AS (
+    INSERT INTO health_events (event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid,
+                               healthy, synthetic, record)
+    SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::int4[], $10::bool[], $11::bool[], $12::text[]::json[])
+    ON CONFLICT (event_id, observed_at) DO NOTHING
+    RETURNING 1
+), inc_rows AS (
+    SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::text[], $16::text[], $17::text[], $18::text[],
+                         $19::timestamptz[], $20::timestamptz[], $21::text[])
+        AS t(incident_id, node, gpu_uuid, rule_id, severity, new_severity, opened_at, resolved_at, summary)
+), inc_new AS (
+    INSERT INTO incidents (incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary)
+    SELECT incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary FROM inc_rows
+    ON CONFLICT (incident_id) DO NOTHING
+), inc_old AS (
+    UPDATE incidents i
+       SET severity = COALESCE(r.new_severity, i.severity),
+           resolved_at = COALESCE(r.resolved_at, i.resolved_at)
+      FROM inc_rows r
+     WHERE i.incident_id = r.incident_id
+), ver AS (
+    INSERT INTO verdicts (verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason,
+                          recovery, evidence, issued_at)
+    SELECT verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
+           COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at
+      FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::text[], $26::text[], $27::text[], $28::int4[],
+                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[])
+        AS t(verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
+             evidence, issued_at)
+    ON CONFLICT (verdict_id) DO NOTHING
+), act AS (
+    INSERT INTO actions (verdict_id, action, status, detail, at)
+    SELECT * FROM UNNEST($34::uuid[], $35::text[], $36::text[], $37::text[], $38::timestamptz[])
+    ON CONFLICT (verdict_id, action, status) DO NOTHING
+)
+SELECT count(*) FROM ev";
+
+/// Writes a batch in one statement (one round trip, all or nothing).
+pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
+    let (e, d, a) = (&b.events, &b.decisions, &b.actions);
+    let new_events: i64 = sqlx::query_scalar(WRITE_BATCH)
+        .bind(&e.ids)
+        .bind(&e.nodes)
+        .bind(&e.observed_at)
+        .bind(&e.sources)
+        .bind(&e.components)
+        .bind(&e.kinds)
+        .bind(&e.gpu_uuids)
+        .bind(&e.pci_bus_ids)
+        .bind(&e.xids)
+        .bind(&e.healthy)
+        .bind(&e.synthetic)
+        .bind(&e.records)
+        .bind(&d.incident_ids)
+        .bind(&d.incident_nodes)
+        .bind(&d.incident_gpus)
+        .bind(&d.incident_rules)
+        .bind(&d.incident_severity)
+        .bind(&d.incident_new_severity)
+        .bind(&d.incident_opened_at)
+        .bind(&d.incident_resolved_at)
+        .bind(&d.incident_summary)
+        .bind(&d.verdict_ids)
+        .bind(&d.verdict_incidents)
+        .bind(&d.verdict_nodes)
+        .bind(&d.verdict_gpus)
+        .bind(&d.verdict_severity)
+        .bind(&d.verdict_rules)
+        .bind(&d.verdict_rule_versions)
+        .bind(&d.verdict_actions)
+        .bind(&d.verdict_reasons)
+        .bind(&d.verdict_recovery)
+        .bind(&d.verdict_evidence)
+        .bind(&d.verdict_issued_at)
+        .bind(&a.verdict_ids)
+        .bind(&a.actions)
+        .bind(&a.statuses)
+        .bind(&a.details)
+        .bind(&a.at)
+        .fetch_one(pool)
+        .await?;
+    Ok(Written { new_events })
 }
 
 /// Records decisions made by a tick (no event of their own).
 pub async fn record_decisions(pool: &PgPool, decisions: &[(Decision, Verdict)]) -> Result<(), StoreError> {
-    let mut tx = pool.begin().await?;
-    write_decisions(&mut tx, decisions).await?;
-    tx.commit().await
-}
-
-async fn write_decisions(
-    tx: &mut Transaction<'_, Postgres>,
-    decisions: &[(Decision, Verdict)],
-) -> Result<(), StoreError> {
-    for (d, v) in decisions {
-        let at = micros(d.decided_at_micros);
-        let resolved_at = matches!(d.kind, DecisionKind::Recover).then_some(at);
-        // Opening creates the incident; later steps raise its severity or resolve it.
-        sqlx::query(
-            "INSERT INTO incidents (incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-             ON CONFLICT (incident_id) DO UPDATE SET
-               severity = CASE WHEN $7::timestamptz IS NULL THEN EXCLUDED.severity ELSE incidents.severity END,
-               resolved_at = COALESCE(EXCLUDED.resolved_at, incidents.resolved_at)",
-        )
-        .bind(d.incident_id)
-        .bind(&d.node)
-        .bind(&d.gpu)
-        .bind(&d.rule_id)
-        .bind(d.severity.as_str())
-        .bind(at)
-        .bind(resolved_at)
-        .bind(&d.reason)
-        .execute(&mut **tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO verdicts (verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action,
-                                   reason, recovery, evidence, issued_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-             ON CONFLICT (verdict_id) DO NOTHING",
-        )
-        .bind(v.verdict_id)
-        .bind(v.incident_id)
-        .bind(&v.node)
-        .bind(&d.gpu)
-        .bind(d.severity.as_str())
-        .bind(&v.rule_id)
-        .bind(v.rule_version)
-        .bind(json_name(&v.action))
-        .bind(&v.reason)
-        .bind(v.recovery)
-        .bind(&v.evidence)
-        .bind(v.issued_at)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// Records what the remediator did about a verdict.
-pub async fn record_action(pool: &PgPool, a: &ActionOutcome) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO actions (verdict_id, action, status, detail, at) VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT (verdict_id, action, status) DO NOTHING",
-    )
-    .bind(a.verdict_id)
-    .bind(json_name(&a.action))
-    .bind(json_name(&a.status))
-    .bind(&a.detail)
-    .bind(a.at)
-    .execute(pool)
-    .await
-    .map(|_| ())
+    let batch = Batch { decisions: DecisionRows::new(decisions), ..Default::default() };
+    write_batch(pool, &batch).await.map(|_| ())
 }
 
 /// Recorded events observed since `since`, oldest first, to rebuild the engine's state at start.

@@ -39,3 +39,31 @@ fn invalid_config_lists_every_problem_and_exits_64() {
     }
     assert!(stderr.contains("3 problems"), "{stderr}");
 }
+
+#[test]
+fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
+    let (code, stderr) = testbed::run_with_invalid_config(
+        BIN,
+        &[
+            "--kafka-bootstrap",
+            "127.0.0.1:19092",
+            "--database-url",
+            "postgres://u@127.0.0.1/db",
+            "--batch-max",
+            "0",
+            "--batch-linger",
+            "1h",
+            "--event-retention",
+            "2h",
+            "--rules-poll",
+            "0s",
+            "--verdicts-topic",
+            "bad topic!",
+        ],
+    );
+    assert_eq!(code, Some(64), "{stderr}");
+    for field in ["--batch-max", "--batch-linger", "--event-retention", "--rules-poll", "--verdicts-topic"] {
+        assert!(stderr.contains(field), "{field} missing from: {stderr}");
+    }
+    assert!(stderr.contains("5 problems"), "{stderr}");
+}

@@ -15,7 +15,7 @@ async fn migrations_apply_to_a_fresh_database_and_a_row_round_trips() {
     sqlx::query(
         "INSERT INTO health_events (event_id, node, observed_at, source, component, kind, xid, record)
          VALUES ($1, 'gpu-node-1', now(), 'kernel_log', 'gpu', 'xid', 79, $2)
-         ON CONFLICT (event_id) DO NOTHING",
+         ON CONFLICT (event_id, observed_at) DO NOTHING",
     )
     .bind(id)
     .bind(serde_json::json!({ "message": "GPU has fallen off the bus" }))

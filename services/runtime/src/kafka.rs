@@ -7,6 +7,10 @@
 //! crash therefore redelivers at most the records whose effects were not yet confirmed, and every
 //! handler must be safe to run twice. Records are handled one at a time per consumer, so the order
 //! within a partition (one node's events) is kept.
+//!
+//! [`run_batch_consumer`] is the same contract a batch at a time, for stages that write in bulk:
+//! a [`BatchHandler`] gets up to `max` records (or what arrives within `linger`), in consumption
+//! order, and the offsets are stored only once the whole batch is durable.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -451,15 +455,8 @@ pub async fn run_consumer<H: RecordHandler>(
                     break;
                 }
                 Err(HandleError::Invalid(reason)) => {
-                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "Record is invalid; sending it to the dead-letter topic.");
-                    let mut dlq_backoff = Duration::from_millis(100);
-                    while let Err(e) = dead_letter(&dlq, service, &record, &reason).await {
-                        tracing::error!(error = %e, "Cannot write to the dead-letter topic; retrying so the record is not lost.");
-                        tokio::select! {
-                            () = token.cancelled() => break 'records,
-                            () = tokio::time::sleep(dlq_backoff) => {}
-                        }
-                        dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
+                    if !dead_letter_until_done(&dlq, service, &record, &reason, &token).await {
+                        break 'records;
                     }
                     metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "dead_lettered").increment(1);
                     break;
@@ -483,6 +480,33 @@ pub async fn run_consumer<H: RecordHandler>(
             tracing::warn!(error = %e, "Could not store an offset.");
         }
     }
+    commit_stored(&consumer)
+}
+
+/// Writes `record` to its dead-letter topic, retrying with backoff until Kafka acknowledges it so
+/// the record is never lost. Returns `false` when `token` was cancelled first (nothing stored).
+async fn dead_letter_until_done(
+    dlq: &Producer,
+    service: &str,
+    record: &Record,
+    reason: &str,
+    token: &CancellationToken,
+) -> bool {
+    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "Record is invalid; sending it to the dead-letter topic.");
+    let mut dlq_backoff = Duration::from_millis(100);
+    while let Err(e) = dead_letter(dlq, service, record, reason).await {
+        tracing::error!(error = %e, "Cannot write to the dead-letter topic; retrying so the record is not lost.");
+        tokio::select! {
+            () = token.cancelled() => return false,
+            () = tokio::time::sleep(dlq_backoff) => {}
+        }
+        dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
+    }
+    true
+}
+
+/// Commits the stored offsets synchronously (at shutdown); having nothing to commit is fine.
+fn commit_stored(consumer: &Consumer) -> Result<(), KafkaError> {
     match consumer.commit_consumer_state(CommitMode::Sync) {
         Ok(()) | Err(RdKafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
         Err(e) => Err(KafkaError::Commit(e)),
@@ -501,6 +525,127 @@ pub async fn decode_payload<T: gpumedic_schemas::Record>(codec: &Codec, record: 
             HandleError::Invalid(format!("{}: {e}", e.reason()))
         }
     })
+}
+
+/// What became of one record of a batch, as its [`BatchHandler`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Its effect is durable.
+    Done,
+    /// It can never be processed: it goes to the dead-letter topic with this reason.
+    DeadLetter(String),
+}
+
+/// Processes records a batch at a time, for stages whose effects are cheaper in bulk (one
+/// database round trip for many records). Must be idempotent: after a crash, or when the batch
+/// failed, the same records come again.
+pub trait BatchHandler: Send {
+    /// Makes the effects of `records` durable and returns one [`Disposition`] per record, in
+    /// order; or fails the whole batch with a transient error, in which case the same batch is
+    /// offered again after a backoff and no offset is stored.
+    fn handle_batch(&mut self, records: &[Record]) -> impl Future<Output = Result<Vec<Disposition>, BoxError>> + Send;
+}
+
+/// How [`run_batch_consumer`] cuts batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// At most this many records in a batch.
+    pub max: usize,
+    /// How long to wait for more records once the first of a batch has arrived.
+    pub linger: Duration,
+}
+
+/// The at-least-once loop, a batch at a time: gather up to `batch.max` records (or what arrives
+/// within `batch.linger` of the first), in consumption order, so each partition's order is kept;
+/// hand them to `handler`; dead-letter the records it refused and wait for Kafka to acknowledge
+/// them; and only then store each partition's highest offset. A failed batch is retried whole
+/// with backoff and nothing is stored. On cancellation the batch in hand is finished (unless it is
+/// waiting to be retried) and the stored offsets are committed, as [`run_consumer`] does.
+pub async fn run_batch_consumer<H: BatchHandler>(
+    service: &'static str,
+    consumer: Consumer,
+    dlq: Producer,
+    mut handler: H,
+    batch: BatchSettings,
+    token: CancellationToken,
+) -> Result<(), KafkaError> {
+    let records_total = format!("gpumedic_{service}_records_total");
+    let batches_total = format!("gpumedic_{service}_batches_total");
+    let batch_seconds = format!("gpumedic_{service}_batch_seconds");
+    let max = batch.max.max(1);
+    let mut records: Vec<Record> = Vec::with_capacity(max);
+    'batches: loop {
+        records.clear();
+        let first = tokio::select! {
+            () = token.cancelled() => break,
+            m = consumer.recv() => m,
+        };
+        match first {
+            Ok(m) => records.push(Record::from_message(&m)),
+            Err(e) => {
+                tracing::warn!(error = %e, "Kafka consumer error; continuing.");
+                continue;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + batch.linger;
+        while records.len() < max {
+            match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                Err(_) => break,
+                Ok(Ok(m)) => records.push(Record::from_message(&m)),
+                Ok(Err(e)) => tracing::warn!(error = %e, "Kafka consumer error; continuing."),
+            }
+        }
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(100);
+        let dispositions = loop {
+            match handler.handle_batch(&records).await {
+                Ok(d) => break d,
+                Err(e) => {
+                    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+                    tracing::warn!(error = %e, records = records.len(), backoff_ms = backoff.as_millis() as u64, "Batch handler failed; retrying the batch.");
+                    tokio::select! {
+                        // Leave without storing offsets: the batch comes again after restart.
+                        () = token.cancelled() => break 'batches,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        };
+        assert_eq!(dispositions.len(), records.len(), "a batch handler must return one disposition per record");
+        for (record, disposition) in records.iter().zip(&dispositions) {
+            let outcome = match disposition {
+                Disposition::Done => "ok",
+                Disposition::DeadLetter(reason) => {
+                    if !dead_letter_until_done(&dlq, service, record, reason, &token).await {
+                        break 'batches;
+                    }
+                    "dead_lettered"
+                }
+            };
+            metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => outcome)
+                .increment(1);
+        }
+        metrics::counter!(batches_total.clone()).increment(1);
+        metrics::histogram!(batch_seconds.clone()).record(started.elapsed().as_secs_f64());
+        // Every effect of the batch is durable: store each partition's highest offset (records
+        // of one partition arrive in order, so the last one seen is the highest).
+        let mut highest: Vec<(&str, i32, i64)> = Vec::new();
+        for r in &records {
+            match highest.iter_mut().find(|(t, p, _)| *t == r.topic && *p == r.partition) {
+                Some(h) => h.2 = h.2.max(r.offset),
+                None => highest.push((&r.topic, r.partition, r.offset)),
+            }
+        }
+        for (topic, partition, offset) in highest {
+            // librdkafka commits the stored offset plus one: the next record to read.
+            if let Err(e) = consumer.store_offset(topic, partition, offset) {
+                // Happens when the partition was revoked meanwhile; the new owner handles it again.
+                tracing::warn!(error = %e, topic, partition, "Could not store an offset.");
+            }
+        }
+    }
+    commit_stored(&consumer)
 }
 
 /// Header names every gpumedic record carries (see docs/events.md).
@@ -700,6 +845,100 @@ mod tests {
         let fresh = traceparent(None);
         assert_eq!(fresh.len(), 55, "{fresh}");
         assert_ne!(traceparent(Some(b"garbage")).split('-').nth(1), Some("garbage"));
+    }
+
+    /// The (partition, offset) of each record of each batch offered, in order.
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<Vec<(i32, i64)>>>>;
+
+    /// Records every batch it is offered; fails the first one once; dead-letters `bad` payloads.
+    struct Recorder {
+        seen: Seen,
+        failed_once: bool,
+    }
+
+    impl BatchHandler for Recorder {
+        async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
+            self.seen.lock().unwrap().push(records.iter().map(|r| (r.partition, r.offset)).collect());
+            if !self.failed_once {
+                self.failed_once = true;
+                return Err("the database is down".into());
+            }
+            Ok(records
+                .iter()
+                .map(|r| match r.payload.as_deref() {
+                    Some(b"bad") => Disposition::DeadLetter("bad payload".into()),
+                    _ => Disposition::Done,
+                })
+                .collect())
+        }
+    }
+
+    /// Against the testbed's Kafka: batches are bounded, keep each partition's order, a failed
+    /// batch comes again whole, refused records reach the dead-letter topic, and the offsets
+    /// committed at shutdown are the ends of the partitions.
+    #[tokio::test]
+    async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
+        use rdkafka::TopicPartitionList;
+        let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let topic = crate::testbed::unique_name("batch");
+        let group = crate::testbed::unique_name("batch");
+        settings.ensure_topics(&stage_topics(&[&topic], &[], 3)).await.expect("topics");
+        let producer = settings.producer("batch-test").expect("producer");
+        for i in 0..50 {
+            let payload: &[u8] = if i == 17 { b"bad" } else { b"good" };
+            publish(&producer, &topic, &format!("k{}", i % 10), payload, &[]).await.expect("published");
+        }
+        let seen: Seen = Default::default();
+        let ready = crate::admin::Readiness::default().register("assigned");
+        let consumer = settings.consumer("test", &group, &[&topic], ready).expect("consumer");
+        let token = CancellationToken::new();
+        let batch = BatchSettings { max: 16, linger: Duration::from_millis(50) };
+        let handler = Recorder { seen: seen.clone(), failed_once: false };
+        let task = tokio::spawn(run_batch_consumer("test", consumer, producer.clone(), handler, batch, token.clone()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while seen.lock().unwrap().iter().skip(1).map(Vec::len).sum::<usize>() < 50 {
+            assert!(tokio::time::Instant::now() < deadline, "not every record was handled: {:?}", seen.lock().unwrap());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Let the last batch's dead letter and offsets through, then stop (which commits).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        token.cancel();
+        task.await.expect("joins").expect("commits");
+
+        let batches = seen.lock().unwrap().clone();
+        assert_eq!(batches[0], batches[1], "the failed batch is offered again unchanged");
+        assert!(batches.iter().all(|b| !b.is_empty() && b.len() <= 16), "{batches:?}");
+        let mut last = std::collections::HashMap::new();
+        for (p, o) in batches.iter().skip(1).flatten() {
+            assert!(last.insert(*p, *o).is_none_or(|prev| prev < *o), "partition {p} out of order: {batches:?}");
+        }
+        let dead = crate::testbed::wait_for_record(&dead_letter_topic(&topic), |_| true, Duration::from_secs(30))
+            .await
+            .expect("dead letter");
+        assert_eq!(dead.payload.as_deref(), Some(&b"bad"[..]));
+        assert_eq!(dead.header(dlq_headers::REASON), Some(&b"bad payload"[..]));
+
+        let check: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &settings.bootstrap)
+            .set("group.id", &group)
+            .create()
+            .expect("consumer");
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..3 {
+            tpl.add_partition(&topic, p);
+        }
+        let committed = check.committed_offsets(tpl, Duration::from_secs(10)).expect("committed offsets");
+        let mut total = 0;
+        for p in 0..3 {
+            let (_, high) = check.fetch_watermarks(&topic, p, Duration::from_secs(10)).expect("watermarks");
+            let at = committed.find_partition(&topic, p).map(|e| e.offset());
+            if high > 0 {
+                assert_eq!(at, Some(rdkafka::Offset::Offset(high)), "partition {p}");
+            }
+            total += high;
+        }
+        assert_eq!(total, 50);
     }
 
     #[test]

@@ -1,0 +1,320 @@
+//! `classify-throughput`: how many enriched events per second the classifier classifies and
+//! persists, beside the two ceilings under it, all measured in one run on the same records:
+//!
+//! 1. N enriched events (a fleet's realistic mix: mostly heartbeats and telemetry, a few Xids)
+//!    are produced to a fresh topic.
+//! 2. Kafka ceiling: a fresh consumer group reads them all, doing nothing with them.
+//! 3. Postgres ceiling: the same events, as the classifier's batch rows (built beforehand), are
+//!    written to a fresh database with the classifier's own batch statement, `--batch-max` at a
+//!    time on one connection, as the classifier does.
+//! 4. The classifier binary (the release build next to this one, or `--classifier-bin`) is
+//!    started on the topic with a fresh database and group; the clock runs from its readiness
+//!    (partitions assigned) until `gpumedic_classifier_events_total` reaches N, then the rows are
+//!    counted. Its per-stage timings (decode, classify, publish, write) are read from /metrics.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use gpumedic_classifier::store;
+use gpumedic_runtime::admin::Readiness;
+use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::enriched::NodeContext;
+use gpumedic_schemas::health::{
+    Component, Detail, EccDetail, Entity, MonitorHealthDetail, MonitorState, PowerDetail, Source, TemperatureDetail,
+    XidDetail,
+};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use rdkafka::consumer::Consumer as _;
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
+
+/// Options of the scenario.
+#[derive(Debug, clap::Args)]
+pub struct Options {
+    /// How many enriched events.
+    #[arg(long, default_value_t = 200_000)]
+    events: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Partitions of the scratch topic.
+    #[arg(long, default_value_t = 12)]
+    partitions: i32,
+    /// The classifier's --batch-max, also the Postgres ceiling's batch size.
+    #[arg(long, default_value_t = 5000)]
+    batch_max: usize,
+    /// The classifier's --batch-linger.
+    #[arg(long, default_value = "5ms")]
+    batch_linger: String,
+    /// The classifier binary; by default the one built next to this program.
+    #[arg(long)]
+    classifier_bin: Option<std::path::PathBuf>,
+}
+
+/// The JSON result.
+#[derive(Debug, serde::Serialize)]
+pub struct Result {
+    scenario: &'static str,
+    events: usize,
+    nodes: usize,
+    partitions: i32,
+    batch_max: usize,
+    batch_linger: String,
+    avro_bytes_per_event: usize,
+    kafka_consume_per_sec: f64,
+    postgres_insert_per_sec: f64,
+    classifier_persisted_per_sec: f64,
+    classifier_seconds: f64,
+    verdicts: i64,
+    batches: f64,
+    stage_seconds: Vec<(String, f64)>,
+}
+
+/// Event `i` of the fleet's stream.
+fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
+    let n = i % nodes;
+    let gpu = (i / nodes) % 8;
+    let entity = Entity {
+        gpu_uuid: Some(format!("GPU-{n:08x}-{gpu:04x}-0000-0000-000000000000")),
+        pci_bus_id: Some(format!("00000000:{:02x}:00.0", 0x18 + gpu)),
+        ..Default::default()
+    };
+    let (source, detail, healthy) = match i % 200 {
+        // 2%: Xids, from the harmless (13, 31) to the fatal (79, 48).
+        0 => (Source::KernelLog, xid(79), false),
+        1 => (Source::KernelLog, xid(48), false),
+        2 => (Source::KernelLog, xid(13), false),
+        3 => (Source::KernelLog, xid(31), false),
+        // 58.5%: telemetry within limits.
+        k if k % 5 == 0 => (
+            Source::Nvml,
+            Detail::Temperature(TemperatureDetail {
+                celsius: 60 + (i % 15) as i32,
+                slowdown_celsius: Some(90),
+                shutdown_celsius: Some(95),
+            }),
+            true,
+        ),
+        k if k % 5 == 1 => (
+            Source::Nvml,
+            Detail::Power(PowerDetail { watts: 400.0 + (i % 200) as f64, limit_watts: Some(700.0) }),
+            true,
+        ),
+        k if k % 5 == 2 => (
+            Source::Nvml,
+            Detail::Ecc(EccDetail {
+                single_bit_volatile: Some(0),
+                double_bit_volatile: Some(0),
+                single_bit_aggregate: Some(3),
+                double_bit_aggregate: Some(0),
+                location: None,
+            }),
+            true,
+        ),
+        // The rest (39.5%): heartbeats.
+        _ => (
+            Source::Nvml,
+            Detail::MonitorHealth(MonitorHealthDetail {
+                monitor: "nvml".into(),
+                state: MonitorState::Ok,
+                message: None,
+            }),
+            true,
+        ),
+    };
+    let mut e = HealthEvent::new(format!("bench-node-{n:05}"), source, Component::Gpu, entity, detail);
+    e.healthy = healthy;
+    e.observed_at = base + chrono::Duration::microseconds(i as i64 * 10);
+    EnrichedHealthEvent {
+        event: e,
+        node_context: NodeContext {
+            cluster: Some("bench".into()),
+            instance_type: Some("p5.48xlarge".into()),
+            zone: Some("us-east-1a".into()),
+            gpu_product: Some("NVIDIA-H100-80GB-HBM3".into()),
+            driver_version: Some("550.90.07".into()),
+            ..Default::default()
+        },
+        node_unknown: false,
+        xid_catalog: None,
+        workloads: vec![],
+        enriched_at: base,
+    }
+}
+
+fn xid(code: i32) -> Detail {
+    Detail::Xid(XidDetail {
+        code,
+        text: format!("NVRM: Xid (PCI:0000:18:00): {code}, pid=1234, name=python"),
+        pid: Some(1234),
+        process: Some("python".into()),
+        nvlink5: None,
+        recovery_action: None,
+    })
+}
+
+/// Runs the scenario and prints one line per figure.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let bootstrap = testbed::require_kafka().await?;
+    let admin = testbed::require_postgres().await?;
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let enriched = testbed::unique_name("bench-enriched");
+    let verdicts = testbed::unique_name("bench-verdicts");
+    let actions = testbed::unique_name("bench-actions");
+    settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], o.partitions)).await?;
+
+    let base = chrono::Utc::now() - chrono::Duration::minutes(10);
+    let events: Vec<EnrichedHealthEvent> = (0..o.events).map(|i| event(i, o.nodes, base)).collect();
+    let payloads: Vec<Vec<u8>> = events.iter().map(gpumedic_schemas::encode).collect::<std::result::Result<_, _>>()?;
+    let avro_bytes = payloads.iter().map(Vec::len).sum::<usize>() / payloads.len().max(1);
+    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+        .context("producer")?;
+    for (e, payload) in events.iter().zip(&payloads) {
+        let mut record = BaseRecord::to(&enriched).key(&e.event.node).payload(payload);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((err, r)) if err.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
+                    record = r;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err((err, _)) => bail!("produce failed: {err}"),
+            }
+        }
+    }
+    producer.flush(Duration::from_secs(120)).context("flush")?;
+    println!("classify-throughput: {} enriched events of {avro_bytes} B on {} partitions", o.events, o.partitions);
+
+    // (a) The raw Kafka consume rate of the same records.
+    let readiness = Readiness::default();
+    let consumer = settings.consumer(
+        "load-tests",
+        &testbed::unique_name("bench-raw"),
+        &[enriched.as_str()],
+        readiness.register("a"),
+    )?;
+    let start = Instant::now();
+    for _ in 0..o.events {
+        tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
+    }
+    let kafka_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
+    consumer.unsubscribe();
+    drop(consumer);
+    println!("  kafka consume (raw):            {kafka_per_sec:>9.0} events/s");
+
+    // (b) The raw Postgres insert rate: the classifier's batch statement, rows built beforehand.
+    let raw_db = testbed::unique_name("bench_raw").replace('-', "_");
+    let raw_url = testbed::fresh_database(&admin, &raw_db).await?;
+    let pool = gpumedic_classifier::connect_and_migrate(&raw_url, 1).await?;
+    let batches: Vec<store::Batch> = events
+        .chunks(o.batch_max.max(1))
+        .map(|chunk| {
+            let mut rows = store::EventRows::with_capacity(chunk.len());
+            for e in chunk {
+                rows.push(e)?;
+            }
+            Ok(store::Batch { events: rows, ..Default::default() })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let start = Instant::now();
+    for b in &batches {
+        store::write_batch(&pool, b).await?;
+    }
+    let postgres_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
+    pool.close().await;
+    println!("  postgres insert (raw, {:>5}/batch): {postgres_per_sec:>9.0} events/s", o.batch_max);
+
+    // (c) The classifier binary.
+    let bin = match o.classifier_bin {
+        Some(b) => b,
+        None => std::env::current_exe()?.with_file_name("gpumedic-classifier"),
+    };
+    anyhow::ensure!(bin.is_file(), "{} is missing: `cargo build --release -p gpumedic-classifier`", bin.display());
+    let db = testbed::unique_name("bench_classify").replace('-', "_");
+    let url = testbed::fresh_database(&admin, &db).await?;
+    let mut classifier = testbed::ServiceProcess::start(
+        bin.to_str().context("binary path")?,
+        &[],
+        &[
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
+            ("GPUMEDIC_GROUP", testbed::unique_name("bench-classifier")),
+            ("GPUMEDIC_DATABASE_URL", url.clone()),
+            ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
+            ("GPUMEDIC_BATCH_MAX", o.batch_max.to_string()),
+            ("GPUMEDIC_BATCH_LINGER", o.batch_linger.clone()),
+            ("GPUMEDIC_LOG", "warn".into()),
+        ],
+    )?;
+    classifier.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(900);
+    let metrics = loop {
+        let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
+        if metric(&text, "gpumedic_classifier_events_total") >= o.events as f64 {
+            break text;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the classifier did not catch up within 15 minutes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let classifier_seconds = start.elapsed().as_secs_f64();
+    let classifier_per_sec = o.events as f64 / classifier_seconds;
+    let status = classifier.terminate(Duration::from_secs(30)).await.map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(status.success(), "the classifier exited with {status}");
+    let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
+    let verdict_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM verdicts").fetch_one(&pool).await?;
+    pool.close().await;
+    anyhow::ensure!(rows == o.events as i64, "{rows} events persisted, expected {}", o.events);
+    println!(
+        "  classifier (classified + persisted): {classifier_per_sec:>9.0} events/s ({classifier_seconds:.1} s, {verdict_rows} verdicts)"
+    );
+    let batches_done = metric(&metrics, "gpumedic_classifier_batches_total");
+    let stage_seconds: Vec<(String, f64)> = ["decode", "classify", "publish", "write"]
+        .iter()
+        .map(|s| {
+            let needle = format!("gpumedic_classifier_batch_stage_seconds_sum{{stage=\"{s}\"}}");
+            ((*s).to_owned(), metric(&metrics, &needle))
+        })
+        .collect();
+    let breakdown: Vec<String> = stage_seconds.iter().map(|(s, v)| format!("{s} {v:.2}s")).collect();
+    println!("  classifier time in {batches_done:.0} batches: {}", breakdown.join(", "));
+    for name in [&raw_db, &db] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\" WITH (FORCE)"))).execute(&admin).await.ok();
+    }
+    Ok(Result {
+        scenario: "classify-throughput",
+        events: o.events,
+        nodes: o.nodes,
+        partitions: o.partitions,
+        batch_max: o.batch_max,
+        batch_linger: o.batch_linger,
+        avro_bytes_per_event: avro_bytes,
+        kafka_consume_per_sec: kafka_per_sec,
+        postgres_insert_per_sec: postgres_per_sec,
+        classifier_persisted_per_sec: classifier_per_sec,
+        classifier_seconds,
+        verdicts: verdict_rows,
+        batches: batches_done,
+        stage_seconds,
+    })
+}
+
+/// The sum of the samples of `name` (a metric name, or a name with its labels) in Prometheus text.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || (rest.starts_with('{') && !name.contains('{')))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
