@@ -2,11 +2,14 @@
 //! raw health events on `gpumedic.health.raw.v1`, keyed by node name.
 //!
 //! This crate holds the service frame: configuration, the Kafka producer and its readiness. The
-//! health sources (NVML, kernel log, DCGM, cloud maintenance, gRPC ingest) plug in behind it.
+//! health sources (NVML, kernel log, DCGM, cloud maintenance, gRPC ingest) plug in behind it;
+//! docs/collector.md lists them with their flags.
 
+pub mod cloud;
 pub mod dcgm;
 pub mod gpu;
 pub mod kernel_log;
+pub mod nvml_xid;
 pub mod sampler;
 pub mod sources;
 
@@ -60,6 +63,13 @@ pub struct Args {
     /// Where the collector keeps its state (the kernel-log cursor); a hostPath in Kubernetes.
     #[arg(long, env = "GPUMEDIC_STATE_DIR", default_value = "/var/lib/gpumedic")]
     state_dir: PathBuf,
+    /// Xid events from NVML's event set: `auto` (only when the kernel log is off), `on` or `off`.
+    #[arg(long, env = "GPUMEDIC_NVML_XIDS", default_value = "auto")]
+    nvml_xids: String,
+    #[command(flatten)]
+    dcgm: dcgm::source::DcgmArgs,
+    #[command(flatten)]
+    cloud: cloud::CloudArgs,
 }
 
 /// Which GPU backend to run.
@@ -94,6 +104,12 @@ pub struct Config {
     pub kmsg_path: Option<PathBuf>,
     /// The state folder.
     pub state_dir: PathBuf,
+    /// Whether Xid events come from NVML's event set.
+    pub nvml_xids: nvml_xid::XidChoice,
+    /// The DCGM source.
+    pub dcgm: dcgm::source::DcgmSettings,
+    /// The cloud maintenance source.
+    pub cloud: cloud::CloudSettings,
 }
 
 impl Validate for Args {
@@ -119,6 +135,9 @@ impl Validate for Args {
         let sample_interval = p.check("--sample-interval", parse_duration(&self.sample_interval));
         let heartbeat_interval = p.check("--heartbeat-interval", parse_duration(&self.heartbeat_interval));
         let sample_timeout = p.check("--sample-timeout", parse_duration(&self.sample_timeout));
+        let nvml_xids = p.check("--nvml-xids", nvml_xid::XidChoice::parse(&self.nvml_xids));
+        let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
+        let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
@@ -129,6 +148,9 @@ impl Validate for Args {
             sample_timeout: sample_timeout.expect("checked"),
             kmsg_path: (self.kmsg_path != "off" && !self.kmsg_path.is_empty()).then(|| PathBuf::from(self.kmsg_path)),
             state_dir: self.state_dir,
+            nvml_xids: nvml_xids.expect("checked"),
+            dcgm: dcgm.expect("checked"),
+            cloud: cloud.expect("checked"),
         })
     }
 }
@@ -199,6 +221,16 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         },
     };
     if let Some((backend, source)) = backend {
+        if config.nvml_xids.runs(config.kmsg_path.is_some()) {
+            let forward = nvml_xid::forward_xids(
+                config.node_name.clone(),
+                source,
+                backend.as_ref(),
+                emitter.clone(),
+                token.clone(),
+            );
+            service.shutdown.spawn("nvml-xid", forward);
+        }
         service.shutdown.spawn(
             "gpu-sampler",
             sources::sample_gpus(
@@ -215,6 +247,25 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             ),
         );
     }
+    let directory = dcgm::source::GpuDirectory::default();
+    if let Some(exporter) = config.dcgm.exporter.clone() {
+        let task = dcgm::source::scrape_exporter(
+            config.node_name.clone(),
+            exporter,
+            directory.clone(),
+            emitter.clone(),
+            token.clone(),
+        );
+        service.shutdown.spawn("dcgm-exporter", task);
+    }
+    if let Some(diag) = config.dcgm.diag.clone() {
+        let task =
+            dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, emitter.clone(), token.clone());
+        service.shutdown.spawn("dcgm-diag", task);
+    }
+    let cloud =
+        cloud::watch_maintenance(config.node_name.clone(), config.cloud.clone(), emitter.clone(), token.clone());
+    service.shutdown.spawn("cloud-maintenance", cloud);
     if let Some(path) = config.kmsg_path.clone() {
         if let Err(e) = std::fs::create_dir_all(&config.state_dir) {
             return Err(ShutdownError::TaskFailed { task: "state-dir".into(), source: Box::new(e) });
