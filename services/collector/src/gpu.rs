@@ -35,7 +35,63 @@ pub struct GpuSample {
     pub ecc_dbe_aggregate: Option<i64>,
     /// PCIe replay counter.
     pub pcie_replay: Option<i64>,
+    /// Pages retired for multiple single-bit errors (GPUs before Ampere; Ampere and newer remap
+    /// rows instead and answer `None`).
+    pub retired_pages_sbe: Option<i64>,
+    /// Pages retired for a double-bit error.
+    pub retired_pages_dbe: Option<i64>,
+    /// A page retirement waits for the next driver reload.
+    pub retired_pages_pending: Option<bool>,
+    /// Rows remapped for correctable errors (Ampere and newer).
+    pub remapped_rows_correctable: Option<i64>,
+    /// Rows remapped for uncorrectable errors.
+    pub remapped_rows_uncorrectable: Option<i64>,
+    /// A row remap waits for a GPU reset.
+    pub remap_pending: Option<bool>,
+    /// A row remap failed: no spare rows left.
+    pub remap_failure: Option<bool>,
+    /// The clock-event (throttle) reasons as NVML's bit mask (`nvmlClocksEventReason*`).
+    pub throttle_mask: Option<u64>,
+    /// NVLink links that answer, by link number; empty on a GPU without NVLink.
+    pub nvlinks: Vec<NvlinkSample>,
 }
+
+/// One NVLink link's state and error counters. `None` means the link does not report the value.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NvlinkSample {
+    /// Link number.
+    pub link: u32,
+    /// The link is up.
+    pub active: Option<bool>,
+    /// Receive CRC errors in flow-control digits.
+    pub crc_flit: Option<i64>,
+    /// Receive CRC errors in data packets.
+    pub crc_data: Option<i64>,
+    /// Transmit replays.
+    pub replay: Option<i64>,
+    /// Link recoveries.
+    pub recovery: Option<i64>,
+}
+
+/// An Xid that NVML's event set delivered: the code and the GPU, no message text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmlXid {
+    /// NVML index of the GPU, when NVML could say.
+    pub index: Option<u32>,
+    /// GPU UUID, when NVML could say.
+    pub uuid: Option<String>,
+    /// PCI bus id, `dddd:bb:dd.f` lowercase, when NVML could say.
+    pub pci_bus_id: Option<String>,
+    /// The Xid number (NVML only keeps the last one between waits).
+    pub code: u64,
+}
+
+/// Where an Xid watcher delivers what it sees; the watcher stops once the receiver is gone.
+pub type XidSink = tokio::sync::mpsc::Sender<NvmlXid>;
+
+/// How long one blocking wait on NVML's event set lasts before the watcher checks whether it
+/// should stop.
+pub const XID_WAIT: std::time::Duration = std::time::Duration::from_millis(1000);
 
 /// Why a backend could not sample.
 #[derive(Debug, thiserror::Error)]
@@ -54,17 +110,29 @@ pub trait GpuBackend: Send + 'static {
     fn name(&self) -> &'static str;
     /// Samples every GPU. Runs on a blocking thread: NVML calls can hang.
     fn sample(&mut self) -> Result<Vec<GpuSample>, BackendError>;
+    /// Starts a dedicated thread that waits for Xid events and sends them to `sink` until the
+    /// receiver is dropped. False when the backend has no Xid events to offer.
+    fn watch_xids(&self, sink: XidSink) -> Result<bool, BackendError> {
+        let _ = sink;
+        Ok(false)
+    }
 }
 
 /// A simulated node with `n` healthy GPUs, whose faults are scripted through a [`SimulatedControl`].
 pub struct Simulated {
     state: Arc<Mutex<Vec<GpuSample>>>,
+    /// Taken by the first (only) Xid watcher.
+    xids: Arc<Mutex<Option<XidQueue>>>,
 }
+
+/// Scripted Xids: GPU index and code.
+type XidQueue = std::sync::mpsc::Receiver<(u32, u64)>;
 
 /// Changes the state of a [`Simulated`] backend from outside: tests, the demo, load tests.
 #[derive(Clone)]
 pub struct SimulatedControl {
     state: Arc<Mutex<Vec<GpuSample>>>,
+    xids: std::sync::mpsc::Sender<(u32, u64)>,
 }
 
 impl Simulated {
@@ -87,12 +155,35 @@ impl Simulated {
                 ecc_sbe_aggregate: Some(0),
                 ecc_dbe_aggregate: Some(0),
                 pcie_replay: Some(0),
+                // An H100-like GPU remaps rows and does not retire pages.
+                retired_pages_sbe: None,
+                retired_pages_dbe: None,
+                retired_pages_pending: None,
+                remapped_rows_correctable: Some(0),
+                remapped_rows_uncorrectable: Some(0),
+                remap_pending: Some(false),
+                remap_failure: Some(false),
+                throttle_mask: Some(throttle::GPU_IDLE),
+                nvlinks: (0..SIMULATED_NVLINKS)
+                    .map(|link| NvlinkSample {
+                        link,
+                        active: Some(true),
+                        crc_flit: Some(0),
+                        crc_data: Some(0),
+                        replay: Some(0),
+                        recovery: Some(0),
+                    })
+                    .collect(),
             })
             .collect();
         let state = Arc::new(Mutex::new(gpus));
-        (Self { state: state.clone() }, SimulatedControl { state })
+        let (tx, rx) = std::sync::mpsc::channel();
+        (Self { state: state.clone(), xids: Arc::new(Mutex::new(Some(rx))) }, SimulatedControl { state, xids: tx })
     }
 }
+
+/// NVLink links per simulated GPU (as on an H100 SXM).
+pub const SIMULATED_NVLINKS: u32 = 18;
 
 /// The UUID the simulated backend gives GPU `index` of `node`.
 pub fn simulated_uuid(node: &str, index: u32) -> String {
@@ -123,6 +214,13 @@ impl SimulatedControl {
             None => false,
         }
     }
+
+    /// Raises Xid `code` on GPU `index`, as NVML's event set would deliver it.
+    pub fn xid(&self, index: u32, code: u64) {
+        // The watcher may not run (or may have stopped); an Xid nobody watches is dropped, as
+        // NVML drops one.
+        let _ = self.xids.send((index, code));
+    }
 }
 
 impl GpuBackend for Simulated {
@@ -132,6 +230,81 @@ impl GpuBackend for Simulated {
 
     fn sample(&mut self) -> Result<Vec<GpuSample>, BackendError> {
         Ok(self.state.lock().expect("simulated state").clone())
+    }
+
+    fn watch_xids(&self, sink: XidSink) -> Result<bool, BackendError> {
+        let Some(rx) = self.xids.lock().expect("simulated xids").take() else { return Ok(false) };
+        let state = self.state.clone();
+        std::thread::Builder::new()
+            .name("simulated-xid".into())
+            .spawn(move || {
+                while !sink.is_closed() {
+                    match rx.recv_timeout(XID_WAIT) {
+                        Ok((index, code)) => {
+                            let gpu = state.lock().expect("simulated state").iter().find(|g| g.index == index).cloned();
+                            let xid = NvmlXid {
+                                index: Some(index),
+                                uuid: gpu.as_ref().map(|g| g.uuid.clone()),
+                                pci_bus_id: gpu.map(|g| g.pci_bus_id),
+                                code,
+                            };
+                            if sink.blocking_send(xid).is_err() {
+                                return;
+                            }
+                        }
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                    }
+                }
+            })
+            .map_err(|e| BackendError::Call(format!("cannot start the Xid watcher thread: {e}")))?;
+        Ok(true)
+    }
+}
+
+/// NVML's clock-event (throttle) reason bits (`nvmlClocksEventReason*`, formerly
+/// `nvmlClocksThrottleReason*`) and their names, as the classifier's rules spell them.
+pub mod throttle {
+    /// Nothing is running on the GPU.
+    pub const GPU_IDLE: u64 = 0x1;
+    /// Application clocks are set lower.
+    pub const APPLICATIONS_CLOCKS_SETTING: u64 = 0x2;
+    /// The software power cap holds the clocks down.
+    pub const SW_POWER_CAP: u64 = 0x4;
+    /// Hardware slowdown (thermal or power brake) is engaged.
+    pub const HW_SLOWDOWN: u64 = 0x8;
+    /// Sync boost with other GPUs.
+    pub const SYNC_BOOST: u64 = 0x10;
+    /// Software thermal slowdown.
+    pub const SW_THERMAL_SLOWDOWN: u64 = 0x20;
+    /// Hardware thermal slowdown.
+    pub const HW_THERMAL_SLOWDOWN: u64 = 0x40;
+    /// Hardware power brake slowdown (an external power brake signal).
+    pub const HW_POWER_BRAKE_SLOWDOWN: u64 = 0x80;
+    /// The display clock setting.
+    pub const DISPLAY_CLOCK_SETTING: u64 = 0x100;
+
+    /// Every known reason, most serious first: the classifier reads the first as `reason`.
+    pub const NAMES: [(u64, &str); 9] = [
+        (HW_SLOWDOWN, "hw_slowdown"),
+        (HW_THERMAL_SLOWDOWN, "hw_thermal_slowdown"),
+        (HW_POWER_BRAKE_SLOWDOWN, "hw_power_brake_slowdown"),
+        (SW_THERMAL_SLOWDOWN, "sw_thermal_slowdown"),
+        (SW_POWER_CAP, "sw_power_cap"),
+        (SYNC_BOOST, "sync_boost"),
+        (APPLICATIONS_CLOCKS_SETTING, "applications_clocks_setting"),
+        (DISPLAY_CLOCK_SETTING, "display_clock_setting"),
+        (GPU_IDLE, "gpu_idle"),
+    ];
+
+    /// Reasons that point at the hardware or its cooling rather than at load or settings: the
+    /// ones the collector reports. An idle GPU, a power cap under load and clock settings are
+    /// normal operation and change too often to publish.
+    pub const CONCERNING: u64 = HW_SLOWDOWN | HW_THERMAL_SLOWDOWN | HW_POWER_BRAKE_SLOWDOWN | SW_THERMAL_SLOWDOWN;
+
+    /// The names of the reasons set in `mask`, most serious first.
+    pub fn names(mask: u64) -> Vec<String> {
+        NAMES.iter().filter(|(bit, _)| mask & bit != 0).map(|(_, n)| (*n).to_owned()).collect()
     }
 }
 
@@ -153,7 +326,9 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn sample(&mut self) -> Result<Vec<GpuSample>, BackendError> {
-        use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor, TemperatureThreshold};
+        use nvml_wrapper::enum_wrappers::device::{
+            EccCounter, MemoryError, RetirementCause, TemperatureSensor, TemperatureThreshold,
+        };
         use nvml_wrapper::error::NvmlError;
 
         let count = self.nvml.device_count().map_err(|e| BackendError::Call(e.to_string()))?;
@@ -177,6 +352,8 @@ impl GpuBackend for NvmlBackend {
                 Err(e) => return Err(BackendError::Call(e.to_string())),
             };
             let ecc = |kind, counter| device.total_ecc_errors(kind, counter).ok().map(|v| v as i64);
+            let retired = |cause| device.retired_pages(cause).ok().map(|p| p.len() as i64);
+            let remap = remapped_rows(&device);
             out.push(GpuSample {
                 index,
                 uuid,
@@ -196,9 +373,158 @@ impl GpuBackend for NvmlBackend {
                 ecc_sbe_aggregate: ecc(MemoryError::Corrected, EccCounter::Aggregate),
                 ecc_dbe_aggregate: ecc(MemoryError::Uncorrected, EccCounter::Aggregate),
                 pcie_replay: device.pcie_replay_counter().ok().map(i64::from),
+                retired_pages_sbe: retired(RetirementCause::MultipleSingleBitEccErrors),
+                retired_pages_dbe: retired(RetirementCause::DoubleBitEccError),
+                retired_pages_pending: device.are_pages_pending_retired().ok(),
+                remapped_rows_correctable: remap[0].map(|v| v as i64),
+                remapped_rows_uncorrectable: remap[1].map(|v| v as i64),
+                remap_pending: remap[2].map(|v| v != 0),
+                remap_failure: remap[3].map(|v| v != 0),
+                throttle_mask: device.current_throttle_reasons().ok().map(|r| r.bits()),
+                nvlinks: nvlinks(&device),
             });
         }
         Ok(out)
+    }
+
+    fn watch_xids(&self, sink: XidSink) -> Result<bool, BackendError> {
+        std::thread::Builder::new()
+            .name("nvml-xid".into())
+            .spawn(move || watch_nvml_xids(&sink))
+            .map_err(|e| BackendError::Call(format!("cannot start the Xid watcher thread: {e}")))?;
+        Ok(true)
+    }
+}
+
+/// The row-remapping fields through NVML's field-value API (nvml-wrapper has no wrapper for
+/// `nvmlDeviceGetRemappedRows`): correctable, uncorrectable, pending, failure. `None` on GPUs
+/// before Ampere and on drivers that do not know the fields.
+fn remapped_rows(device: &nvml_wrapper::Device<'_>) -> [Option<u64>; 4] {
+    use nvml_wrapper::enums::device::SampleValue;
+    use nvml_wrapper::structs::device::FieldId;
+    use nvml_wrapper::sys_exports::field_id::{
+        NVML_FI_DEV_REMAPPED_COR, NVML_FI_DEV_REMAPPED_FAILURE, NVML_FI_DEV_REMAPPED_PENDING, NVML_FI_DEV_REMAPPED_UNC,
+    };
+    let ids = [
+        NVML_FI_DEV_REMAPPED_COR,
+        NVML_FI_DEV_REMAPPED_UNC,
+        NVML_FI_DEV_REMAPPED_PENDING,
+        NVML_FI_DEV_REMAPPED_FAILURE,
+    ]
+    .map(FieldId);
+    let mut out = [None; 4];
+    let Ok(values) = device.field_values_for(&ids) else { return out };
+    for (slot, value) in out.iter_mut().zip(values) {
+        *slot = match value.and_then(|v| v.value) {
+            Ok(SampleValue::U32(v)) => Some(u64::from(v)),
+            Ok(SampleValue::U64(v)) => Some(v),
+            Ok(SampleValue::I64(v)) => u64::try_from(v).ok(),
+            Ok(SampleValue::F64(v)) if v.is_finite() && v >= 0.0 => Some(v as u64),
+            _ => None,
+        };
+    }
+    out
+}
+
+/// Every NVLink link that answers, with its state and error counters.
+fn nvlinks(device: &nvml_wrapper::Device<'_>) -> Vec<NvlinkSample> {
+    use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
+    // NVML_NVLINK_MAX_LINKS in the NVML headers nvml-wrapper 0.12 is built against.
+    const MAX_LINKS: u32 = 18;
+    (0..MAX_LINKS)
+        .filter_map(|link| {
+            let l = device.link_wrapper_for(link);
+            // A link that cannot say whether it is up does not exist on this GPU.
+            let active = l.is_active().ok()?;
+            let counter = |c| l.error_counter(c).ok().and_then(|v| i64::try_from(v).ok());
+            Some(NvlinkSample {
+                link,
+                active: Some(active),
+                crc_flit: counter(ErrorCounter::DlCrcFlit),
+                crc_data: counter(ErrorCounter::DlCrcData),
+                replay: counter(ErrorCounter::DlReplay),
+                recovery: counter(ErrorCounter::DlRecovery),
+            })
+        })
+        .collect()
+}
+
+/// The body of the `nvml-xid` thread: registers every GPU that supports it for critical Xid
+/// events and waits on the set in slices of [`XID_WAIT`], so that it notices a closed sink.
+fn watch_nvml_xids(sink: &XidSink) {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    use nvml_wrapper::error::NvmlError;
+
+    // Its own handle: the event set borrows it for the life of the thread. NVML counts
+    // initialisations, so this does not disturb the sampler's handle.
+    let nvml = match nvml_wrapper::Nvml::init() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, "NVML is not available; Xid events from NVML are off.");
+            return;
+        }
+    };
+    let mut set = match nvml.create_event_set() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "Cannot create an NVML event set; Xid events from NVML are off.");
+            return;
+        }
+    };
+    let count = nvml.device_count().unwrap_or(0);
+    let mut watched = 0;
+    for index in 0..count {
+        let Ok(device) = nvml.device_by_index(index) else { continue };
+        if !device.supported_event_types().is_ok_and(|t| t.contains(EventTypes::CRITICAL_XID_ERROR)) {
+            continue;
+        }
+        set = match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => s,
+            Err(e) => {
+                // NVML releases the set on a failed registration, so there is nothing left to
+                // wait on; the kernel log remains the primary Xid source.
+                tracing::warn!(gpu = index, error = %e.error, "Cannot register for NVML Xid events; they are off.");
+                return;
+            }
+        };
+        watched += 1;
+    }
+    if watched == 0 {
+        tracing::info!("No GPU supports NVML Xid events; the kernel log is the only Xid source.");
+        return;
+    }
+    tracing::info!(gpus = watched, "Waiting for Xid events from NVML.");
+    let wait_ms = u32::try_from(XID_WAIT.as_millis()).unwrap_or(1000);
+    while !sink.is_closed() {
+        match set.wait(wait_ms) {
+            Ok(event) if event.event_type.contains(EventTypes::CRITICAL_XID_ERROR) => {
+                let code = match event.event_data {
+                    Some(XidError::Value(code)) => code,
+                    // NVML could not say which Xid: nothing to report.
+                    _ => continue,
+                };
+                let xid = NvmlXid {
+                    index: event.device.index().ok(),
+                    uuid: event.device.uuid().ok(),
+                    pci_bus_id: event
+                        .device
+                        .pci_info()
+                        .ok()
+                        .and_then(|p| crate::kernel_log::parse::normalize_pci(&p.bus_id)),
+                    code,
+                };
+                if sink.blocking_send(xid).is_err() {
+                    return;
+                }
+            }
+            Ok(_) | Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                // A lost GPU is the sampler's to report; do not spin on the error.
+                tracing::debug!(error = %e, "NVML event wait failed; waiting again.");
+                std::thread::sleep(XID_WAIT);
+            }
+        }
     }
 }
 

@@ -3,12 +3,15 @@
 //!
 //! This crate holds the service frame: configuration, the publisher (Kafka with an on-disk spool
 //! for outages) and its readiness. The health sources (NVML, kernel log, DCGM, cloud
-//! maintenance, gRPC ingest, fault injection) plug in behind it.
+//! maintenance, gRPC ingest, fault injection) plug in behind it; docs/collector.md lists them
+//! with their flags.
 
+pub mod cloud;
 pub mod dcgm;
 pub mod gpu;
 pub mod ingest;
 pub mod kernel_log;
+pub mod nvml_xid;
 pub mod publisher;
 pub mod sampler;
 pub mod sources;
@@ -84,6 +87,13 @@ pub struct Args {
     /// that publishes synthetic events for this node. Off when empty.
     #[arg(long, env = "GPUMEDIC_SYNTHETIC_ADDR", default_value = "")]
     synthetic_addr: String,
+    /// Xid events from NVML's event set: `auto` (only when the kernel log is off), `on` or `off`.
+    #[arg(long, env = "GPUMEDIC_NVML_XIDS", default_value = "auto")]
+    nvml_xids: String,
+    #[command(flatten)]
+    dcgm: dcgm::source::DcgmArgs,
+    #[command(flatten)]
+    cloud: cloud::CloudArgs,
 }
 
 /// Which GPU backend to run.
@@ -128,6 +138,12 @@ pub struct Config {
     pub ingest_max_message_bytes: usize,
     /// The fault-injection endpoint's address (loopback), when enabled.
     pub synthetic_addr: Option<SocketAddr>,
+    /// Whether Xid events come from NVML's event set.
+    pub nvml_xids: nvml_xid::XidChoice,
+    /// The DCGM source.
+    pub dcgm: dcgm::source::DcgmSettings,
+    /// The cloud maintenance source.
+    pub cloud: cloud::CloudSettings,
 }
 
 impl Validate for Args {
@@ -197,6 +213,9 @@ impl Validate for Args {
                 }),
             ),
         };
+        let nvml_xids = p.check("--nvml-xids", nvml_xid::XidChoice::parse(&self.nvml_xids));
+        let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
+        let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
@@ -212,6 +231,9 @@ impl Validate for Args {
             ingest_socket,
             ingest_max_message_bytes: ingest_max_message_bytes.expect("checked"),
             synthetic_addr,
+            nvml_xids: nvml_xids.expect("checked"),
+            dcgm: dcgm.expect("checked"),
+            cloud: cloud.expect("checked"),
         })
     }
 }
@@ -319,6 +341,16 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         },
     };
     if let Some((backend, source)) = backend {
+        if config.nvml_xids.runs(config.kmsg_path.is_some()) {
+            let forward = nvml_xid::forward_xids(
+                config.node_name.clone(),
+                source,
+                backend.as_ref(),
+                sink.clone(),
+                token.clone(),
+            );
+            service.shutdown.spawn("nvml-xid", forward);
+        }
         service.shutdown.spawn(
             "gpu-sampler",
             sources::sample_gpus(
@@ -335,6 +367,25 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             ),
         );
     }
+    let directory = dcgm::source::GpuDirectory::default();
+    if let Some(exporter) = config.dcgm.exporter.clone() {
+        let task = dcgm::source::scrape_exporter(
+            config.node_name.clone(),
+            exporter,
+            directory.clone(),
+            sink.clone(),
+            token.clone(),
+        );
+        service.shutdown.spawn("dcgm-exporter", task);
+    }
+    if let Some(diag) = config.dcgm.diag.clone() {
+        let task =
+            dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
+        service.shutdown.spawn("dcgm-diag", task);
+    }
+    let cloud =
+        cloud::watch_maintenance(config.node_name.clone(), config.cloud.clone(), sink.clone(), token.clone());
+    service.shutdown.spawn("cloud-maintenance", cloud);
     if let Some(path) = config.kmsg_path.clone() {
         if let Err(e) = std::fs::create_dir_all(&config.state_dir) {
             return Err(ShutdownError::TaskFailed { task: "state-dir".into(), source: Box::new(e) });

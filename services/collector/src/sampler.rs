@@ -7,11 +7,11 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{
-    Component, Detail, EccDetail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, PcieReplayDetail, Source,
-    TemperatureDetail,
+    Component, Detail, EccDetail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, NvlinkDetail,
+    PcieReplayDetail, PowerDetail, RetiredPagesDetail, RowRemapDetail, Source, TemperatureDetail, ThrottleDetail,
 };
 
-use crate::gpu::GpuSample;
+use crate::gpu::{GpuSample, NvlinkSample, throttle};
 
 /// Where a temperature sits against the GPU's own thresholds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -117,6 +117,16 @@ impl Sampler {
             {
                 emit(Detail::PcieReplay(PcieReplayDetail { count, delta: Some(count - p) }), false);
             }
+            for (detail, healthy) in memory_events(prev, s) {
+                emit(detail, healthy);
+            }
+            if let Some((detail, healthy)) = power_event(prev, s) {
+                emit(detail, healthy);
+            }
+            if let Some((detail, healthy)) = throttle_event(prev, s) {
+                emit(detail, healthy);
+            }
+            let links = nvlink_events(prev, s);
             let last_beat = self.last.get(&s.index).map(|(_, hb)| *hb);
             let recovered = prev.is_some_and(|p| p.lost);
             let beat_due =
@@ -134,6 +144,18 @@ impl Sampler {
             } else {
                 last_beat.unwrap_or(now)
             };
+            for (link, detail, healthy) in links {
+                let mut e = HealthEvent::new(
+                    &self.node,
+                    self.source,
+                    Component::Nvlink,
+                    Entity { nvlink_link: i32::try_from(link).ok(), ..entity.clone() },
+                    detail,
+                );
+                e.observed_at = now;
+                e.healthy = healthy;
+                out.push(e);
+            }
             self.last.insert(s.index, (s.clone(), beat));
         }
         out
@@ -142,6 +164,7 @@ impl Sampler {
     fn source_name(&self) -> &'static str {
         match self.source {
             Source::Synthetic => "simulated",
+            Source::Dcgm => "dcgm",
             _ => "nvml",
         }
     }
@@ -149,6 +172,153 @@ impl Sampler {
 
 fn grew(before: Option<i64>, after: Option<i64>) -> bool {
     matches!((before, after), (Some(b), Some(a)) if a > b)
+}
+
+fn flipped(before: Option<bool>, after: Option<bool>) -> bool {
+    matches!((before, after), (Some(b), Some(a)) if a != b)
+}
+
+/// Retired pages and row remapping: an event when a count grows or a pending/failure flag
+/// flips, and at first sight when a flag is already set (a node that comes up with a pending
+/// remap must say so). Healthy only when a flag cleared and nothing grew.
+fn memory_events(prev: Option<&GpuSample>, s: &GpuSample) -> Vec<(Detail, bool)> {
+    let mut out = Vec::new();
+    if s.retired_pages_sbe.is_some() || s.retired_pages_dbe.is_some() || s.retired_pages_pending.is_some() {
+        let counts_grew = prev.is_some_and(|p| {
+            grew(p.retired_pages_sbe, s.retired_pages_sbe) || grew(p.retired_pages_dbe, s.retired_pages_dbe)
+        });
+        let pending = s.retired_pages_pending.unwrap_or(false);
+        let changed = match prev {
+            Some(p) => counts_grew || flipped(p.retired_pages_pending, s.retired_pages_pending),
+            None => pending,
+        };
+        if changed {
+            out.push((
+                Detail::RetiredPages(RetiredPagesDetail {
+                    single_bit: s.retired_pages_sbe.unwrap_or(0),
+                    double_bit: s.retired_pages_dbe.unwrap_or(0),
+                    pending,
+                }),
+                !counts_grew && !pending,
+            ));
+        }
+    }
+    if s.remapped_rows_correctable.is_some() || s.remap_pending.is_some() || s.remap_failure.is_some() {
+        let counts_grew = prev.is_some_and(|p| {
+            grew(p.remapped_rows_correctable, s.remapped_rows_correctable)
+                || grew(p.remapped_rows_uncorrectable, s.remapped_rows_uncorrectable)
+        });
+        let pending = s.remap_pending.unwrap_or(false);
+        let failure = s.remap_failure.unwrap_or(false);
+        let changed = match prev {
+            Some(p) => {
+                counts_grew || flipped(p.remap_pending, s.remap_pending) || flipped(p.remap_failure, s.remap_failure)
+            }
+            None => pending || failure,
+        };
+        if changed {
+            out.push((
+                Detail::RowRemap(RowRemapDetail {
+                    correctable: s.remapped_rows_correctable.unwrap_or(0),
+                    uncorrectable: s.remapped_rows_uncorrectable.unwrap_or(0),
+                    pending,
+                    failure,
+                }),
+                !counts_grew && !pending && !failure,
+            ));
+        }
+    }
+    out
+}
+
+/// Power draw crossing the enforced limit, up (unhealthy) or back down (healthy). Drawing at
+/// the limit is normal under load; only drawing above it is news.
+fn power_event(prev: Option<&GpuSample>, s: &GpuSample) -> Option<(Detail, bool)> {
+    let over = |g: &GpuSample| match (g.power_w, g.power_limit_w) {
+        (Some(w), Some(limit)) => Some(w > limit),
+        _ => None,
+    };
+    let now = over(s)?;
+    let before = prev.and_then(over);
+    let report = match before {
+        Some(b) => b != now,
+        None => now,
+    };
+    report.then(|| {
+        (Detail::Power(PowerDetail { watts: s.power_w.unwrap_or_default(), limit_watts: s.power_limit_w }), !now)
+    })
+}
+
+/// Clock-event reasons that point at the hardware ([`throttle::CONCERNING`]): an event when that
+/// set changes (and at first sight when it is not empty); healthy when it becomes empty.
+fn throttle_event(prev: Option<&GpuSample>, s: &GpuSample) -> Option<(Detail, bool)> {
+    let mask = s.throttle_mask?;
+    let concerning = mask & throttle::CONCERNING;
+    let before = prev.and_then(|p| p.throttle_mask).map(|m| m & throttle::CONCERNING);
+    let report = match before {
+        Some(b) => b != concerning,
+        None => concerning != 0,
+    };
+    report.then(|| {
+        (
+            Detail::Throttle(ThrottleDetail { reasons: throttle::names(concerning), mask: i64::try_from(mask).ok() }),
+            concerning == 0,
+        )
+    })
+}
+
+/// NVLink: an event per link that goes down or comes back up, and one per GPU when its error
+/// counters grow. Counters in every NVLink event are summed over the GPU's links, so the
+/// classifier sees one counter series per GPU (its rules judge growth per GPU); `link` names
+/// the link the event is about (the one that changed state, or the one whose counters grew
+/// most). A link down at first sight is not reported: unused links are legitimately down.
+fn nvlink_events(prev: Option<&GpuSample>, s: &GpuSample) -> Vec<(u32, Detail, bool)> {
+    let Some(p) = prev else { return Vec::new() };
+    if s.nvlinks.is_empty() {
+        return Vec::new();
+    }
+    let sum = |links: &[NvlinkSample], f: fn(&NvlinkSample) -> Option<i64>| -> Option<i64> {
+        links.iter().filter_map(f).fold(None, |acc, v| Some(acc.unwrap_or(0) + v))
+    };
+    let detail = |link: u32, active: Option<bool>| NvlinkDetail {
+        link: i32::try_from(link).unwrap_or(i32::MAX),
+        active,
+        crc_flit_errors: sum(&s.nvlinks, |l| l.crc_flit),
+        crc_data_errors: sum(&s.nvlinks, |l| l.crc_data),
+        replay_errors: sum(&s.nvlinks, |l| l.replay),
+        recovery_errors: sum(&s.nvlinks, |l| l.recovery),
+    };
+    let all_up = s.nvlinks.iter().all(|l| l.active != Some(false));
+    let mut out = Vec::new();
+    let mut most_growth: Option<(u32, i64)> = None;
+    for link in &s.nvlinks {
+        let before = p.nvlinks.iter().find(|l| l.link == link.link);
+        if let Some(b) = before
+            && flipped(b.active, link.active)
+        {
+            let up = link.active == Some(true);
+            // Back up is healthy only once every link of the GPU is up again.
+            out.push((link.link, Detail::Nvlink(detail(link.link, link.active)), up && all_up));
+        }
+        let growth: i64 = [
+            (before.and_then(|b| b.crc_flit), link.crc_flit),
+            (before.and_then(|b| b.crc_data), link.crc_data),
+            (before.and_then(|b| b.replay), link.replay),
+            (before.and_then(|b| b.recovery), link.recovery),
+        ]
+        .into_iter()
+        .filter_map(|(b, a)| Some(a? - b?).filter(|d| *d > 0))
+        .sum();
+        if growth > 0 && most_growth.is_none_or(|(_, g)| growth > g) {
+            most_growth = Some((link.link, growth));
+        }
+    }
+    if let Some((link, _)) = most_growth {
+        // Counter growth says nothing about link state, so `active` stays unset: it must not
+        // read as evidence that a down link is back.
+        out.push((link, Detail::Nvlink(detail(link, None)), false));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -212,5 +382,181 @@ mod tests {
         let kinds: Vec<Kind> = s.observe(&sim.sample().unwrap(), at(4)).iter().map(|e| e.kind).collect();
         assert_eq!(kinds, [Kind::Ecc, Kind::PcieReplay]);
         assert!(s.observe(&sim.sample().unwrap(), at(5)).is_empty(), "counters unchanged: nothing");
+    }
+}
+
+#[cfg(test)]
+mod field_tests {
+    //! One test per NVML field the sampler judges, each driven through the simulated backend.
+
+    use super::*;
+    use crate::gpu::{GpuBackend as _, Simulated, SimulatedControl, throttle};
+    use gpumedic_schemas::Kind;
+
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap()
+    }
+
+    /// A one-GPU node already sampled once, with no heartbeat due for an hour.
+    fn started() -> (Simulated, SimulatedControl, Sampler) {
+        let (mut sim, control) = Simulated::new("n", 1);
+        let mut s = Sampler::new("n", Source::Nvml, Duration::from_secs(3600));
+        s.observe(&sim.sample().unwrap(), at(0));
+        (sim, control, s)
+    }
+
+    fn step(sim: &mut Simulated, s: &mut Sampler, t: i64) -> Vec<HealthEvent> {
+        s.observe(&sim.sample().unwrap(), at(t))
+    }
+
+    #[test]
+    fn ecc_counters_volatile_and_aggregate() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.ecc_sbe_volatile = Some(3));
+        let e = step(&mut sim, &mut s, 1);
+        assert_eq!(e.len(), 1);
+        assert!(
+            matches!(&e[0].detail, Detail::Ecc(d) if d.single_bit_volatile == Some(3) && d.double_bit_aggregate == Some(0))
+        );
+        control.update(0, |g| g.ecc_dbe_aggregate = Some(1));
+        assert_eq!(step(&mut sim, &mut s, 2)[0].kind, Kind::Ecc, "lifetime double-bit growth");
+        // A driver reload resets the volatile counters: not a fault.
+        control.update(0, |g| g.ecc_sbe_volatile = Some(0));
+        assert!(step(&mut sim, &mut s, 3).is_empty());
+    }
+
+    #[test]
+    fn retired_pages_and_pending_retirement() {
+        let (mut sim, control) = Simulated::new("n", 1);
+        // An older GPU that retires pages, with a retirement already pending at start.
+        control.update(0, |g| {
+            g.retired_pages_sbe = Some(2);
+            g.retired_pages_dbe = Some(0);
+            g.retired_pages_pending = Some(true);
+        });
+        let mut s = Sampler::new("n", Source::Nvml, Duration::from_secs(3600));
+        let first: Vec<_> = sim.sample().map(|x| s.observe(&x, at(0))).unwrap();
+        let pages: Vec<_> = first.iter().filter(|e| e.kind == Kind::RetiredPages).collect();
+        assert_eq!(pages.len(), 1, "pending at first sight is reported");
+        assert!(!pages[0].healthy);
+        control.update(0, |g| g.retired_pages_dbe = Some(1));
+        let grew = step(&mut sim, &mut s, 1);
+        assert!(
+            matches!(&grew[0].detail, Detail::RetiredPages(d) if d.single_bit == 2 && d.double_bit == 1 && d.pending)
+        );
+        control.update(0, |g| g.retired_pages_pending = Some(false));
+        let cleared = step(&mut sim, &mut s, 2);
+        assert!(cleared[0].healthy, "the retirement applied");
+        assert!(step(&mut sim, &mut s, 3).is_empty());
+    }
+
+    #[test]
+    fn row_remapping_counts_pending_and_failure() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| {
+            g.remapped_rows_uncorrectable = Some(1);
+            g.remap_pending = Some(true);
+        });
+        let e = step(&mut sim, &mut s, 1);
+        assert_eq!(e.len(), 1);
+        assert!(matches!(&e[0].detail, Detail::RowRemap(d) if d.uncorrectable == 1 && d.pending && !d.failure));
+        control.update(0, |g| g.remap_failure = Some(true));
+        assert!(matches!(&step(&mut sim, &mut s, 2)[0].detail, Detail::RowRemap(d) if d.failure));
+        control.update(0, |g| {
+            g.remap_pending = Some(false);
+            g.remap_failure = Some(false);
+        });
+        assert!(step(&mut sim, &mut s, 3)[0].healthy, "flags cleared after a reset");
+        control.update(0, |g| g.remapped_rows_correctable = Some(4));
+        let e = step(&mut sim, &mut s, 4);
+        assert!(!e[0].healthy, "correctable remaps growing");
+    }
+
+    #[test]
+    fn temperature_against_slowdown_and_shutdown() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.temperature_c = Some(92));
+        let e = step(&mut sim, &mut s, 1);
+        assert!(matches!(&e[0].detail, Detail::Temperature(t) if t.celsius == 92 && t.shutdown_celsius == Some(92)));
+        control.update(0, |g| g.temperature_c = Some(88));
+        assert_eq!(step(&mut sim, &mut s, 2).len(), 1, "shutdown band down to slowdown band");
+        control.update(0, |g| g.temperature_c = Some(60));
+        assert!(step(&mut sim, &mut s, 3)[0].healthy);
+    }
+
+    #[test]
+    fn power_over_the_enforced_limit_and_back() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.power_w = Some(700.0));
+        assert!(step(&mut sim, &mut s, 1).is_empty(), "at the limit is normal under load");
+        control.update(0, |g| g.power_w = Some(760.5));
+        let e = step(&mut sim, &mut s, 2);
+        assert!(matches!(&e[0].detail, Detail::Power(p) if p.watts == 760.5 && p.limit_watts == Some(700.0)));
+        assert!(!e[0].healthy);
+        assert!(step(&mut sim, &mut s, 3).is_empty(), "still over: reported once");
+        control.update(0, |g| g.power_w = Some(500.0));
+        assert!(step(&mut sim, &mut s, 4)[0].healthy);
+    }
+
+    #[test]
+    fn throttle_reasons_only_the_hardware_ones() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.throttle_mask = Some(throttle::SW_POWER_CAP));
+        assert!(step(&mut sim, &mut s, 1).is_empty(), "a power cap under load is not news");
+        control.update(0, |g| {
+            g.throttle_mask = Some(throttle::SW_POWER_CAP | throttle::HW_THERMAL_SLOWDOWN | throttle::HW_SLOWDOWN)
+        });
+        let e = step(&mut sim, &mut s, 2);
+        let Detail::Throttle(t) = &e[0].detail else { panic!("{e:?}") };
+        assert_eq!(t.reasons, ["hw_slowdown", "hw_thermal_slowdown"], "most serious first");
+        assert_eq!(t.mask, Some(0x4c));
+        control.update(0, |g| g.throttle_mask = Some(throttle::GPU_IDLE));
+        assert!(step(&mut sim, &mut s, 3)[0].healthy);
+    }
+
+    #[test]
+    fn nvlink_state_and_counters_summed_per_gpu() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| {
+            g.nvlinks[3].active = Some(false);
+            g.nvlinks[5].crc_flit = Some(7);
+            g.nvlinks[6].crc_data = Some(2);
+            g.nvlinks[6].recovery = Some(1);
+        });
+        let e = step(&mut sim, &mut s, 1);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e.iter().all(|e| e.component == Component::Nvlink && !e.healthy));
+        let Detail::Nvlink(down) = &e[0].detail else { panic!() };
+        assert_eq!((down.link, down.active), (3, Some(false)));
+        assert_eq!(e[0].entity.nvlink_link, Some(3));
+        let Detail::Nvlink(grew) = &e[1].detail else { panic!() };
+        assert_eq!(grew.link, 5, "the link that grew most");
+        assert_eq!(grew.active, None, "counter growth says nothing about link state");
+        assert_eq!((grew.crc_flit_errors, grew.crc_data_errors, grew.recovery_errors), (Some(7), Some(2), Some(1)));
+        control.update(0, |g| g.nvlinks[3].active = Some(true));
+        let up = step(&mut sim, &mut s, 2);
+        assert_eq!(up.len(), 1);
+        assert!(up[0].healthy && matches!(&up[0].detail, Detail::Nvlink(d) if d.active == Some(true)));
+    }
+
+    #[test]
+    fn pcie_replay_total_and_delta() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.pcie_replay = Some(40));
+        control.update(0, |g| g.pcie_replay = Some(40));
+        assert!(
+            matches!(&step(&mut sim, &mut s, 1)[0].detail, Detail::PcieReplay(p) if p.count == 40 && p.delta == Some(40))
+        );
+        control.update(0, |g| g.pcie_replay = Some(45));
+        assert!(matches!(&step(&mut sim, &mut s, 2)[0].detail, Detail::PcieReplay(p) if p.delta == Some(5)));
+    }
+
+    #[test]
+    fn a_gpu_that_falls_off_the_bus() {
+        let (mut sim, control, mut s) = started();
+        control.update(0, |g| g.lost = true);
+        let e = step(&mut sim, &mut s, 1);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].kind, Kind::GpuLost);
     }
 }

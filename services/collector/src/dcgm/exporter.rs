@@ -1,6 +1,7 @@
 //! dcgm-exporter's `/metrics` page (the Prometheus text exposition format) into per-GPU readings.
 //!
-//! Only the health fields are kept: the last Xid, the temperature, the ECC totals (single and double
+//! Only the health fields are kept: the last Xid, the temperature (and its slowdown and shutdown
+//! thresholds, when the exporter's counter list includes them), the ECC totals (single and double
 //! bit, volatile and aggregate), row remapping and power. Other metrics, `# HELP` and `# TYPE` lines
 //! are ignored. GPUs are told apart by their labels, in both styles seen in the wild:
 //!
@@ -33,6 +34,11 @@ pub struct DcgmGpuReading {
     pub xid: Option<i64>,
     /// The GPU temperature, in degrees Celsius.
     pub temperature_c: Option<i64>,
+    /// The slowdown temperature threshold (`DCGM_FI_DEV_SLOWDOWN_TEMP`, when the exporter's
+    /// counter list includes it).
+    pub slowdown_c: Option<i64>,
+    /// The shutdown temperature threshold (`DCGM_FI_DEV_SHUTDOWN_TEMP`, when exported).
+    pub shutdown_c: Option<i64>,
     /// Single-bit ECC errors since the last driver load.
     pub ecc_sbe_volatile: Option<i64>,
     /// Double-bit ECC errors since the last driver load.
@@ -43,6 +49,8 @@ pub struct DcgmGpuReading {
     pub ecc_dbe_aggregate: Option<i64>,
     /// Whether row remapping has failed (the GPU should be replaced).
     pub row_remap_failure: Option<bool>,
+    /// Whether a row remap waits for a GPU reset (`DCGM_FI_DEV_ROW_REMAP_PENDING`, when exported).
+    pub row_remap_pending: Option<bool>,
     /// Rows remapped for correctable errors.
     pub remapped_rows_correctable: Option<i64>,
     /// Rows remapped for uncorrectable errors.
@@ -101,11 +109,14 @@ pub enum ExpositionErrorKind {
 enum Field {
     Xid,
     Temperature,
+    SlowdownTemp,
+    ShutdownTemp,
     SbeVolatile,
     DbeVolatile,
     SbeAggregate,
     DbeAggregate,
     RowRemapFailure,
+    RowRemapPending,
     RemappedCorrectable,
     RemappedUncorrectable,
     Power,
@@ -115,11 +126,14 @@ fn field_of(metric: &str) -> Option<Field> {
     Some(match metric {
         "DCGM_FI_DEV_XID_ERRORS" | "dcgm_xid_errors" => Field::Xid,
         "DCGM_FI_DEV_GPU_TEMP" | "dcgm_gpu_temp" => Field::Temperature,
+        "DCGM_FI_DEV_SLOWDOWN_TEMP" => Field::SlowdownTemp,
+        "DCGM_FI_DEV_SHUTDOWN_TEMP" => Field::ShutdownTemp,
         "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" | "dcgm_ecc_sbe_volatile_total" => Field::SbeVolatile,
         "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" | "dcgm_ecc_dbe_volatile_total" => Field::DbeVolatile,
         "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL" | "dcgm_ecc_sbe_aggregate_total" => Field::SbeAggregate,
         "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL" | "dcgm_ecc_dbe_aggregate_total" => Field::DbeAggregate,
         "DCGM_FI_DEV_ROW_REMAP_FAILURE" => Field::RowRemapFailure,
+        "DCGM_FI_DEV_ROW_REMAP_PENDING" => Field::RowRemapPending,
         "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" => Field::RemappedCorrectable,
         "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS" => Field::RemappedUncorrectable,
         "DCGM_FI_DEV_POWER_USAGE" | "dcgm_power_usage" => Field::Power,
@@ -181,11 +195,14 @@ pub fn parse_metrics(text: &str) -> ExporterScrape {
         match field {
             Field::Xid => reading.xid = int(v, INT32_BLANK),
             Field::Temperature => reading.temperature_c = int(v, INT32_BLANK),
+            Field::SlowdownTemp => reading.slowdown_c = int(v, INT32_BLANK),
+            Field::ShutdownTemp => reading.shutdown_c = int(v, INT32_BLANK),
             Field::SbeVolatile => reading.ecc_sbe_volatile = int(v, INT64_BLANK),
             Field::DbeVolatile => reading.ecc_dbe_volatile = int(v, INT64_BLANK),
             Field::SbeAggregate => reading.ecc_sbe_aggregate = int(v, INT64_BLANK),
             Field::DbeAggregate => reading.ecc_dbe_aggregate = int(v, INT64_BLANK),
             Field::RowRemapFailure => reading.row_remap_failure = int(v, INT32_BLANK).map(|n| n != 0),
+            Field::RowRemapPending => reading.row_remap_pending = int(v, INT32_BLANK).map(|n| n != 0),
             Field::RemappedCorrectable => reading.remapped_rows_correctable = int(v, INT64_BLANK),
             Field::RemappedUncorrectable => reading.remapped_rows_uncorrectable = int(v, INT64_BLANK),
             Field::Power => reading.power_w = (v.is_finite() && v < FP64_BLANK).then_some(v),

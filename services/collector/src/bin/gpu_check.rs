@@ -1,0 +1,131 @@
+//! `gpumedic-gpu-check`: prints what NVML reports for each GPU of this machine, every field the
+//! collector samples, so an operator can see on a GPU node what the collector will see. Without
+//! an NVIDIA driver it says so and exits 1.
+
+use std::process::ExitCode;
+
+use gpumedic_collector::gpu::{GpuBackend as _, GpuSample, NvmlBackend, throttle};
+
+fn main() -> ExitCode {
+    let json = std::env::args().skip(1).any(|a| a == "--json");
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!(
+            "Usage: gpumedic-gpu-check [--json]\nPrints what NVML reports for each GPU (exit 1 without a driver)."
+        );
+        return ExitCode::SUCCESS;
+    }
+    let mut backend = match NvmlBackend::init() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("gpumedic-gpu-check: {e}");
+            eprintln!("gpumedic-gpu-check: is the NVIDIA driver installed and libnvidia-ml.so.1 on the library path?");
+            return ExitCode::from(1);
+        }
+    };
+    let samples = match backend.sample() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("gpumedic-gpu-check: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if json {
+        let all: Vec<serde_json::Value> = samples.iter().map(to_json).collect();
+        println!("{}", serde_json::to_string_pretty(&all).expect("JSON values always print"));
+    } else {
+        println!("{} GPU(s)", samples.len());
+        for s in &samples {
+            print_text(s);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "n/a".to_owned(), |v| v.to_string())
+}
+
+fn print_text(s: &GpuSample) {
+    println!("\nGPU {} {} ({})", s.index, s.uuid, s.pci_bus_id);
+    if s.lost {
+        println!("  LOST: NVML reports GPU_IS_LOST (fallen off the bus)");
+        return;
+    }
+    println!(
+        "  temperature      {} C (slowdown {} C, shutdown {} C)",
+        opt(s.temperature_c),
+        opt(s.slowdown_c),
+        opt(s.shutdown_c)
+    );
+    println!("  power            {} W (limit {} W)", opt(s.power_w), opt(s.power_limit_w));
+    println!("  ECC volatile     single-bit {}, double-bit {}", opt(s.ecc_sbe_volatile), opt(s.ecc_dbe_volatile));
+    println!("  ECC aggregate    single-bit {}, double-bit {}", opt(s.ecc_sbe_aggregate), opt(s.ecc_dbe_aggregate));
+    println!(
+        "  retired pages    single-bit {}, double-bit {}, pending {}",
+        opt(s.retired_pages_sbe),
+        opt(s.retired_pages_dbe),
+        opt(s.retired_pages_pending)
+    );
+    println!(
+        "  row remapping    correctable {}, uncorrectable {}, pending {}, failure {}",
+        opt(s.remapped_rows_correctable),
+        opt(s.remapped_rows_uncorrectable),
+        opt(s.remap_pending),
+        opt(s.remap_failure)
+    );
+    match s.throttle_mask {
+        Some(m) => println!("  clock events     {m:#x} [{}]", throttle::names(m).join(", ")),
+        None => println!("  clock events     n/a"),
+    }
+    println!("  PCIe replays     {}", opt(s.pcie_replay));
+    if s.nvlinks.is_empty() {
+        println!("  NVLink           none");
+    }
+    for l in &s.nvlinks {
+        println!(
+            "  NVLink {:>2}        {} crc-flit {}, crc-data {}, replay {}, recovery {}",
+            l.link,
+            match l.active {
+                Some(true) => "up  ",
+                Some(false) => "DOWN",
+                None => "?   ",
+            },
+            opt(l.crc_flit),
+            opt(l.crc_data),
+            opt(l.replay),
+            opt(l.recovery)
+        );
+    }
+}
+
+fn to_json(s: &GpuSample) -> serde_json::Value {
+    serde_json::json!({
+        "index": s.index,
+        "uuid": s.uuid,
+        "pci_bus_id": s.pci_bus_id,
+        "lost": s.lost,
+        "temperature_c": s.temperature_c,
+        "slowdown_c": s.slowdown_c,
+        "shutdown_c": s.shutdown_c,
+        "power_w": s.power_w,
+        "power_limit_w": s.power_limit_w,
+        "ecc_sbe_volatile": s.ecc_sbe_volatile,
+        "ecc_dbe_volatile": s.ecc_dbe_volatile,
+        "ecc_sbe_aggregate": s.ecc_sbe_aggregate,
+        "ecc_dbe_aggregate": s.ecc_dbe_aggregate,
+        "retired_pages_sbe": s.retired_pages_sbe,
+        "retired_pages_dbe": s.retired_pages_dbe,
+        "retired_pages_pending": s.retired_pages_pending,
+        "remapped_rows_correctable": s.remapped_rows_correctable,
+        "remapped_rows_uncorrectable": s.remapped_rows_uncorrectable,
+        "remap_pending": s.remap_pending,
+        "remap_failure": s.remap_failure,
+        "throttle_mask": s.throttle_mask,
+        "throttle_reasons": s.throttle_mask.map(throttle::names),
+        "pcie_replay": s.pcie_replay,
+        "nvlinks": s.nvlinks.iter().map(|l| serde_json::json!({
+            "link": l.link, "active": l.active, "crc_flit": l.crc_flit, "crc_data": l.crc_data,
+            "replay": l.replay, "recovery": l.recovery,
+        })).collect::<Vec<_>>(),
+    })
+}
