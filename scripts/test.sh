@@ -13,7 +13,7 @@ command -v cargo >/dev/null || {
 
 ./compose/up >/dev/null
 eval "$(./compose/env)"
-export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG SCHEMA_REGISTRY_URL
+export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG SCHEMA_REGISTRY_URL OTLP_ENDPOINT JAEGER_QUERY_URL
 
 # End-to-end tests start every service binary, so build them all first.
 cargo build --workspace --bins

@@ -13,6 +13,8 @@ KUBERNETES_VERSION="${KUBERNETES_VERSION:-v1.36.3}"
 # Apicurio Registry: the newest release whose dependencies all resolve from Maven Central (see
 # docs/testbed.md).
 REGISTRY_VERSION="${REGISTRY_VERSION:-2.4.2.Final}"
+# Jaeger v2: the OTLP receiver the tracing test reads traces back from.
+JAEGER_VERSION="${JAEGER_VERSION:-v1.76.0}"
 
 # Ports on 127.0.0.1, chosen away from the defaults so a system PostgreSQL on 5432 or a developer's
 # own Kafka on 9092 never clash with the testbed.
@@ -23,6 +25,10 @@ ETCD_PORT="${GPUMEDIC_ETCD_PORT:-12379}"
 ETCD_PEER_PORT="${GPUMEDIC_ETCD_PEER_PORT:-12380}"
 APISERVER_PORT="${GPUMEDIC_APISERVER_PORT:-16443}"
 SCHEMA_REGISTRY_PORT="${GPUMEDIC_SCHEMA_REGISTRY_PORT:-18081}"
+OTLP_GRPC_PORT="${GPUMEDIC_OTLP_GRPC_PORT:-14317}"
+OTLP_HTTP_PORT="${GPUMEDIC_OTLP_HTTP_PORT:-14318}"
+JAEGER_QUERY_PORT="${GPUMEDIC_JAEGER_QUERY_PORT:-16686}"
+JAEGER_QUERY_GRPC_PORT="${GPUMEDIC_JAEGER_QUERY_GRPC_PORT:-16685}"
 
 # Downloads and builds are cached outside the checkout, so a fresh clone (as CI makes) reuses them.
 CACHE_DIR="${GPUMEDIC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpumedic}"
@@ -93,4 +99,6 @@ stop_daemon() {
 KUBECONFIG_PATH="$STATE_DIR/kubeconfig"
 KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
 SCHEMA_REGISTRY_URL="http://127.0.0.1:$SCHEMA_REGISTRY_PORT/apis/ccompat/v7"
+OTLP_ENDPOINT="http://127.0.0.1:$OTLP_GRPC_PORT"
+JAEGER_QUERY_URL="http://127.0.0.1:$JAEGER_QUERY_PORT"
 DATABASE_URL="postgres://$POSTGRES_USER:$POSTGRES_PASSWORD@127.0.0.1:$POSTGRES_PORT/$POSTGRES_DB"

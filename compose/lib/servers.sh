@@ -154,6 +154,24 @@ start_registry() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Jaeger: OTLP in on $OTLP_GRPC_PORT (gRPC) and $OTLP_HTTP_PORT, the query API on
+# $JAEGER_QUERY_PORT; traces in memory.
+jaeger_ready() { curl -fsS "$JAEGER_QUERY_URL/api/services" >/dev/null; }
+
+start_jaeger() {
+  if port_open "$JAEGER_QUERY_PORT"; then
+    jaeger_ready || die "something on port $JAEGER_QUERY_PORT is not Jaeger (no answer at $JAEGER_QUERY_URL/api/services)"
+    return 0
+  fi
+  port_open "$OTLP_GRPC_PORT" && die "port $OTLP_GRPC_PORT (OTLP) is taken by something else; set GPUMEDIC_OTLP_GRPC_PORT"
+  GPUMEDIC_OTLP_GRPC_PORT="$OTLP_GRPC_PORT" GPUMEDIC_OTLP_HTTP_PORT="$OTLP_HTTP_PORT" \
+    GPUMEDIC_JAEGER_QUERY_PORT="$JAEGER_QUERY_PORT" GPUMEDIC_JAEGER_QUERY_GRPC_PORT="$JAEGER_QUERY_GRPC_PORT" \
+    start_daemon jaeger "$LOG_DIR/jaeger.log" "$BIN_DIR/jaeger-$JAEGER_VERSION/jaeger" \
+    --config "$COMPOSE_DIR/jaeger/config.yaml"
+  wait_for "jaeger" 60 jaeger_ready || die "Jaeger did not answer at $JAEGER_QUERY_URL; see $LOG_DIR/jaeger.log"
+}
+
+# ---------------------------------------------------------------------------------------------
 # etcd and kube-apiserver, with generated certificates and an admin kubeconfig (as envtest does).
 k8s_bin() { echo "$BIN_DIR/kubernetes-$KUBERNETES_VERSION"; }
 

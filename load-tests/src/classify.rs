@@ -71,7 +71,7 @@ pub struct Result {
 }
 
 /// Event `i` of the fleet's stream.
-fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
+pub(crate) fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
     let n = i % nodes;
     let gpu = (i / nodes) % 8;
     let entity = Entity {

@@ -6,7 +6,10 @@
 //! - `classify-throughput`: the classifier binary working through a pre-filled topic of enriched
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
+//! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
+//!   consume rate of the same records (see [`backtest`]).
 
+mod backtest;
 mod classify;
 
 use std::time::{Duration, Instant};
@@ -46,6 +49,9 @@ enum Scenario {
     /// Events per second classified and persisted by the classifier binary, beside the raw Kafka
     /// consume rate and the raw Postgres insert rate of the same events.
     ClassifyThroughput(classify::Options),
+    /// Events per second backtested by `gpumedic replay backtest`, beside the raw Kafka consume
+    /// rate of the same events.
+    Backtest(backtest::Options),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -81,6 +87,13 @@ async fn main() -> anyhow::Result<()> {
             let result = classify::run(options).await?;
             std::fs::create_dir_all(&cli.out_dir)?;
             let path = cli.out_dir.join("classify-throughput.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
+            println!("result written to {}", path.display());
+        }
+        Scenario::Backtest(options) => {
+            let result = backtest::run(options).await?;
+            std::fs::create_dir_all(&cli.out_dir)?;
+            let path = cli.out_dir.join("backtest.json");
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }

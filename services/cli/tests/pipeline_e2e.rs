@@ -95,6 +95,10 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     // The four services, each in its own consumer group so this test sees every record.
     let rules = fast_rules();
     let kafka = ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone());
+    // Every service exports its spans to the testbed's Jaeger: the fault must be one trace.
+    let (otlp_endpoint, jaeger) = testbed::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
+    let otlp = ("GPUMEDIC_OTLP_ENDPOINT", otlp_endpoint);
+    let synthetic = testbed::free_local_addr().unwrap();
     // New groups start at the end of the topics: this test's records are not queued behind every
     // record earlier tests left on the shared topics.
     let fresh = ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned());
@@ -103,6 +107,9 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            otlp.clone(),
+            // Fault injection through the collector itself, so the fault's trace starts there.
+            ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
             ("GPUMEDIC_NODE_NAME", faulty.clone()),
             ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
             ("GPUMEDIC_SAMPLE_INTERVAL", "1s".into()),
@@ -121,6 +128,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            otlp.clone(),
             fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-enricher")),
             ("KUBECONFIG", kubeconfig.clone()),
@@ -132,6 +140,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            otlp.clone(),
             fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-classifier")),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
@@ -146,6 +155,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[],
         &[
             kafka.clone(),
+            otlp.clone(),
             fresh.clone(),
             ("GPUMEDIC_GROUP", testbed::unique_name("e2e-remediator")),
             ("KUBECONFIG", kubeconfig.clone()),
@@ -163,12 +173,19 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         s.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     }
 
-    // The fault.
-    let out = Command::new(GPUMEDIC)
-        .args(["inject", "--kafka-bootstrap", &bootstrap, "--node", &faulty, "--xid", "79", "--gpu-index", "3"])
-        .output()
+    // The fault, through the collector's fault-injection endpoint.
+    let answer: serde_json::Value = reqwest::Client::new()
+        .post(format!("http://{synthetic}/v1/inject"))
+        .json(&json!({ "xid": 79, "gpu_index": 3 }))
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap()
+        .json()
+        .await
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let fault_id = answer["event_ids"][0].as_str().expect("the injected event's id").to_owned();
 
     // Garbage on the raw topic goes to its dead-letter topic, and nothing else stops.
     let garbage_key = format!("{faulty}-garbage");
@@ -217,6 +234,36 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         (n >= 1).then_some(())
     })
     .await;
+
+    // One fault, one trace: the raw record's trace holds spans from all four services.
+    let raw = testbed::wait_for_record(
+        gpumedic_schemas::topics::HEALTH_RAW,
+        |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(fault_id.as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let traceparent = String::from_utf8_lossy(raw.header("traceparent").expect("a traceparent")).into_owned();
+    let trace_id = traceparent.split('-').nth(1).expect("a W3C traceparent").to_owned();
+    let services = eventually(
+        "the fault's trace in Jaeger with spans from all four services",
+        Duration::from_secs(60),
+        async || {
+            let (code, body) = testbed::http_get(jaeger, &format!("/api/traces/{trace_id}")).await.ok()?;
+            if code != 200 {
+                return None;
+            }
+            let trace: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let names: std::collections::BTreeSet<String> = trace["data"][0]["processes"]
+                .as_object()?
+                .values()
+                .filter_map(|p| p["serviceName"].as_str().map(str::to_owned))
+                .collect();
+            ["collector", "enricher", "classifier", "remediator"].iter().all(|s| names.contains(*s)).then_some(names)
+        },
+    )
+    .await;
+    assert!(services.contains("remediator"));
 
     // Xid 13 once elsewhere: an info verdict, and the node is left alone.
     let out = Command::new(GPUMEDIC)

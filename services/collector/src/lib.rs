@@ -342,13 +342,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     };
     if let Some((backend, source)) = backend {
         if config.nvml_xids.runs(config.kmsg_path.is_some()) {
-            let forward = nvml_xid::forward_xids(
-                config.node_name.clone(),
-                source,
-                backend.as_ref(),
-                sink.clone(),
-                token.clone(),
-            );
+            let forward =
+                nvml_xid::forward_xids(config.node_name.clone(), source, backend.as_ref(), sink.clone(), token.clone());
             service.shutdown.spawn("nvml-xid", forward);
         }
         service.shutdown.spawn(
@@ -379,12 +374,10 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         service.shutdown.spawn("dcgm-exporter", task);
     }
     if let Some(diag) = config.dcgm.diag.clone() {
-        let task =
-            dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
+        let task = dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
         service.shutdown.spawn("dcgm-diag", task);
     }
-    let cloud =
-        cloud::watch_maintenance(config.node_name.clone(), config.cloud.clone(), sink.clone(), token.clone());
+    let cloud = cloud::watch_maintenance(config.node_name.clone(), config.cloud.clone(), sink.clone(), token.clone());
     service.shutdown.spawn("cloud-maintenance", cloud);
     if let Some(path) = config.kmsg_path.clone() {
         if let Err(e) = std::fs::create_dir_all(&config.state_dir) {

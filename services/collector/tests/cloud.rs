@@ -397,6 +397,11 @@ async fn the_collector_publishes_a_detected_notice_to_kafka() {
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
+        // Its own state folder: the spool allows one collector per folder.
+        (
+            "GPUMEDIC_STATE_DIR",
+            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+        ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
         ("GPUMEDIC_CLOUD_PROVIDER", "auto".to_owned()),

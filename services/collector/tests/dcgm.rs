@@ -107,6 +107,11 @@ async fn the_collector_publishes_exporter_changes_and_diagnostic_results() {
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
+        // Its own state folder: the spool allows one collector per folder.
+        (
+            "GPUMEDIC_STATE_DIR",
+            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+        ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
         ("GPUMEDIC_CLOUD_PROVIDER", "none".to_owned()),
@@ -160,6 +165,11 @@ async fn an_unreachable_exporter_is_a_monitor_event() {
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
+        // Its own state folder: the spool allows one collector per folder.
+        (
+            "GPUMEDIC_STATE_DIR",
+            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+        ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
         ("GPUMEDIC_CLOUD_PROVIDER", "none".to_owned()),

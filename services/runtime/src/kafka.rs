@@ -25,6 +25,7 @@ use rdkafka::message::{Header, Headers as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use gpumedic_schemas::{Codec, RegistryOptions};
 
@@ -447,8 +448,9 @@ pub async fn run_consumer<H: RecordHandler>(
             }
         };
         let mut backoff = Duration::from_millis(100);
+        let span = record_span(service, &record);
         loop {
-            match handler.handle(&record).await {
+            match handler.handle(&record).instrument(span.clone()).await {
                 Ok(()) => {
                     metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "ok")
                         .increment(1);
@@ -658,15 +660,45 @@ pub mod record_headers {
     pub const CONTENT_TYPE: &str = "content-type";
 }
 
-/// The `traceparent` for a record produced now: the current span's context when tracing export
-/// is on; otherwise the trace of the record being handled (`incoming`) continued with a new span
-/// id; otherwise a new trace. Every record thus carries one, and one fault keeps one trace id.
+/// The OpenTelemetry context a `traceparent` header carries, if it is a valid one.
+fn parent_context(traceparent: Option<&[u8]>) -> Option<opentelemetry::Context> {
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use opentelemetry::trace::TraceContextExt as _;
+
+    let tp = std::str::from_utf8(traceparent?).ok()?;
+    let carrier = std::collections::HashMap::from([("traceparent".to_owned(), tp.to_owned())]);
+    let cx = opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
+    cx.span().span_context().is_valid().then_some(cx)
+}
+
+/// A span for handling `record`, a child of the trace its `traceparent` header carries, so one
+/// fault is one trace across the services (when tracing export is on; otherwise a plain span).
+pub fn record_span(service: &'static str, record: &Record) -> tracing::Span {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let span = tracing::info_span!("handle_record", service, topic = %record.topic, partition = record.partition,
+        offset = record.offset);
+    if let Some(cx) = parent_context(record.header(record_headers::TRACEPARENT)) {
+        let _ = span.set_parent(cx);
+    }
+    span
+}
+
+/// The `traceparent` for a record produced now. With tracing export on, it names a new `publish`
+/// span: a child of the record being handled (`incoming`) when there is one, else of the current
+/// span, so each service adds its span to the fault's trace. With export off, the incoming trace
+/// is continued with a new span id, or a new trace is started. Every record thus carries one, and
+/// one fault keeps one trace id.
 pub fn traceparent(incoming: Option<&[u8]>) -> String {
     use opentelemetry::propagation::TextMapPropagator as _;
     use opentelemetry::trace::TraceContextExt as _;
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-    let cx = tracing::Span::current().context();
+    let span = tracing::info_span!("publish");
+    if let Some(cx) = parent_context(incoming) {
+        let _ = span.set_parent(cx);
+    }
+    let cx = span.context();
     if cx.span().span_context().is_valid() {
         let mut carrier = std::collections::HashMap::new();
         opentelemetry_sdk::propagation::TraceContextPropagator::new().inject_context(&cx, &mut carrier);

@@ -108,6 +108,25 @@ pub async fn require_kubernetes() -> Result<kube::Client, Unreachable> {
     Ok(client)
 }
 
+/// Checks that the tracing backend (the testbed's Jaeger) answers its query API; returns the
+/// OTLP/gRPC endpoint services export to (`OTLP_ENDPOINT`, default `http://127.0.0.1:14317`) and
+/// the query address (`JAEGER_QUERY_URL`, default `http://127.0.0.1:16686`).
+pub async fn require_tracing() -> Result<(String, std::net::SocketAddr), Unreachable> {
+    let otlp = std::env::var("OTLP_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:14317".to_owned());
+    let query = std::env::var("JAEGER_QUERY_URL").unwrap_or_else(|_| "http://127.0.0.1:16686".to_owned());
+    let unreachable = |detail: String| Unreachable { server: "Jaeger", address: query.clone(), detail };
+    let addr: std::net::SocketAddr = query
+        .strip_prefix("http://")
+        .and_then(|a| a.trim_end_matches('/').parse().ok())
+        .ok_or_else(|| unreachable("JAEGER_QUERY_URL must be http://ip:port".into()))?;
+    match tokio::time::timeout(Duration::from_secs(10), http_get(addr, "/api/services")).await {
+        Ok(Ok((200, _))) => Ok((otlp, addr)),
+        Ok(Ok((code, body))) => Err(unreachable(format!("GET /api/services answered {code}: {body}"))),
+        Ok(Err(e)) => Err(unreachable(e.to_string())),
+        Err(_) => Err(unreachable("timed out after 10 s".into())),
+    }
+}
+
 /// Checks that the schema registry answers its Confluent-compatible API; returns its URL:
 /// `SCHEMA_REGISTRY_URL`, or the testbed's default `http://127.0.0.1:18081/apis/ccompat/v7`.
 pub async fn require_schema_registry() -> Result<String, Unreachable> {
@@ -309,8 +328,27 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    Ok((code, body))
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let chunked = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
+        })
+    });
+    Ok((code, if chunked { dechunk(body) } else { body.to_owned() }))
+}
+
+/// The body of a `Transfer-Encoding: chunked` response (Jaeger's query API answers so).
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16) else { break };
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
+    }
+    out
 }
 
 fn redact(url: &str) -> String {
@@ -323,6 +361,12 @@ fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunked_bodies_are_joined() {
+        assert_eq!(dechunk("4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n"), "{\"a\":1}");
+        assert_eq!(dechunk("garbage"), "");
+    }
 
     #[test]
     fn unique_names_differ_and_are_dns_safe() {

@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 use super::diag::{DiagError, DiagReport, DiagStatus, parse_diag};
 use super::exporter::{DcgmGpuReading, ExporterScrape, parse_metrics};
 use crate::gpu::GpuSample;
-use crate::sampler::Sampler;
 use crate::publisher::Sink;
+use crate::sampler::Sampler;
 
 /// The DCGM flags.
 #[derive(Debug, Clone, clap::Args)]
