@@ -71,7 +71,15 @@ pub fn metrics_handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            // Histograms as Prometheus histograms (aggregatable across replicas), with buckets
+            // from a millisecond to a minute: record handling and pipeline latency.
+            const BUCKETS: [f64; 14] =
+                [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0];
+            let builder = PrometheusBuilder::new();
+            let builder = builder
+                .set_buckets_for_metric(metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()), &BUCKETS)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            let recorder = builder.build_recorder();
             let handle = recorder.handle();
             // Another recorder may exist in tests that build several services in one process;
             // the handle still renders this one.

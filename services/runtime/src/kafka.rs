@@ -281,8 +281,16 @@ pub struct ServiceContext {
 impl ClientContext for ServiceContext {
     fn stats(&self, statistics: Statistics) {
         for (topic, t) in &statistics.topics {
-            // librdkafka reports -1 for partitions it does not consume.
-            let lag: i64 = t.partitions.values().filter(|p| p.consumer_lag >= 0).map(|p| p.consumer_lag).sum();
+            // librdkafka reports -1 for partitions it does not consume (and -1 for its internal
+            // "unassigned" partition).
+            let consumed = t.partitions.values().filter(|p| p.consumer_lag >= 0 && p.partition >= 0);
+            let mut lag = 0i64;
+            for p in consumed {
+                lag += p.consumer_lag;
+                metrics::gauge!(format!("gpumedic_{}_partition_lag", self.service), "topic" => topic.clone(),
+                    "partition" => p.partition.to_string())
+                .set(p.consumer_lag as f64);
+            }
             metrics::gauge!(format!("gpumedic_{}_consumer_lag", self.service), "topic" => topic.clone())
                 .set(lag as f64);
         }
@@ -449,6 +457,7 @@ pub async fn run_consumer<H: RecordHandler>(
         };
         let mut backoff = Duration::from_millis(100);
         let span = record_span(service, &record);
+        let started = std::time::Instant::now();
         loop {
             match handler.handle(&record).instrument(span.clone()).await {
                 Ok(()) => {
@@ -475,6 +484,7 @@ pub async fn run_consumer<H: RecordHandler>(
                 }
             }
         }
+        observe_latency(service, &record, started);
         // The effect is durable: the next start resumes after this record.
         // librdkafka commits the stored offset plus one: the next record to read.
         if let Err(e) = consumer.store_offset(&record.topic, record.partition, record.offset) {
@@ -648,6 +658,26 @@ pub async fn run_batch_consumer<H: BatchHandler>(
         }
     }
     commit_stored(&consumer)
+}
+
+/// Records how long `record` took to handle (`gpumedic_<service>_record_seconds`, retries
+/// included) and how old it was when its effect became durable
+/// (`gpumedic_<service>_record_age_seconds`, from its Kafka timestamp: the pipeline's latency up to
+/// this stage).
+fn observe_latency(service: &'static str, record: &Record, started: std::time::Instant) {
+    metrics::histogram!(format!("gpumedic_{service}_record_seconds"), "topic" => record.topic.clone())
+        .record(started.elapsed().as_secs_f64());
+    if let Some(ts) = record.timestamp_ms {
+        let age_ms = chrono_now_ms().saturating_sub(ts).max(0);
+        metrics::histogram!(format!("gpumedic_{service}_record_age_seconds"), "topic" => record.topic.clone())
+            .record(age_ms as f64 / 1000.0);
+    }
+}
+
+fn chrono_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// Header names every gpumedic record carries (see docs/events.md).
