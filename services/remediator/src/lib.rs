@@ -45,7 +45,7 @@ use gpumedic_runtime::kafka::{
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::{ActionOutcome, Record as _, Severity, Verdict, topics};
+use gpumedic_schemas::{ActionOutcome, Codec, Record as _, Severity, Verdict, topics};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome, Remediator, Settings};
@@ -297,6 +297,7 @@ impl Validate for Args {
 struct Shared {
     remediator: Remediator,
     producer: Producer,
+    codec: Arc<Codec>,
     fleet: Fleet,
     status: StatusClient,
     kafka: KafkaSettings,
@@ -333,9 +334,10 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             Gate::new(config.breaker, config.quarantines_per_minute),
         )?;
         let producer = config.kafka.producer(NAME)?;
-        Ok::<_, BoxError>((remediator, producer))
+        let codec = config.kafka.codec().await?;
+        Ok::<_, BoxError>((remediator, producer, codec))
     };
-    let (remediator, producer) = match setup.await {
+    let (remediator, producer, codec) = match setup.await {
         Ok(v) => v,
         Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
     };
@@ -353,6 +355,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let shared = Arc::new(Shared {
         remediator,
         producer,
+        codec,
         fleet,
         status: StatusClient::new(client.clone(), &config.lease.namespace, &config.status_configmap),
         kafka: config.kafka,
@@ -726,7 +729,7 @@ async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Option<&[u8]>)
         serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
     metrics::counter!("gpumedic_remediator_outcomes_total", "status" => status).increment(1);
-    let bytes = gpumedic_schemas::encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
+    let bytes = shared.codec.encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
     let id = outcome.verdict_id.to_string();
     let envelope = kafka::Envelope {
         topic: &shared.actions_topic,
@@ -844,9 +847,7 @@ impl Handler {
 
 impl RecordHandler for Handler {
     async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
-        let payload = record.payload.as_deref().ok_or_else(|| HandleError::Invalid("empty record".into()))?;
-        let verdict: Verdict =
-            gpumedic_schemas::decode(payload).map_err(|e| HandleError::Invalid(format!("{}: {e}", e.reason())))?;
+        let verdict: Verdict = kafka::decode_payload(&self.shared.codec, record).await?;
         let request = verdicts::remediation(&verdict);
         let shared = self.shared.clone();
         let managed = shared.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
