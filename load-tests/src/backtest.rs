@@ -15,7 +15,7 @@ use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
 use gpumedic_runtime::testbed;
 use rdkafka::consumer::Consumer as _;
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
@@ -62,31 +62,13 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 
     // Event times spread over the last hours, 10 µs apart, as a fleet's stream would be.
     let base = chrono::Utc::now() - chrono::Duration::hours(2);
-    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .set("acks", "all")
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "20")
-        .set("compression.type", "lz4")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()
-        .context("producer")?;
+    let producer = crate::scratch_producer(&bootstrap)?;
     let mut buffer = Vec::with_capacity(1024);
     for i in 0..o.events {
         let e = crate::classify::event(i, o.nodes, base);
         buffer.clear();
         gpumedic_schemas::codec::encode_into(&e, &mut buffer)?;
-        let mut record = BaseRecord::to(&topic).key(&e.event.node).payload(&buffer);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((err, r)) if err.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
-                    record = r;
-                    producer.poll(Duration::from_millis(5));
-                }
-                Err((err, _)) => bail!("produce failed: {err}"),
-            }
-        }
+        crate::send(&producer, BaseRecord::to(&topic).key(e.event.node.as_str()).payload(buffer.as_slice()))?;
     }
     producer.flush(Duration::from_secs(300)).context("flush")?;
     println!("backtest: {} enriched events on {} partitions ({} nodes)", o.events, o.partitions, o.nodes);

@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use gpumedic_classifier::store;
 use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
@@ -26,7 +26,7 @@ use gpumedic_schemas::health::{
 };
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 use rdkafka::consumer::Consumer as _;
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
@@ -167,27 +167,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let events: Vec<EnrichedHealthEvent> = (0..o.events).map(|i| event(i, o.nodes, base)).collect();
     let payloads: Vec<Vec<u8>> = events.iter().map(gpumedic_schemas::encode).collect::<std::result::Result<_, _>>()?;
     let avro_bytes = payloads.iter().map(Vec::len).sum::<usize>() / payloads.len().max(1);
-    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .set("acks", "all")
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .set("compression.type", "lz4")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()
-        .context("producer")?;
+    let producer = crate::scratch_producer(&bootstrap)?;
     for (e, payload) in events.iter().zip(&payloads) {
-        let mut record = BaseRecord::to(&enriched).key(&e.event.node).payload(payload);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((err, r)) if err.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
-                    record = r;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err((err, _)) => bail!("produce failed: {err}"),
-            }
-        }
+        crate::send(&producer, BaseRecord::to(&enriched).key(e.event.node.as_str()).payload(payload.as_slice()))?;
     }
     producer.flush(Duration::from_secs(120)).context("flush")?;
     println!("classify-throughput: {} enriched events of {avro_bytes} B on {} partitions", o.events, o.partitions);

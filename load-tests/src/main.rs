@@ -101,6 +101,37 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The producer scenarios fill their scratch topics with: the services' settings (idempotent,
+/// `acks=all`, lz4), threaded, so the measurement is Kafka's, not an async runtime's.
+pub(crate) fn scratch_producer(bootstrap: &str) -> anyhow::Result<ThreadedProducer<DefaultProducerContext>> {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+        .context("producer")
+}
+
+/// Queues `record`, waiting while librdkafka's queue is full.
+pub(crate) fn send(
+    producer: &ThreadedProducer<DefaultProducerContext>,
+    mut record: BaseRecord<'_, str, [u8]>,
+) -> anyhow::Result<()> {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((e, r)) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
+                record = r;
+                producer.poll(Duration::from_millis(1));
+            }
+            Err((e, _)) => anyhow::bail!("produce failed: {e}"),
+        }
+    }
+}
+
 async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
     let bootstrap = testbed::require_kafka().await?;
     let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
@@ -109,30 +140,12 @@ async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::
 
     // The same producer settings the services use (idempotent, acks=all, lz4), with a threaded
     // producer so the measurement is Kafka's, not an async runtime's.
-    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .set("acks", "all")
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .set("compression.type", "lz4")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()
-        .context("producer")?;
+    let producer = scratch_producer(&bootstrap)?;
     let payload: Vec<u8> = (0..size).map(|i| b"0123456789abcdef"[i % 16]).collect();
     let keys: Vec<String> = (0..1000).map(|i| format!("gpu-node-{i}")).collect();
     let start = Instant::now();
     for i in 0..records {
-        let mut record = BaseRecord::to(&topic).key(&keys[i % keys.len()]).payload(&payload);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((e, r)) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::QueueFull) => {
-                    record = r;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err((e, _)) => anyhow::bail!("produce failed: {e}"),
-            }
-        }
+        send(&producer, BaseRecord::to(&topic).key(keys[i % keys.len()].as_str()).payload(payload.as_slice()))?;
     }
     producer.flush(Duration::from_secs(120)).context("flush")?;
     let produce_secs = start.elapsed().as_secs_f64();
