@@ -4,6 +4,8 @@
 //! (produce and consume the same record size with no processing), the figure every pipeline
 //! throughput number is printed beside.
 
+mod remediation;
+
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -38,6 +40,9 @@ enum Scenario {
         #[arg(long, default_value_t = 12)]
         partitions: i32,
     },
+    /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
+    /// mass drain (see load-tests/src/remediation.rs).
+    Remediation(remediation::Args),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -69,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }
+        Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
     }
     Ok(())
 }
