@@ -12,6 +12,8 @@
 mod backtest;
 mod classify;
 
+mod remediation;
+
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -52,6 +54,9 @@ enum Scenario {
     /// Events per second backtested by `gpumedic replay backtest`, beside the raw Kafka consume
     /// rate of the same events.
     Backtest(backtest::Options),
+    /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
+    /// mass drain (see load-tests/src/remediation.rs).
+    Remediation(remediation::Args),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -97,6 +102,7 @@ async fn main() -> anyhow::Result<()> {
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }
+        Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
     }
     Ok(())
 }

@@ -19,6 +19,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Map, Value, json};
 
 use crate::drain::{DrainError, DrainPolicy, DrainReport, drain};
+use crate::ladder::{Ladder, StepSpec};
 use crate::plan::{APPLIED_ANNOTATION, Admission, Decision, Note, Plan, Policy, Skip, State, advance, plan};
 use crate::request::Remediation;
 use crate::safety::Gate;
@@ -76,6 +77,9 @@ pub enum ApplyError {
     /// The drain could not start.
     #[error(transparent)]
     Drain(#[from] DrainError),
+    /// An outcome owed before going on (a repair ladder's end) could not be published.
+    #[error("cannot publish an action outcome: {0}")]
+    Publish(String),
 }
 
 /// The edge's settings.
@@ -90,6 +94,8 @@ pub struct Settings {
     pub event_namespace: String,
     /// `source.component` and `reportingComponent` of the Events.
     pub component: String,
+    /// The escalation ladder repairs walk after the drain (full-remediation mode).
+    pub ladder: Vec<StepSpec>,
 }
 
 impl Default for Settings {
@@ -99,6 +105,8 @@ impl Default for Settings {
             drain: DrainPolicy::default(),
             event_namespace: "default".to_owned(),
             component: "gpumedic-remediator".to_owned(),
+            ladder: crate::ladder::parse_steps(crate::ladder::DEFAULT_LADDER, std::time::Duration::from_secs(1800))
+                .expect("the default ladder parses"),
         }
     }
 }
@@ -240,6 +248,16 @@ impl Remediator {
                 Some(scope) => Some(self.drain(&nodes, &node, scope).await?),
                 None => None,
             };
+            let mut plan = plan;
+            // The repair follows a finished drain only (the planner asks for one only once the
+            // node is drained or being drained); an incomplete drain leaves the ladder unstarted.
+            if plan.repair.is_some() {
+                if drained.as_ref().is_none_or(DrainReport::complete) {
+                    self.start_ladder(&nodes, request).await?;
+                } else {
+                    plan.repair = None;
+                }
+            }
             return Ok(Outcome::Applied { plan, drain: drained });
         }
         Err(ApplyError::Conflict { node: name.to_owned(), attempts: CONFLICT_ATTEMPTS })
@@ -270,6 +288,75 @@ impl Remediator {
             self.record(node, &[note("DrainIncomplete", detail, true)]).await;
         }
         Ok(report)
+    }
+
+    /// Records the escalation ladder for `request` on its drained node and moves the state to
+    /// `remediating`, in one write guarded by the node's resourceVersion; the leader's repair task
+    /// walks the ladder from there. A ladder already recorded for the incident is left as it is,
+    /// so a redelivered verdict starts nothing twice.
+    async fn start_ladder(&self, nodes: &Api<Node>, request: &Remediation) -> Result<(), ApplyError> {
+        let name = request.node.as_str();
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let node = read(nodes, name).await?;
+            if let Some(Ok(existing)) = crate::ladder::ladder_on(&node)
+                && existing.request.incident_id == request.incident_id
+            {
+                return Ok(());
+            }
+            let ladder = Ladder::new(
+                &request.verdict_id,
+                crate::ladder::recommended(request.action),
+                request,
+                &self.settings.ladder,
+                Utc::now(),
+            );
+            let mut patch = crate::ladder::ladder_patch(Some(&ladder), node.metadata.resource_version.as_deref());
+            if advance(&crate::plan::NodeView::from_node(&node), State::Remediating).is_some() {
+                patch["metadata"]["labels"] = json!({ crate::plan::STATE_LABEL: State::Remediating.as_str() });
+            }
+            match nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.is_conflict() => continue,
+                Err(source) => return Err(ApplyError::Patch { node: name.to_owned(), source }),
+            }
+            tracing::info!(node = name, incident = %request.incident_id, ladder = %ladder.describe(), "Started a repair ladder.");
+            metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "started").increment(1);
+            self.record(&node, &[note("RepairLadderStarted", format!("Repair ladder {}", ladder.describe()), false)])
+                .await;
+            return Ok(());
+        }
+        Err(ApplyError::Conflict { node: name.to_owned(), attempts: CONFLICT_ATTEMPTS })
+    }
+
+    /// Moves the state label of `name` to `to` (see [`advance`]), re-reading the node on conflicts.
+    pub async fn advance_state(&self, name: &str, to: State) -> Result<(), ApplyError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        self.advance(&nodes, name, to).await
+    }
+
+    /// Sets gpumedic's condition `type_` on `name` to True with a new reason and message (a
+    /// failed repair says so where `kubectl describe node` shows it), leaving its transition time.
+    pub async fn restate_condition(
+        &self,
+        name: &str,
+        type_: &str,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), ApplyError> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = json!({ "status": { "conditions": [{
+            "type": type_, "status": "True", "reason": reason, "message": message, "lastHeartbeatTime": now(),
+        }] } });
+        nodes
+            .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
+            .await
+            .map_err(|source| ApplyError::Status { node: name.to_owned(), source })?;
+        Ok(())
+    }
+
+    /// Records one Event on `node` (the repair ladder's steps).
+    pub async fn record_event(&self, node: &Node, reason: &str, message: String, warning: bool) {
+        self.record(node, &[note(reason, message, warning)]).await;
     }
 
     /// Moves the state label to `to`, re-reading the node on conflicts.

@@ -12,6 +12,8 @@
 //! - [`lease`]: leader election over a `coordination.k8s.io` Lease (pure decision, thin edge);
 //! - [`control`]: the status object (breaker state, pause, reset requests) shared with the CLI;
 //! - [`window`] and [`maintenance`]: maintenance windows (pure) and deferred actions (edge);
+//! - [`ladder`] and [`hooks`]: the repair escalation ladder (pure, durable on the node) and the
+//!   repair hooks it calls (a signed webhook, a custom resource), full-remediation mode only;
 //! - [`verdicts`]: verdict in, action outcome out.
 //!
 //! Only the leader consumes: it joins the consumer group when it takes the lease and leaves it
@@ -24,6 +26,8 @@
 pub mod apply;
 pub mod control;
 pub mod drain;
+pub mod hooks;
+pub mod ladder;
 pub mod lease;
 pub mod maintenance;
 pub mod plan;
@@ -45,7 +49,7 @@ use gpumedic_runtime::kafka::{
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::{ActionOutcome, Codec, Record as _, Severity, Verdict, topics};
+use gpumedic_schemas::{ActionOutcome, ActionStatus, Codec, Record as _, Severity, Verdict, topics};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome, Remediator, Settings};
@@ -142,6 +146,47 @@ pub struct Args {
     /// How often the leader looks for deferred actions while a window is open.
     #[arg(long, env = "GPUMEDIC_MAINTENANCE_CHECK", default_value = "30s")]
     maintenance_check: String,
+    /// The repair escalation ladder (full-remediation): comma-separated repairs, each with an
+    /// optional `=<timeout>`, mildest first. A verdict's ladder starts at its own action.
+    #[arg(long, env = "GPUMEDIC_REPAIR_LADDER", default_value = ladder::DEFAULT_LADDER)]
+    repair_ladder: String,
+    /// The timeout of a ladder step that does not give its own.
+    #[arg(long, env = "GPUMEDIC_REPAIR_STEP_TIMEOUT", default_value = "30m")]
+    repair_step_timeout: String,
+    /// How often the leader drives the repair ladders (calls hooks, reads their status, escalates).
+    #[arg(long, env = "GPUMEDIC_REPAIR_CHECK", default_value = "10s")]
+    repair_check: String,
+    /// The repair webhook: an https:// URL each ladder step is POSTed to, signed.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_URL")]
+    repair_webhook_url: Option<String>,
+    /// The webhook's HMAC-SHA256 secret (prefer --repair-webhook-secret-file, from a Secret).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET", hide_env_values = true)]
+    repair_webhook_secret: Option<String>,
+    /// A file holding the webhook's secret (a mounted Secret); a trailing newline is ignored.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE")]
+    repair_webhook_secret_file: Option<std::path::PathBuf>,
+    /// Extra CA certificates (PEM) the webhook's certificate may chain to, beside the public roots.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_CA_FILE")]
+    repair_webhook_ca_file: Option<std::path::PathBuf>,
+    /// One webhook request's time limit.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_TIMEOUT", default_value = "10s")]
+    repair_webhook_timeout: String,
+    /// Attempts per webhook call (connect errors, timeouts, 5xx and 429 are retried).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_ATTEMPTS", default_value_t = 5)]
+    repair_webhook_attempts: u32,
+    /// The first wait between webhook attempts; it doubles, up to 30 s.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", default_value = "500ms")]
+    repair_webhook_backoff: String,
+    /// Allow a plain http:// webhook URL (the body is signed but readable on the wire).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_ALLOW_HTTP")]
+    repair_webhook_allow_http: bool,
+    /// A YAML template of the custom resource created for each ladder step (any apiVersion and
+    /// kind; `{{node}}`, `{{action}}`, ... are filled in; see docs/operations.md).
+    #[arg(long, env = "GPUMEDIC_REPAIR_RESOURCE_TEMPLATE")]
+    repair_resource_template: Option<std::path::PathBuf>,
+    /// The dotted path of the field a repair controller reports `Succeeded` or `Failed` in.
+    #[arg(long, env = "GPUMEDIC_REPAIR_RESOURCE_STATUS_PATH", default_value = "status.phase")]
+    repair_resource_status_path: String,
 }
 
 /// The validated configuration.
@@ -177,6 +222,13 @@ pub struct Config {
     pub windows: Vec<Window>,
     /// How often deferred actions are looked for while a window is open.
     pub maintenance_check: Duration,
+    /// How often the repair ladders are driven.
+    pub repair_check: Duration,
+    /// The repair webhook, when configured.
+    pub webhook: Option<hooks::WebhookSettings>,
+    /// The repair custom resource's template (its default namespace is the lease namespace),
+    /// when configured.
+    pub resource: Option<hooks::ResourceSettings>,
 }
 
 /// This replica's default identity: the pod name, else hostname and process id.
@@ -249,12 +301,106 @@ impl Validate for Args {
                 windows.push(w);
             }
         }
+        let repair_timeout = p.check("--repair-step-timeout", parse_duration(&self.repair_step_timeout));
+        let repair_ladder =
+            repair_timeout.and_then(|t| p.check("--repair-ladder", ladder::parse_steps(&self.repair_ladder, t)));
+        let repair_check = p.check("--repair-check", parse_duration(&self.repair_check));
+        let webhook_timeout = p.check("--repair-webhook-timeout", parse_duration(&self.repair_webhook_timeout));
+        let webhook_backoff = p.check("--repair-webhook-backoff", parse_duration(&self.repair_webhook_backoff));
+        let mut webhook = None;
+        if let Some(raw) = self.repair_webhook_url.as_deref().filter(|u| !u.trim().is_empty()) {
+            let url = p.check(
+                "--repair-webhook-url",
+                reqwest::Url::parse(raw.trim()).map_err(|e| format!("'{raw}' is not a URL: {e}")).and_then(|u| match u
+                    .scheme()
+                {
+                    "https" => Ok(u),
+                    "http" if self.repair_webhook_allow_http => Ok(u),
+                    "http" => Err("plain http is refused; use https, or --repair-webhook-allow-http".to_owned()),
+                    other => Err(format!("'{other}' is not an http(s) scheme")),
+                }),
+            );
+            let secret = match (&self.repair_webhook_secret, &self.repair_webhook_secret_file) {
+                (Some(_), Some(_)) => {
+                    p.push("--repair-webhook-secret", "give the secret or its file, not both");
+                    None
+                }
+                (Some(s), None) => Some(s.clone().into_bytes()),
+                (None, Some(file)) => p.check(
+                    "--repair-webhook-secret-file",
+                    std::fs::read(file)
+                        .map(|mut b| {
+                            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
+                                b.pop();
+                            }
+                            b
+                        })
+                        .map_err(|e| format!("cannot read {}: {e}", file.display())),
+                ),
+                (None, None) => {
+                    p.push("--repair-webhook-secret", "the webhook needs a secret (or --repair-webhook-secret-file)");
+                    None
+                }
+            };
+            if secret.as_ref().is_some_and(Vec::is_empty) {
+                p.push("--repair-webhook-secret", "the secret must not be empty");
+            }
+            let ca_pem = self.repair_webhook_ca_file.as_ref().and_then(|file| {
+                p.check(
+                    "--repair-webhook-ca-file",
+                    std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display())),
+                )
+            });
+            if self.repair_webhook_attempts == 0 {
+                p.push("--repair-webhook-attempts", "must be at least 1");
+            }
+            if let (Some(url), Some(secret), Some(timeout), Some(backoff)) =
+                (url, secret, webhook_timeout, webhook_backoff)
+            {
+                webhook = Some(hooks::WebhookSettings {
+                    url,
+                    secret: hooks::Secret(secret),
+                    timeout,
+                    attempts: self.repair_webhook_attempts,
+                    backoff,
+                    ca_pem,
+                });
+            }
+        }
+        let template = self.repair_resource_template.as_ref().and_then(|file| {
+            p.check(
+                "--repair-resource-template",
+                std::fs::read_to_string(file)
+                    .map_err(|e| format!("cannot read {}: {e}", file.display()))
+                    .and_then(|text| {
+                        serde_yaml::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: {e}", file.display()))
+                    })
+                    .and_then(|t| hooks::template_kind(&t).map(|_| t)),
+            )
+        });
+        if self.repair_resource_status_path.trim().is_empty() {
+            p.push("--repair-resource-status-path", "must not be empty");
+        }
+        let hooked = self.repair_webhook_url.as_deref().is_some_and(|u| !u.trim().is_empty())
+            || self.repair_resource_template.is_some();
+        if mode == Some(Mode::FullRemediation) && !hooked {
+            p.push(
+                "--mode",
+                "full-remediation needs a repair hook: set --repair-webhook-url or --repair-resource-template \
+                 (or run cordon-drain)",
+            );
+        }
         let namespace = self
             .lease_namespace
             .or_else(|| std::env::var("POD_NAMESPACE").ok())
             .filter(|n| !n.trim().is_empty())
             .unwrap_or_else(|| "gpumedic".to_owned());
         let identity = self.identity.filter(|i| !i.trim().is_empty()).unwrap_or_else(default_identity);
+        let resource = template.map(|template| hooks::ResourceSettings {
+            template,
+            status_path: self.repair_resource_status_path.trim().to_owned(),
+            default_namespace: namespace.clone(),
+        });
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
@@ -268,6 +414,7 @@ impl Validate for Args {
                     deadline: deadline.expect("checked"),
                     ..DrainPolicy::default()
                 },
+                ladder: repair_ladder.expect("checked"),
                 ..Settings::default()
             },
             breaker: BreakerLimits {
@@ -289,6 +436,9 @@ impl Validate for Args {
             control_poll: control_poll.expect("checked"),
             windows,
             maintenance_check: maintenance_check.expect("checked"),
+            repair_check: repair_check.expect("checked"),
+            resource,
+            webhook,
         })
     }
 }
@@ -308,6 +458,8 @@ struct Shared {
     windows: Vec<Window>,
     control_poll: Duration,
     maintenance_check: Duration,
+    repair_check: Duration,
+    hooks: hooks::Hooks,
     lease_namespace: String,
     /// Turns ready once the leader's consumer has its partitions; a standby holds it ready.
     consuming: ReadyFlag,
@@ -337,7 +489,20 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         let codec = config.kafka.codec().await?;
         Ok::<_, BoxError>((remediator, producer, codec))
     };
-    let (remediator, producer, codec) = match setup.await {
+    let setup = async {
+        let (remediator, producer, codec) = setup.await?;
+        let hooks = hooks::Hooks {
+            webhook: config.webhook.clone().map(hooks::Webhook::new).transpose()?,
+            resource: config
+                .resource
+                .clone()
+                .map(|r| hooks::CustomResource::new(remediator.client(), r))
+                .transpose()
+                .map_err(BoxError::from)?,
+        };
+        Ok::<_, BoxError>((remediator, producer, codec, hooks))
+    };
+    let (remediator, producer, codec, hooks) = match setup.await {
         Ok(v) => v,
         Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
     };
@@ -366,6 +531,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         windows: config.windows,
         control_poll: config.control_poll,
         maintenance_check: config.maintenance_check,
+        repair_check: config.repair_check,
+        hooks,
         lease_namespace: config.lease.namespace.clone(),
         consuming,
         open_persisted: AtomicBool::new(false),
@@ -431,6 +598,9 @@ async fn lead(
         tasks.spawn(watch_status(shared.clone(), term.clone()));
         if !shared.windows.is_empty() {
             tasks.spawn(carry_out_deferred(shared.clone(), term.clone()));
+        }
+        if shared.remediator.settings().policy.mode == Mode::FullRemediation {
+            tasks.spawn(drive_repairs(shared.clone(), term.clone()));
         }
         let mut renewed = Instant::now();
         let end = loop {
@@ -814,6 +984,9 @@ impl Handler {
             && window::deferrable(verdict.severity == Severity::Critical, request.action)
             && !window::open_at(&shared.windows, now);
         let Some(not_before) = defers.then(|| window::next_opening(&shared.windows, now)).flatten() else {
+            if request.recovery && !shared.remediator.paused() {
+                end_ladder(shared, request).await?;
+            }
             let outcome = shared.remediator.remediate(request, gpu_nodes).await?;
             if request.recovery && !shared.remediator.paused() {
                 maintenance::clear(&shared.remediator.client(), &request.node)
@@ -875,4 +1048,215 @@ impl RecordHandler for Handler {
             detail = %outcome.detail, "Verdict handled.");
         publish(&shared, &outcome, record.header(record_headers::TRACEPARENT)).await
     }
+}
+
+/// Healthy evidence for a node on a repair ladder (a recovery verdict for its incident): the
+/// ladder ends remediated, with an Event and an outcome under the verdict that started it, and
+/// its record is removed before the recovery itself runs, so the driver cannot escalate a node
+/// that is healthy. Redelivered, it finds no ladder and does nothing.
+async fn end_ladder(shared: &Shared, request: &request::Remediation) -> Result<(), ApplyError> {
+    let client = shared.remediator.client();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let node = match nodes.get_opt(&request.node).await {
+        Ok(Some(n)) => n,
+        Ok(None) => return Ok(()),
+        Err(source) => return Err(ApplyError::Read { node: request.node.clone(), source }),
+    };
+    let Some(Ok(l)) = ladder::ladder_on(&node) else { return Ok(()) };
+    if l.request.incident_id != request.incident_id {
+        return Ok(());
+    }
+    if l.phase != ladder::Phase::Failed {
+        let detail = format!(
+            "remediated: healthy evidence (recovery verdict {}) after repair step {}/{} {}; ladder {}",
+            request.verdict_id,
+            l.step_number(),
+            l.steps.len(),
+            l.step().action.name(),
+            l.describe()
+        );
+        shared.remediator.record_event(&node, "Remediated", detail.clone(), false).await;
+        let outcome = ladder_outcome(&l, ActionStatus::Applied, detail);
+        publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
+        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
+        tracing::info!(node = %request.node, verdict_id = %l.verdict_id, "A repair ladder ended: the node is healthy again.");
+    }
+    ladder::write(&client, &request.node, None, None)
+        .await
+        .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })
+}
+
+/// The outcome of a ladder step, under the verdict that started the ladder and naming the step's
+/// action. The contract has no `in_progress` status: a started step is `applied`, a failed or
+/// timed-out one `failed` (the detail says which, and what follows).
+fn ladder_outcome(l: &ladder::Ladder, status: ActionStatus, detail: String) -> ActionOutcome {
+    ActionOutcome {
+        verdict_id: uuid::Uuid::parse_str(&l.verdict_id).unwrap_or_default(),
+        node: l.request.node.clone(),
+        action: ladder::recommended(l.step().action),
+        status,
+        detail,
+        at: chrono::Utc::now(),
+    }
+}
+
+/// While leading in full-remediation mode: every `--repair-check`, walks the ladders recorded on
+/// the managed nodes one move each (call the hooks of a pending step, read a running step's
+/// status, escalate on failure or timeout). Paused, nothing moves.
+async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    use futures::StreamExt as _;
+    loop {
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(shared.repair_check) => {}
+        }
+        if shared.remediator.paused() {
+            continue;
+        }
+        let nodes = match ladder::pending(&shared.remediator.client(), &shared.fleet.selector).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot list the nodes on a repair ladder; trying again later.");
+                continue;
+            }
+        };
+        let moves = futures::stream::iter(nodes).for_each_concurrent(16, |node| {
+            let shared = shared.clone();
+            async move {
+                if let Err(e) = drive_ladder(&shared, &node).await {
+                    tracing::warn!(node = ?node.metadata.name, error = %e, "A repair ladder did not move; trying again at the next look.");
+                }
+            }
+        });
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = moves => {}
+        }
+    }
+}
+
+/// One move of the ladder on `node` (see [`ladder::Ladder::decide`]). The hooks are called, the
+/// outcome published and the Event recorded before the new ladder is written: a crash in between
+/// repeats the call under the same idempotency key, which the receiver deduplicates.
+async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) -> Result<(), BoxError> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
+    let mut l = match ladder::ladder_on(node) {
+        Some(Ok(l)) => l,
+        Some(Err(e)) => {
+            tracing::warn!(node = %name, error = %e, "Ignoring an unreadable repair ladder.");
+            return Ok(());
+        }
+        None => return Ok(()),
+    };
+    if !l.active() {
+        return Ok(());
+    }
+    let report =
+        if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };
+    let now = chrono::Utc::now();
+    let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
+    let what = format!("repair step {number}/{total} {}", step.action.name());
+    match l.decide(now, &report) {
+        ladder::Move::Wait | ladder::Move::Done => return Ok(()),
+        ladder::Move::Start => match shared.hooks.start(&l).await {
+            Ok(detail) => {
+                let detail = format!("{what} handed to the repair hooks ({detail}); timeout {}s", step.timeout_seconds);
+                publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+                shared.remediator.record_event(node, "RepairStepStarted", detail, false).await;
+                metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "started").increment(1);
+                l.started(now);
+            }
+            Err(hooks::HookError::Unavailable(why)) => {
+                tracing::warn!(node = %name, step = %what, %why, "The repair hooks are unavailable; the step stays pending.");
+                return Ok(());
+            }
+            Err(e) => escalate(shared, node, &mut l, &e.to_string(), now).await?,
+        },
+        ladder::Move::Succeed => {
+            let detail = format!(
+                "remediated: {what} succeeded (reported by the repair controller); the node returns to service on healthy evidence"
+            );
+            publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+            shared.remediator.record_event(node, "RepairSucceeded", detail, false).await;
+            metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "succeeded").increment(1);
+            metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
+            l.succeeded(now);
+        }
+        ladder::Move::Escalate(why) => escalate(shared, node, &mut l, &why, now).await?,
+    }
+    if !write_ladder_if_unchanged(shared, &name, raw.as_deref(), &l).await? {
+        tracing::info!(node = %name, "The repair ladder changed meanwhile (a recovery?); leaving it.");
+        return Ok(());
+    }
+    match l.phase {
+        ladder::Phase::Succeeded => shared.remediator.advance_state(&name, plan::State::Remediated).await?,
+        ladder::Phase::Failed => shared.remediator.advance_state(&name, plan::State::Failed).await?,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The current step of `l` failed for `why`: the outcome and the Event, and on the last rung the
+/// ladder's failure (condition message too, for `kubectl describe node`).
+async fn escalate(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    l: &mut ladder::Ladder,
+    why: &str,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(), BoxError> {
+    let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
+    let name = l.request.node.clone();
+    metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "failed")
+        .increment(1);
+    if l.at_top() {
+        l.escalate(why, now);
+        let detail = format!(
+            "repair failed: step {number}/{total} {} was the last ({why}); an operator must act. History: {}",
+            step.action.name(),
+            l.history.join("; ")
+        );
+        publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "RepairFailed", detail.clone(), true).await;
+        shared
+            .remediator
+            .restate_condition(&name, l.request.subsystem.condition_type(), "RepairFailed", &detail)
+            .await?;
+        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "failed").increment(1);
+        tracing::error!(node = %name, verdict_id = %l.verdict_id, %detail, "A repair ladder failed on its last step: an operator must act.");
+    } else {
+        let next = l.steps[l.current + 1].action.name();
+        let detail =
+            format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", step.action.name());
+        publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "RepairEscalated", detail, true).await;
+        l.escalate(why, now);
+    }
+    Ok(())
+}
+
+/// Writes `l` on `name` if its ladder record still reads `before`, re-reading on conflicts (the
+/// kubelet's status updates move the node's resourceVersion); false when the record changed.
+async fn write_ladder_if_unchanged(
+    shared: &Shared,
+    name: &str,
+    before: Option<&str>,
+    l: &ladder::Ladder,
+) -> Result<bool, BoxError> {
+    let client = shared.remediator.client();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    for _ in 0..5 {
+        let Some(node) = nodes.get_opt(name).await? else { return Ok(false) };
+        let now = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).map(String::as_str);
+        if now != before {
+            return Ok(false);
+        }
+        match ladder::write(&client, name, Some(l), node.metadata.resource_version.as_deref()).await {
+            Ok(()) => return Ok(true),
+            Err(kube::Error::Api(s)) if s.is_conflict() => continue,
+            Err(e) => return Err(Box::new(e)),
+        }
+    }
+    Err(format!("node {name} changed under every attempt to write its repair ladder").into())
 }

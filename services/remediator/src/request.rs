@@ -53,6 +53,31 @@ impl Action {
     pub fn repairs(self) -> bool {
         self >= Action::ResetGpu
     }
+
+    /// The action's name as the verdict contract, the flags and the repair hooks spell it
+    /// (`reset_gpu`, `reboot_node`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::None => "none",
+            Action::Monitor => "monitor",
+            Action::Cordon => "cordon",
+            Action::Drain => "drain",
+            Action::ResetGpu => "reset_gpu",
+            Action::RebootNode => "reboot_node",
+            Action::ReplaceNode => "replace_node",
+            Action::ContactSupport => "contact_support",
+        }
+    }
+
+    /// Parses a repair action's name (see [`Action::name`]); other actions are not repairs.
+    pub fn parse_repair(name: &str) -> Result<Action, String> {
+        [Action::ResetGpu, Action::RebootNode, Action::ReplaceNode, Action::ContactSupport]
+            .into_iter()
+            .find(|a| a.name() == name.trim())
+            .ok_or_else(|| {
+                format!("'{name}' is not a repair; use reset_gpu, reboot_node, replace_node or contact_support")
+            })
+    }
 }
 
 /// The part of the node a verdict is about; each has its own node condition.
@@ -135,5 +160,13 @@ mod tests {
         assert!(Action::Cordon.quarantines() && !Action::Cordon.drains());
         assert!(Action::Drain.drains() && !Action::Drain.repairs());
         assert!(Action::ContactSupport.repairs());
+    }
+
+    #[test]
+    fn repair_names_round_trip() {
+        for a in [Action::ResetGpu, Action::RebootNode, Action::ReplaceNode, Action::ContactSupport] {
+            assert_eq!(Action::parse_repair(a.name()), Ok(a));
+        }
+        assert!(Action::parse_repair("drain").is_err());
     }
 }

@@ -159,6 +159,9 @@ pub fn describe(plan: &crate::plan::Plan) -> String {
     if let Some(state) = plan.set_labels.get(crate::plan::STATE_LABEL) {
         parts.push(format!("state {state}"));
     }
+    if let Some(repair) = plan.repair {
+        parts.push(format!("repair ladder started at {}", repair.name()));
+    }
     if parts.is_empty() { "no change".to_owned() } else { parts.join(", ") }
 }
 

@@ -1,0 +1,442 @@
+//! The escalation ladder: after a drain, in full-remediation mode, a node with a repair verdict
+//! walks a configured list of repair steps (by default `reset_gpu -> reboot_node -> replace_node`),
+//! starting at the verdict's action. Each step hands the node to the repair hooks
+//! ([`crate::hooks`]) and has a timeout; the step succeeds when a hook reports success (the custom
+//! resource's phase reads `Succeeded`) or when healthy evidence arrives (a recovery verdict for
+//! the incident). A step that fails or times out escalates to the next; when the last one fails
+//! the node is left `failed` for an operator.
+//!
+//! The ladder is durable: it lives on the Node in the [`LADDER_ANNOTATION`] (JSON [`Ladder`]), like
+//! deferred actions, and the leader drives it from a periodic task, so a failover or a restart
+//! continues where the last leader stopped without repeating a step. The receivers guard against
+//! a repeat too: the webhook's `Idempotency-Key` and the custom resource's name are derived from
+//! the verdict and the step number, never from the attempt.
+//!
+//! Everything here is pure except the three small annotation functions at the end.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use gpumedic_schemas::verdict::RecommendedAction;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::request::{Action, Remediation};
+
+/// The default ladder (`--repair-ladder`).
+pub const DEFAULT_LADDER: &str = "reset_gpu,reboot_node,replace_node";
+
+/// The Node annotation holding the node's [`Ladder`].
+pub const LADDER_ANNOTATION: &str = "gpumedic.io/repair";
+
+/// One rung: a repair action and how long it may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StepSpec {
+    /// The repair asked of the hooks.
+    pub action: Action,
+    /// How long the step may take before the ladder escalates, in seconds.
+    pub timeout_seconds: u64,
+}
+
+impl StepSpec {
+    /// The step's timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs(self.timeout_seconds)
+    }
+}
+
+/// Parses a ladder flag: comma-separated repair names, each with an optional `=<duration>`
+/// timeout (`reset_gpu=10m,reboot_node=30m,replace_node`); a step without one gets `default`.
+pub fn parse_steps(raw: &str, default: Duration) -> Result<Vec<StepSpec>, String> {
+    let mut steps: Vec<StepSpec> = Vec::new();
+    for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, timeout) = match part.split_once('=') {
+            Some((n, t)) => (n, gpumedic_runtime::config::parse_duration(t.trim())?),
+            None => (part, default),
+        };
+        let action = Action::parse_repair(name)?;
+        if timeout.is_zero() {
+            return Err(format!("step '{part}' needs a timeout above zero"));
+        }
+        if steps.iter().any(|s| s.action == action) {
+            return Err(format!("'{}' appears twice in the ladder", action.name()));
+        }
+        steps.push(StepSpec { action, timeout_seconds: timeout.as_secs().max(1) });
+    }
+    if steps.is_empty() {
+        return Err("the ladder needs at least one step".to_owned());
+    }
+    Ok(steps)
+}
+
+/// The steps a verdict asking for `action` walks: the configured ladder from that action on (a
+/// reboot verdict starts at reboot). An action the ladder does not name starts at the first rung
+/// more drastic than it; past the top of the ladder it is a ladder of its own, with the last
+/// rung's timeout.
+pub fn steps_for(action: Action, ladder: &[StepSpec]) -> Vec<StepSpec> {
+    if let Some(i) = ladder.iter().position(|s| s.action == action) {
+        return ladder[i..].to_vec();
+    }
+    if let Some(i) = ladder.iter().position(|s| s.action > action) {
+        return ladder[i..].to_vec();
+    }
+    let timeout_seconds = ladder.last().map_or(3600, |s| s.timeout_seconds);
+    vec![StepSpec { action, timeout_seconds }]
+}
+
+/// Where the ladder is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The current step's hooks have not been called yet (or the call did not finish).
+    Pending,
+    /// The current step's hooks accepted the work at `since`; waiting for success or the timeout.
+    Running,
+    /// A hook reported success: the node waits for healthy evidence to return to service.
+    Succeeded,
+    /// Every step failed: an operator must act.
+    Failed,
+}
+
+/// A node's repair ladder, stored as JSON in [`LADDER_ANNOTATION`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ladder {
+    /// The verdict that started it (its id names the hook calls and the outcomes).
+    pub verdict_id: String,
+    /// The action that verdict recommended, as published.
+    pub action: RecommendedAction,
+    /// The request the verdict made (node, GPU, incident, reason).
+    pub request: Remediation,
+    /// The rungs, the first being the verdict's own action.
+    pub steps: Vec<StepSpec>,
+    /// The index of the current step in `steps`.
+    pub current: usize,
+    /// Where the current step is.
+    pub phase: Phase,
+    /// When the current phase began.
+    pub since: DateTime<Utc>,
+    /// What happened to the earlier steps, one line each.
+    #[serde(default)]
+    pub history: Vec<String>,
+}
+
+/// What the hooks say about the current step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Report {
+    /// Nothing decisive (still working, or no hook that reports back).
+    Working,
+    /// A hook reported the repair done.
+    Succeeded,
+    /// A hook reported the repair failed, and why.
+    Failed(String),
+}
+
+/// What the driver does with a ladder now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Move {
+    /// Call the hooks for the current step.
+    Start,
+    /// Nothing yet.
+    Wait,
+    /// The current step succeeded.
+    Succeed,
+    /// The current step failed (the reason); the next step follows, or the ladder fails.
+    Escalate(String),
+    /// The ladder is over (succeeded or failed): nothing to drive.
+    Done,
+}
+
+impl Ladder {
+    /// A new ladder for `request` (a repair verdict) over the configured `ladder`, at `now`.
+    pub fn new(
+        verdict_id: &str,
+        action: RecommendedAction,
+        request: &Remediation,
+        ladder: &[StepSpec],
+        now: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            verdict_id: verdict_id.to_owned(),
+            action,
+            request: request.clone(),
+            steps: steps_for(request.action, ladder),
+            current: 0,
+            phase: Phase::Pending,
+            since: now,
+            history: Vec::new(),
+        }
+    }
+
+    /// The current step.
+    pub fn step(&self) -> StepSpec {
+        self.steps[self.current.min(self.steps.len() - 1)]
+    }
+
+    /// The current step's number, from 1 (what the hooks see).
+    pub fn step_number(&self) -> usize {
+        self.current + 1
+    }
+
+    /// Whether the ladder still has work (pending or running).
+    pub fn active(&self) -> bool {
+        matches!(self.phase, Phase::Pending | Phase::Running)
+    }
+
+    /// Whether the current step is the last rung.
+    pub fn at_top(&self) -> bool {
+        self.current + 1 >= self.steps.len()
+    }
+
+    /// Decides the next move at `now`, given what the hooks report about a running step. A
+    /// report of success or failure wins over the timeout: a hook that answered in time is
+    /// believed even when it is read after the deadline. A pending step (hooks unreachable so
+    /// far) is tried again until the same timeout, counted from when it became pending.
+    pub fn decide(&self, now: DateTime<Utc>, report: &Report) -> Move {
+        let elapsed = (now - self.since).to_std().unwrap_or_default();
+        match self.phase {
+            // A step whose hooks stay unreachable fails at its timeout like one that never succeeds.
+            Phase::Pending if elapsed >= self.step().timeout() => Move::Escalate(format!(
+                "the repair hooks did not take the step within its timeout of {}s",
+                self.step().timeout_seconds
+            )),
+            Phase::Pending => Move::Start,
+            Phase::Succeeded | Phase::Failed => Move::Done,
+            Phase::Running => match report {
+                Report::Succeeded => Move::Succeed,
+                Report::Failed(why) => Move::Escalate(why.clone()),
+                Report::Working => {
+                    if elapsed >= self.step().timeout() {
+                        Move::Escalate(format!(
+                            "no success within the step's timeout of {}s",
+                            self.step().timeout_seconds
+                        ))
+                    } else {
+                        Move::Wait
+                    }
+                }
+            },
+        }
+    }
+
+    /// The hooks accepted the current step at `now`.
+    pub fn started(&mut self, now: DateTime<Utc>) {
+        self.phase = Phase::Running;
+        self.since = now;
+    }
+
+    /// The current step succeeded at `now`.
+    pub fn succeeded(&mut self, now: DateTime<Utc>) {
+        self.phase = Phase::Succeeded;
+        self.since = now;
+    }
+
+    /// The current step failed at `now` for `why`: the next step is pending, or the ladder has
+    /// failed when this was the top.
+    pub fn escalate(&mut self, why: &str, now: DateTime<Utc>) {
+        self.history.push(format!("step {} {}: {why}", self.step_number(), self.step().action.name()));
+        if self.at_top() {
+            self.phase = Phase::Failed;
+        } else {
+            self.current += 1;
+            self.phase = Phase::Pending;
+        }
+        self.since = now;
+    }
+
+    /// One line for Events and outcomes: where the ladder is.
+    pub fn describe(&self) -> String {
+        let rungs: Vec<String> = self
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mark = if i == self.current { "*" } else { "" };
+                format!("{mark}{}({}s)", s.action.name(), s.timeout_seconds)
+            })
+            .collect();
+        format!("{} [{}]", self.phase_name(), rungs.join(" -> "))
+    }
+
+    fn phase_name(&self) -> &'static str {
+        match self.phase {
+            Phase::Pending => "pending",
+            Phase::Running => "running",
+            Phase::Succeeded => "succeeded",
+            Phase::Failed => "failed",
+        }
+    }
+}
+
+/// The recommended action as published for a repair action (outcomes of later steps name the
+/// step's action, not the verdict's).
+pub fn recommended(action: Action) -> RecommendedAction {
+    match action {
+        Action::None => RecommendedAction::None,
+        Action::Monitor => RecommendedAction::Monitor,
+        Action::Cordon => RecommendedAction::Cordon,
+        Action::Drain => RecommendedAction::Drain,
+        Action::ResetGpu => RecommendedAction::ResetGpu,
+        Action::RebootNode => RecommendedAction::RebootNode,
+        Action::ReplaceNode => RecommendedAction::ReplaceNode,
+        Action::ContactSupport => RecommendedAction::ContactSupport,
+    }
+}
+
+/// Reads the ladder on a node, if any; an unreadable record reads as an error string.
+pub fn ladder_on(node: &Node) -> Option<Result<Ladder, String>> {
+    node.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(LADDER_ANNOTATION))
+        .map(|raw| serde_json::from_str(raw).map_err(|e| e.to_string()))
+}
+
+/// The merge patch that writes `ladder` (or removes the record, for `None`), guarded by the
+/// node's `resourceVersion` when given, so a recovery that cleared the ladder meanwhile is not
+/// undone by a driver that read the node before it.
+pub fn ladder_patch(ladder: Option<&Ladder>, resource_version: Option<&str>) -> Value {
+    let value = ladder.map_or(Value::Null, |l| json!(serde_json::to_string(l).expect("the ladder serializes")));
+    let mut patch = json!({ "metadata": { "annotations": { LADDER_ANNOTATION: value } } });
+    if let Some(rv) = resource_version {
+        patch["metadata"]["resourceVersion"] = json!(rv);
+    }
+    patch
+}
+
+/// Writes `ladder` (or removes it) on `node`; a 409 means the node changed since it was read at
+/// `resource_version`.
+pub async fn write(
+    client: &kube::Client,
+    node: &str,
+    ladder: Option<&Ladder>,
+    resource_version: Option<&str>,
+) -> Result<(), kube::Error> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    match nodes.patch(node, &PatchParams::default(), &Patch::Merge(ladder_patch(ladder, resource_version))).await {
+        Ok(_) => Ok(()),
+        // Clearing a ladder from a node that is gone is done.
+        Err(kube::Error::Api(s)) if s.code == 404 && ladder.is_none() => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The managed nodes (matching `selector`) that carry a ladder.
+pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
+    Ok(Api::<Node>::all(client.clone())
+        .list(&ListParams::default().labels(selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|n| n.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(LADDER_ANNOTATION)))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::Subsystem;
+
+    fn at(secs: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_767_225_600 + secs, 0).unwrap()
+    }
+
+    fn default_ladder() -> Vec<StepSpec> {
+        parse_steps("reset_gpu=10m,reboot_node=30m,replace_node=4h", Duration::from_secs(60)).unwrap()
+    }
+
+    fn request(action: Action) -> Remediation {
+        Remediation {
+            node: "gpu-1".into(),
+            gpu: None,
+            action,
+            subsystem: Subsystem::Gpu,
+            reason: "Xid79".into(),
+            message: "fell off the bus".into(),
+            verdict_id: "v1".into(),
+            incident_id: "i1".into(),
+            recovery: false,
+        }
+    }
+
+    #[test]
+    fn parses_steps_with_and_without_timeouts() {
+        let steps = parse_steps("reset_gpu=90s, reboot_node", Duration::from_secs(600)).unwrap();
+        assert_eq!(
+            steps,
+            [
+                StepSpec { action: Action::ResetGpu, timeout_seconds: 90 },
+                StepSpec { action: Action::RebootNode, timeout_seconds: 600 }
+            ]
+        );
+        for bad in ["", "drain", "reset_gpu=0s", "reset_gpu,reset_gpu", "reboot_node=soon"] {
+            assert!(parse_steps(bad, Duration::from_secs(60)).is_err(), "{bad:?} should not parse");
+        }
+    }
+
+    #[test]
+    fn a_ladder_starts_at_the_verdicts_action() {
+        let ladder = default_ladder();
+        let names = |a| steps_for(a, &ladder).iter().map(|s| s.action).collect::<Vec<_>>();
+        assert_eq!(names(Action::ResetGpu), [Action::ResetGpu, Action::RebootNode, Action::ReplaceNode]);
+        assert_eq!(names(Action::RebootNode), [Action::RebootNode, Action::ReplaceNode]);
+        assert_eq!(names(Action::ContactSupport), [Action::ContactSupport], "past the top: its own ladder");
+        let short = parse_steps("reboot_node", Duration::from_secs(60)).unwrap();
+        assert_eq!(
+            steps_for(Action::ResetGpu, &short).iter().map(|s| s.action).collect::<Vec<_>>(),
+            [Action::RebootNode],
+            "an action the ladder skips starts at the next rung"
+        );
+    }
+
+    #[test]
+    fn a_step_that_times_out_escalates_and_the_top_failing_fails_the_ladder() {
+        let mut l =
+            Ladder::new("v1", RecommendedAction::RebootNode, &request(Action::RebootNode), &default_ladder(), at(0));
+        assert_eq!(l.decide(at(0), &Report::Working), Move::Start);
+        assert!(matches!(l.decide(at(1800), &Report::Working), Move::Escalate(w) if w.contains("did not take")));
+        l.started(at(1));
+        assert_eq!(l.step_number(), 1);
+        assert_eq!(l.decide(at(1 + 1799), &Report::Working), Move::Wait);
+        let Move::Escalate(why) = l.decide(at(1 + 1800), &Report::Working) else { panic!("expected a timeout") };
+        assert!(why.contains("1800s"), "{why}");
+        l.escalate(&why, at(1801));
+        assert_eq!((l.step().action, l.phase, l.step_number()), (Action::ReplaceNode, Phase::Pending, 2));
+        assert!(l.active());
+        assert_eq!(l.decide(at(1802), &Report::Working), Move::Start);
+        l.started(at(1802));
+        assert_eq!(l.decide(at(1803), &Report::Failed("no spare".into())), Move::Escalate("no spare".into()));
+        l.escalate("no spare", at(1803));
+        assert_eq!(l.phase, Phase::Failed);
+        assert!(!l.active());
+        assert_eq!(l.decide(at(9999), &Report::Working), Move::Done);
+        assert_eq!(l.history.len(), 2);
+        assert!(l.history[1].contains("replace_node: no spare"), "{:?}", l.history);
+    }
+
+    #[test]
+    fn a_reported_success_wins_even_after_the_deadline() {
+        let mut l =
+            Ladder::new("v1", RecommendedAction::ResetGpu, &request(Action::ResetGpu), &default_ladder(), at(0));
+        l.started(at(0));
+        assert_eq!(l.decide(at(100_000), &Report::Succeeded), Move::Succeed);
+        l.succeeded(at(100_000));
+        assert_eq!(l.decide(at(100_001), &Report::Working), Move::Done);
+        assert!(l.describe().starts_with("succeeded [*reset_gpu(600s)"), "{}", l.describe());
+    }
+
+    #[test]
+    fn the_record_round_trips_and_the_patch_is_guarded() {
+        let l = Ladder::new("v1", RecommendedAction::ResetGpu, &request(Action::ResetGpu), &default_ladder(), at(0));
+        let p = ladder_patch(Some(&l), Some("42"));
+        assert_eq!(p["metadata"]["resourceVersion"], "42");
+        let raw = p["metadata"]["annotations"][LADDER_ANNOTATION].as_str().unwrap();
+        assert_eq!(serde_json::from_str::<Ladder>(raw).unwrap(), l);
+        let clear = ladder_patch(None, None);
+        assert_eq!(clear["metadata"]["annotations"][LADDER_ANNOTATION], Value::Null);
+        assert!(clear["metadata"].get("resourceVersion").is_none());
+    }
+}

@@ -1,0 +1,485 @@
+//! Repair hooks and the escalation ladder, with the remediator binary in full-remediation mode
+//! against the testbed's kube-apiserver and Kafka:
+//! - the signed webhook, received by an HTTPS server in the test (a CA made here with rcgen): a
+//!   first step answered 500 twice then 200 is retried under one idempotency key, times out
+//!   without healthy evidence and escalates; a recovery verdict then ends the ladder remediated
+//!   and returns the node;
+//! - a webhook that refuses (403) fails every step at once, without retries: the node is `failed`,
+//!   with an Event and a failed outcome;
+//! - the custom resource hook: a CRD installed in the test, the resource created once under its
+//!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`.
+//!
+//! Each test has its own namespace, nodes, topics and consumer group.
+
+mod common;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use gpumedic_remediator::hooks;
+use gpumedic_remediator::ladder::LADDER_ANNOTATION;
+use gpumedic_runtime::kafka::{KafkaSettings, publish};
+use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::GroupVersionKind;
+use serde_json::{Value, json};
+use tokio_rustls::rustls;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
+const SECRET: &str = "s3cret-shared-with-the-receiver";
+
+/// One call the receiver saw.
+#[derive(Debug, Clone)]
+struct Call {
+    key: String,
+    signature_valid: bool,
+    body: Value,
+    status: u16,
+}
+
+/// The test's HTTPS webhook receiver: verifies each signature with the shared secret, records
+/// every call, and answers from a script per step (`step -> statuses`, then 200).
+#[derive(Clone, Default)]
+struct Receiver {
+    calls: Arc<Mutex<Vec<Call>>>,
+    script: Arc<Mutex<BTreeMap<u64, VecDeque<u16>>>>,
+    always: Arc<Mutex<Option<u16>>>,
+}
+
+impl Receiver {
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn calls_for(&self, key: &str) -> Vec<Call> {
+        self.calls().into_iter().filter(|c| c.key == key).collect()
+    }
+}
+
+async fn receive(
+    axum::extract::State(r): axum::extract::State<Receiver>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> axum::http::StatusCode {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let signature_valid = hooks::verify(SECRET.as_bytes(), &body, &header(hooks::SIGNATURE_HEADER))
+        && !header(hooks::TIMESTAMP_HEADER).is_empty();
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let step = body["step"].as_u64().unwrap_or(0);
+    let status = match *r.always.lock().unwrap() {
+        Some(s) => s,
+        None => r.script.lock().unwrap().get_mut(&step).and_then(VecDeque::pop_front).unwrap_or(200),
+    };
+    r.calls.lock().unwrap().push(Call { key: header(hooks::IDEMPOTENCY_HEADER), signature_valid, body, status });
+    axum::http::StatusCode::from_u16(status).unwrap()
+}
+
+/// A TCP listener that completes a TLS handshake before handing the connection to axum.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else { continue };
+            match self.acceptor.accept(tcp).await {
+                Ok(tls) => return (tls, addr),
+                Err(e) => eprintln!("TLS handshake failed: {e}"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+}
+
+/// Starts the receiver on 127.0.0.1 with a certificate from a CA made now; returns the URL and
+/// the CA's PEM (what --repair-webhook-ca-file gets).
+async fn start_receiver(r: &Receiver) -> (String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "gpumedic test CA");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &issuer)
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf.der().clone()],
+            rustls::pki_types::PrivatePkcs8KeyDer::from(leaf_key.serialize_der()).into(),
+        )
+        .unwrap();
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let listener = TlsListener { tcp, acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)) };
+    let app = axum::Router::new().route("/repair", axum::routing::post(receive)).with_state(r.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("https://{addr}/repair"), ca_cert.pem())
+}
+
+/// One test's world: namespace, fleet label, topics, group, and a folder for files it hands the
+/// remediator.
+struct World {
+    client: kube::Client,
+    ns: String,
+    fleet: String,
+    verdicts: String,
+    actions: String,
+    group: String,
+    bootstrap: String,
+    dir: std::path::PathBuf,
+}
+
+impl World {
+    async fn new() -> Self {
+        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = admin().await;
+        let ns = namespace(&client).await;
+        let dir = std::env::temp_dir().join(testbed::unique_name("repair-test"));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            client,
+            ns,
+            fleet: testbed::unique_name("fleet"),
+            verdicts: testbed::unique_name("verdicts"),
+            actions: testbed::unique_name("actions"),
+            group: testbed::unique_name("remediator"),
+            bootstrap,
+            dir,
+        }
+    }
+
+    fn file(&self, name: &str, contents: &str) -> String {
+        let path = self.dir.join(name);
+        std::fs::write(&path, contents).unwrap();
+        path.display().to_string()
+    }
+
+    async fn node(&self) -> String {
+        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+    }
+
+    /// Starts a full-remediation remediator with fast checks and `extra` env.
+    async fn start(&self, extra: &[(&str, String)]) -> ServiceProcess {
+        let mut env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
+            ("GPUMEDIC_GROUP", self.group.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
+            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
+            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
+            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
+            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
+            ("GPUMEDIC_MODE", "full-remediation".into()),
+            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
+            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
+            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
+            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+            ("GPUMEDIC_REPAIR_CHECK", "500ms".into()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", "100ms".into()),
+        ];
+        for (k, v) in extra {
+            env.retain(|(key, _)| key != k);
+            env.push((k, v.clone()));
+        }
+        let mut p = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        p.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+        p
+    }
+
+    async fn publish(&self, verdict: &Verdict) {
+        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
+            .producer("repair-test")
+            .expect("producer");
+        publish(&producer, &self.verdicts, &verdict.node, &gpumedic_schemas::encode(verdict).unwrap(), &[])
+            .await
+            .expect("verdict published");
+    }
+
+    /// Waits for an outcome of verdict `id` that `want` accepts.
+    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
+        let record = testbed::wait_for_record(
+            &self.actions,
+            |r| {
+                gpumedic_schemas::decode::<ActionOutcome>(r.payload.as_deref().unwrap_or_default())
+                    .is_ok_and(|o| o.verdict_id == id && want(&o))
+            },
+            Duration::from_secs(120),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("no matching outcome for verdict {id}: {e}"));
+        gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
+    }
+}
+
+fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
+    Verdict {
+        verdict_id: uuid::Uuid::new_v4(),
+        incident_id: incident,
+        node: node.to_owned(),
+        entity: gpumedic_schemas::health::Entity {
+            gpu_uuid: Some("GPU-aaa".into()),
+            gpu_index: Some(0),
+            pci_bus_id: Some("0000:3b:00.0".into()),
+            ..Default::default()
+        },
+        severity: if recovery { Severity::Info } else { Severity::Critical },
+        rule_id: "xid-79-fallen-off-the-bus".into(),
+        rule_version: 1,
+        action,
+        custom_action: None,
+        reason: if recovery { "healthy for 10 min".into() } else { "GPU has fallen off the bus".into() },
+        evidence: vec![],
+        issued_at: chrono::Utc::now(),
+        recovery,
+    }
+}
+
+async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
+    labels(node).get("gpumedic.io/state").cloned()
+}
+
+fn has_ladder(node: &k8s_openapi::api::core::v1::Node) -> bool {
+    node.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(LADDER_ANNOTATION))
+}
+
+#[tokio::test]
+async fn the_webhook_is_retried_under_one_key_escalates_on_timeout_and_a_recovery_ends_the_ladder() {
+    let w = World::new().await;
+    let name = w.node().await;
+    pod(&w.client, &w.ns, "job-0", &name, json!({})).await;
+    let receiver = Receiver::default();
+    receiver.script.lock().unwrap().insert(1, VecDeque::from([500, 500]));
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE", w.file("secret", &format!("{SECRET}\n"))),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=4s,reboot_node=10m,replace_node".into()),
+        ])
+        .await;
+
+    let incident = uuid::Uuid::new_v4();
+    let v = verdict(&name, incident, RecommendedAction::ResetGpu, false);
+    w.publish(&v).await;
+    let first =
+        w.outcome(v.verdict_id, |o| o.action == RecommendedAction::ResetGpu && o.detail.contains("drain")).await;
+    assert_eq!(first.status, ActionStatus::Applied, "{}", first.detail);
+    assert!(first.detail.contains("repair ladder started at reset_gpu"), "{}", first.detail);
+    assert!(pods_left(&w.client, &w.ns).await.is_empty(), "drained before the repair");
+
+    // Step 1: 500, 500, 200 under one key; no healthy evidence within 4 s: step 2.
+    let key1 = format!("{}:1", v.verdict_id);
+    let key2 = format!("{}:2", v.verdict_id);
+    eventually("the second step's webhook call", Duration::from_secs(60), async || {
+        (!receiver.calls_for(&key2).is_empty()).then_some(())
+    })
+    .await;
+    let step1 = receiver.calls_for(&key1);
+    assert_eq!(step1.iter().map(|c| c.status).collect::<Vec<_>>(), [500, 500, 200], "{step1:?}");
+    assert_eq!(step1.iter().map(|c| c.body["attempt"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(step1[0].body["action"], "reset_gpu");
+    assert_eq!(step1[0].body["node"], name.as_str());
+    assert_eq!(step1[0].body["gpu"]["uuid"], "GPU-aaa");
+    assert_eq!(step1[0].body["incidentId"], incident.to_string());
+    let step2 = receiver.calls_for(&key2);
+    assert_eq!(step2.len(), 1, "{step2:?}");
+    assert_eq!((step2[0].body["action"].as_str(), step2[0].body["step"].as_u64()), (Some("reboot_node"), Some(2)));
+    let all = receiver.calls();
+    assert!(all.iter().all(|c| c.signature_valid), "every call is signed with the shared secret: {all:?}");
+    assert!(all.iter().all(|c| c.key == key1 || c.key == key2), "one key per step: {all:?}");
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Failed && o.detail.contains("escalating to reboot_node"))
+        .await;
+    w.outcome(v.verdict_id, |o| o.action == RecommendedAction::RebootNode && o.status == ActionStatus::Applied).await;
+    let node = get_node(&w.client, &name).await;
+    assert_eq!(state(&node).as_deref(), Some("remediating"));
+    assert!(has_ladder(&node));
+
+    // Healthy evidence during step 2: the ladder ends remediated and the node returns.
+    let rec = verdict(&name, incident, RecommendedAction::None, true);
+    w.publish(&rec).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    let done = w.outcome(v.verdict_id, |o| o.detail.starts_with("remediated")).await;
+    assert!(done.detail.contains("reboot_node"), "{}", done.detail);
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "returned to service");
+    assert!(!has_ladder(&node), "the ladder record is gone");
+    assert_eq!(state(&node), None);
+    let events = event_reasons(&w.client, &name).await;
+    for reason in ["RepairLadderStarted", "RepairStepStarted", "RepairEscalated", "Remediated", "Recovered"] {
+        assert!(events.iter().any(|e| e == reason), "{reason} missing from {events:?}");
+    }
+    // Nothing more happens: no third step.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(receiver.calls().iter().all(|c| c.key != format!("{}:3", v.verdict_id)));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_webhook_that_refuses_fails_every_step_at_once_and_leaves_the_node_failed() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let receiver = Receiver::default();
+    *receiver.always.lock().unwrap() = Some(403);
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+        ])
+        .await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, false);
+    w.publish(&v).await;
+    let failed = w.outcome(v.verdict_id, |o| o.detail.starts_with("repair failed")).await;
+    assert_eq!(failed.status, ActionStatus::Failed);
+    assert!(failed.detail.contains("403"), "{}", failed.detail);
+    let node = eventually("the node to be failed", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &name).await;
+        (state(&n).as_deref() == Some("failed")).then_some(n)
+    })
+    .await;
+    assert!(cordoned(&node), "a failed node stays out of service");
+    assert!(
+        conditions(&node).contains(&("GpuUnhealthy".into(), "True".into(), Some("RepairFailed".into()))),
+        "{:?}",
+        conditions(&node)
+    );
+    let calls = receiver.calls();
+    let keys: Vec<&str> = calls.iter().map(|c| c.key.as_str()).collect();
+    assert_eq!(keys, [format!("{}:1", v.verdict_id), format!("{}:2", v.verdict_id)], "a 4xx is not retried");
+    let events = event_reasons(&w.client, &name).await;
+    assert!(events.iter().any(|e| e == "RepairEscalated") && events.iter().any(|e| e == "RepairFailed"), "{events:?}");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+const GROUP: &str = "repair.gpumedic-test.io";
+
+/// The test's repair CRD (namespaced `GpuRepair`, any fields, a status subresource), installed
+/// once for all runs and waited for until established.
+async fn install_crd(client: &kube::Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd: CustomResourceDefinition = serde_json::from_value(json!({
+        "metadata": { "name": format!("gpurepairs.{GROUP}") },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": { "plural": "gpurepairs", "singular": "gpurepair", "kind": "GpuRepair" },
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "subresources": { "status": {} },
+                "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } }
+            }]
+        }
+    }))
+    .unwrap();
+    match crds.create(&PostParams::default(), &crd).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.is_already_exists() => {}
+        Err(e) => panic!("CRD: {e}"),
+    }
+    eventually("the CRD to be established", Duration::from_secs(30), async || {
+        let crd = crds.get(&format!("gpurepairs.{GROUP}")).await.ok()?;
+        let established = crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True");
+        established.then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_custom_resource_is_created_once_and_its_succeeded_phase_remediates_the_node() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let name = w.node().await;
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n  labels:\n    team: infra\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  gpu: \"{{{{gpu_uuid}}}}\"\n  operation: \"{{{{action}}}}\"\n  \
+         verdict: \"{{{{verdict_id}}}}\"\n",
+        w.ns
+    );
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+        ])
+        .await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, false);
+    w.publish(&v).await;
+
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let cr_name = format!("gpumedic-{}-1", v.verdict_id);
+    let cr = eventually("the repair resource", Duration::from_secs(60), async || {
+        repairs.get_opt(&cr_name).await.expect("read the repair resource")
+    })
+    .await;
+    assert_eq!(cr.data["spec"]["nodeName"], name.as_str());
+    assert_eq!(cr.data["spec"]["operation"], "reset_gpu");
+    assert_eq!(cr.data["spec"]["gpu"], "GPU-aaa");
+    assert_eq!(cr.data["spec"]["verdict"], v.verdict_id.to_string());
+    assert_eq!(cr.metadata.labels.as_ref().unwrap()["team"], "infra");
+    w.outcome(v.verdict_id, |o| o.detail.contains("GpuRepair") && o.status == ActionStatus::Applied).await;
+    // A few more looks of the driver while the controller works: still one resource.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let listed = repairs.list(&ListParams::default()).await.unwrap().items;
+    assert_eq!(
+        listed.len(),
+        1,
+        "one resource for the step: {:?}",
+        listed.iter().map(|o| &o.metadata.name).collect::<Vec<_>>()
+    );
+    assert_eq!(state(&get_node(&w.client, &name).await).as_deref(), Some("remediating"));
+
+    // The repair controller reports success.
+    repairs
+        .patch_status(&cr_name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Succeeded" } })))
+        .await
+        .expect("status set");
+    let node = eventually("the node to be remediated", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &name).await;
+        (state(&n).as_deref() == Some("remediated")).then_some(n)
+    })
+    .await;
+    assert!(cordoned(&node), "remediated nodes wait for healthy evidence before returning");
+    let done = w.outcome(v.verdict_id, |o| o.detail.starts_with("remediated")).await;
+    assert_eq!(done.status, ActionStatus::Applied);
+    assert!(event_reasons(&w.client, &name).await.iter().any(|e| e == "RepairSucceeded"));
+    assert_eq!(repairs.list(&ListParams::default()).await.unwrap().items.len(), 1, "no second step");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
