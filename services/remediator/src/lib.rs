@@ -47,6 +47,7 @@ use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, par
 use gpumedic_runtime::kafka::{
     self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
 };
+use gpumedic_runtime::keyed;
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::{ActionOutcome, ActionStatus, Codec, Record as _, Severity, Verdict, topics};
@@ -115,6 +116,11 @@ pub struct Args {
     /// faults that were judged long ago.
     #[arg(long, env = "GPUMEDIC_MAX_VERDICT_AGE", default_value = "15m")]
     max_verdict_age: String,
+    /// Verdicts handled at once, for different nodes (one node's verdicts always run in order).
+    /// Quarantine is mostly waiting on the apiserver, so this is what lets a mass failure be
+    /// quarantined in seconds; the breaker and rate limit still count every admission.
+    #[arg(long, env = "GPUMEDIC_MAX_IN_FLIGHT", default_value_t = 64)]
+    max_in_flight: usize,
     /// The namespace of the leader-election Lease and the status object: the remediator's own
     /// (unset: $POD_NAMESPACE, else `gpumedic`).
     #[arg(long, env = "GPUMEDIC_LEASE_NAMESPACE")]
@@ -212,6 +218,8 @@ pub struct Config {
     pub gpu_node_selector: String,
     /// The oldest verdict acted on.
     pub max_verdict_age: Duration,
+    /// Verdicts handled at once (for different nodes).
+    pub max_in_flight: usize,
     /// Leader election.
     pub lease: LeaseSettings,
     /// The status object's name (in the lease namespace).
@@ -277,6 +285,9 @@ impl Validate for Args {
         let window = p.check("--breaker-window", parse_duration(&self.breaker_window));
         let deadline = p.check("--drain-deadline", parse_duration(&self.drain_deadline));
         let max_verdict_age = p.check("--max-verdict-age", parse_duration(&self.max_verdict_age));
+        if !(1..=1024).contains(&self.max_in_flight) {
+            p.push("--max-in-flight", format!("{} must be between 1 and 1024", self.max_in_flight));
+        }
         if self.drain_grace_seconds.is_some_and(|g| g < 0) {
             p.push("--drain-grace-seconds", "must not be negative");
         }
@@ -425,6 +436,7 @@ impl Validate for Args {
             quarantines_per_minute: self.quarantines_per_minute,
             gpu_node_selector: self.gpu_node_selector,
             max_verdict_age: max_verdict_age.expect("checked"),
+            max_in_flight: self.max_in_flight,
             lease: LeaseSettings {
                 namespace,
                 name: self.lease_name,
@@ -455,6 +467,7 @@ struct Shared {
     verdicts_topic: String,
     actions_topic: String,
     max_verdict_age: Duration,
+    max_in_flight: usize,
     windows: Vec<Window>,
     control_poll: Duration,
     maintenance_check: Duration,
@@ -528,6 +541,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         verdicts_topic: config.verdicts_topic,
         actions_topic: config.actions_topic,
         max_verdict_age: config.max_verdict_age,
+        max_in_flight: config.max_in_flight,
         windows: config.windows,
         control_poll: config.control_poll,
         maintenance_check: config.maintenance_check,
@@ -674,7 +688,9 @@ async fn consume(shared: Arc<Shared>, term: CancellationToken) -> Result<(), Box
         shared.kafka.consumer(NAME, &shared.group, &[shared.verdicts_topic.as_str()], shared.consuming.clone())?;
     let dlq = shared.kafka.producer(&format!("{NAME}-dlq"))?;
     let handler = Handler { shared: shared.clone(), term: term.clone() };
-    kafka::run_consumer(NAME, consumer, dlq, handler, term).await?;
+    // Verdicts for different nodes at once, each node's in order; offsets stored only up to the
+    // last verdict below which all are done.
+    keyed::run_keyed_consumer(NAME, consumer, dlq, &handler, shared.max_in_flight, term).await?;
     Ok(())
 }
 
@@ -1020,6 +1036,19 @@ impl Handler {
 
 impl RecordHandler for Handler {
     async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
+        self.handle_verdict(record).await
+    }
+}
+
+impl keyed::SharedHandler for Handler {
+    async fn handle(&self, record: &Record) -> Result<(), HandleError> {
+        self.handle_verdict(record).await
+    }
+}
+
+impl Handler {
+    /// One verdict: its remediation (or why not), then its outcome on the actions topic.
+    async fn handle_verdict(&self, record: &Record) -> Result<(), HandleError> {
         let verdict: Verdict = kafka::decode_payload(&self.shared.codec, record).await?;
         let request = verdicts::remediation(&verdict);
         let shared = self.shared.clone();

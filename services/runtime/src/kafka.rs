@@ -497,7 +497,7 @@ pub async fn run_consumer<H: RecordHandler>(
 
 /// Writes `record` to its dead-letter topic, retrying with backoff until Kafka acknowledges it so
 /// the record is never lost. Returns `false` when `token` was cancelled first (nothing stored).
-async fn dead_letter_until_done(
+pub(crate) async fn dead_letter_until_done(
     dlq: &Producer,
     service: &str,
     record: &Record,
@@ -518,7 +518,7 @@ async fn dead_letter_until_done(
 }
 
 /// Commits the stored offsets synchronously (at shutdown); having nothing to commit is fine.
-fn commit_stored(consumer: &Consumer) -> Result<(), KafkaError> {
+pub(crate) fn commit_stored(consumer: &Consumer) -> Result<(), KafkaError> {
     match consumer.commit_consumer_state(CommitMode::Sync) {
         Ok(()) | Err(RdKafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(()),
         Err(e) => Err(KafkaError::Commit(e)),
@@ -664,7 +664,7 @@ pub async fn run_batch_consumer<H: BatchHandler>(
 /// included) and how old it was when its effect became durable
 /// (`gpumedic_<service>_record_age_seconds`, from its Kafka timestamp: the pipeline's latency up to
 /// this stage).
-fn observe_latency(service: &'static str, record: &Record, started: std::time::Instant) {
+pub(crate) fn observe_latency(service: &'static str, record: &Record, started: std::time::Instant) {
     metrics::histogram!(format!("gpumedic_{service}_record_seconds"), "topic" => record.topic.clone())
         .record(started.elapsed().as_secs_f64());
     if let Some(ts) = record.timestamp_ms {

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod config;
 pub mod k8s;
 pub mod kafka;
+pub mod keyed;
 pub mod postgres;
 pub mod service;
 pub mod shutdown;

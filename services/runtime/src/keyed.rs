@@ -1,0 +1,227 @@
+//! An at-least-once consumer that handles records with different keys at the same time.
+//!
+//! [`crate::kafka::run_consumer`] handles one record at a time. That is right for a stage whose
+//! work is CPU-bound, but the remediator's work is mostly waiting on the Kubernetes API (about
+//! six round trips to quarantine a node), so one record at a time leaves the apiserver idle.
+//! [`run_keyed_consumer`] keeps up to `max_in_flight` records in hand:
+//!
+//! - **Per-key order.** Records with the same key (the node name on every gpumedic topic) run one
+//!   after another in offset order; records with different keys run concurrently.
+//! - **At least once.** A partition's offset is stored only up to the last record below which
+//!   every record's effect is durable ([`OffsetTracker`]), so a crash re-delivers whatever was in
+//!   hand and nothing after a gap is skipped.
+//! - **Dead letters and retries** as in `run_consumer`: an invalid record goes to the dead-letter
+//!   topic; a transient failure is retried with backoff (holding only that key).
+//! - **Cancellation** drops the records in hand without storing their offsets, then commits what
+//!   is stored.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::future::Future;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
+use rdkafka::consumer::Consumer as _;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::kafka::{self, Consumer, HandleError, KafkaError, Producer, Record};
+
+/// A handler that may run for several records at once (it takes `&self`).
+pub trait SharedHandler: Send + Sync {
+    /// Makes the record's effect durable, or says why it could not.
+    fn handle(&self, record: &Record) -> impl Future<Output = Result<(), HandleError>> + Send;
+}
+
+/// Which offsets of each partition are in hand, and which may be stored.
+#[derive(Debug, Default)]
+pub struct OffsetTracker {
+    partitions: HashMap<(String, i32), Partition>,
+}
+
+#[derive(Debug, Default)]
+struct Partition {
+    in_hand: BTreeSet<i64>,
+    /// The lowest offset received: nothing below it is this consumer's to store.
+    first: Option<i64>,
+    highest_done: Option<i64>,
+    stored: Option<i64>,
+}
+
+impl OffsetTracker {
+    /// `record` was received.
+    pub fn start(&mut self, record: &Record) {
+        let p = self.partitions.entry((record.topic.clone(), record.partition)).or_default();
+        p.in_hand.insert(record.offset);
+        p.first = Some(p.first.map_or(record.offset, |f| f.min(record.offset)));
+    }
+
+    /// `record`'s effect is durable. Returns the offset to store now, if it moved: the highest
+    /// finished offset below the lowest one still in hand.
+    pub fn finish(&mut self, record: &Record) -> Option<i64> {
+        let p = self.partitions.get_mut(&(record.topic.clone(), record.partition))?;
+        p.in_hand.remove(&record.offset);
+        p.highest_done = p.highest_done.max(Some(record.offset));
+        // Everything received below the lowest record in hand is done.
+        let storable = match p.in_hand.first() {
+            Some(&lowest) => Some(lowest - 1).filter(|&below| p.first.is_some_and(|f| below >= f)),
+            None => p.highest_done,
+        }?;
+        if p.stored.is_some_and(|s| s >= storable) {
+            return None;
+        }
+        p.stored = Some(storable);
+        Some(storable)
+    }
+}
+
+/// Handles one record to the end: `Ok(true)` when its effect is durable (handled or
+/// dead-lettered), `Ok(false)` when `token` was cancelled first.
+async fn process<H: SharedHandler>(
+    service: &'static str,
+    dlq: &Producer,
+    handler: &H,
+    record: Record,
+    token: &CancellationToken,
+) -> (Record, bool) {
+    let records_total = format!("gpumedic_{service}_records_total");
+    let span = kafka::record_span(service, &record);
+    let started = std::time::Instant::now();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match handler.handle(&record).instrument(span.clone()).await {
+            Ok(()) => {
+                metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "ok").increment(1);
+                break;
+            }
+            Err(HandleError::Invalid(reason)) => {
+                if !kafka::dead_letter_until_done(dlq, service, &record, &reason, token).await {
+                    return (record, false);
+                }
+                metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "dead_lettered")
+                    .increment(1);
+                break;
+            }
+            Err(HandleError::Retry(e)) => {
+                metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+                tracing::warn!(error = %e, topic = %record.topic, offset = record.offset,
+                    backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                tokio::select! {
+                    () = token.cancelled() => return (record, false),
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+    kafka::observe_latency(service, &record, started);
+    (record, true)
+}
+
+/// The keyed at-least-once loop (see the module docs); returns after `token` is cancelled, with
+/// the stored offsets committed.
+///
+/// # Errors
+/// [`KafkaError::Commit`] when the final commit fails.
+pub async fn run_keyed_consumer<H: SharedHandler>(
+    service: &'static str,
+    consumer: Consumer,
+    dlq: Producer,
+    handler: &H,
+    max_in_flight: usize,
+    token: CancellationToken,
+) -> Result<(), KafkaError> {
+    let max_in_flight = max_in_flight.max(1);
+    let mut tracker = OffsetTracker::default();
+    // A key is present while a record of it runs; its queue holds the ones waiting behind it.
+    let mut busy: HashMap<Vec<u8>, VecDeque<Record>> = HashMap::new();
+    let mut running: FuturesUnordered<_> = FuturesUnordered::new();
+    let mut in_hand = 0usize;
+    loop {
+        tokio::select! {
+            biased;
+            () = token.cancelled() => break,
+            Some((record, durable)) = running.next(), if !running.is_empty() => {
+                let (record, durable): (Record, bool) = (record, durable);
+                in_hand -= 1;
+                if !durable {
+                    break;
+                }
+                if let Some(offset) = tracker.finish(&record) {
+                    // librdkafka commits the stored offset plus one: the next record to read.
+                    if let Err(e) = consumer.store_offset(&record.topic, record.partition, offset) {
+                        tracing::warn!(error = %e, "Could not store an offset.");
+                    }
+                }
+                let key = record.key.clone().unwrap_or_default();
+                match busy.get_mut(&key).and_then(VecDeque::pop_front) {
+                    Some(next) => running.push(process(service, &dlq, handler, next, &token)),
+                    None => {
+                        busy.remove(&key);
+                    }
+                }
+            }
+            message = consumer.recv(), if in_hand < max_in_flight => {
+                let record = match message {
+                    Ok(m) => Record::from_message(&m),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Kafka consumer error; continuing.");
+                        continue;
+                    }
+                };
+                in_hand += 1;
+                tracker.start(&record);
+                let key = record.key.clone().unwrap_or_default();
+                match busy.get_mut(&key) {
+                    Some(waiting) => waiting.push_back(record),
+                    None => {
+                        busy.insert(key, VecDeque::new());
+                        running.push(process(service, &dlq, handler, record, &token));
+                    }
+                }
+            }
+        }
+    }
+    // Records still in hand are dropped unfinished: their offsets were never stored.
+    drop(running);
+    kafka::commit_stored(&consumer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(partition: i32, offset: i64) -> Record {
+        Record { topic: "t".into(), partition, offset, key: None, payload: None, headers: vec![], timestamp_ms: None }
+    }
+
+    #[test]
+    fn an_offset_is_stored_only_below_the_lowest_record_in_hand() {
+        let mut t = OffsetTracker::default();
+        for o in 10..14 {
+            t.start(&record(0, o));
+        }
+        // 11 and 12 finish first: 10 is still in hand, so nothing may be stored.
+        assert_eq!(t.finish(&record(0, 11)), None);
+        assert_eq!(t.finish(&record(0, 12)), None);
+        // 10 finishes: everything up to 12 is durable, 13 is in hand.
+        assert_eq!(t.finish(&record(0, 10)), Some(12));
+        assert_eq!(t.finish(&record(0, 13)), Some(13));
+        // Another partition is independent.
+        t.start(&record(1, 5));
+        assert_eq!(t.finish(&record(1, 5)), Some(5));
+    }
+
+    #[test]
+    fn a_gap_holds_the_offset_back_until_it_closes() {
+        let mut t = OffsetTracker::default();
+        for o in [1, 2, 3] {
+            t.start(&record(0, o));
+        }
+        assert_eq!(t.finish(&record(0, 3)), None);
+        assert_eq!(t.finish(&record(0, 1)), Some(1));
+        assert_eq!(t.finish(&record(0, 2)), Some(3));
+        // Finishing a record that was never started stores nothing new.
+        assert_eq!(t.finish(&record(0, 2)), None);
+    }
+}
