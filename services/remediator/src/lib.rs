@@ -914,7 +914,9 @@ async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Option<&[u8]>)
     let status =
         serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
-    metrics::counter!("gpumedic_remediator_outcomes_total", "status" => status).increment(1);
+    let action =
+        serde_json::to_value(&outcome.action).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    metrics::counter!("gpumedic_remediator_outcomes_total", "action" => action, "status" => status).increment(1);
     let bytes = shared.codec.encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
     let id = outcome.verdict_id.to_string();
     let envelope = kafka::Envelope {
