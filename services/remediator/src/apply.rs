@@ -385,20 +385,29 @@ impl Remediator {
         self.record(node, &[note]).await;
     }
 
-    /// Records one Event per note on the node. Events are the story for humans, not state, so a
-    /// failed write is logged and the remediation goes on.
+    /// Records one Event per note on the node. Events are the story for humans, not state, so
+    /// they are written in the background (a verdict does not wait for them: in a mass failure
+    /// that is one apiserver round trip fewer per node), and a failed write is logged and the
+    /// remediation goes on.
     async fn record(&self, node: &Node, notes: &[Note]) {
-        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.settings.event_namespace);
-        let writes = notes.iter().map(|n| {
-            let event = event_for(node, n, &self.settings);
-            let events = events.clone();
-            async move { (n, events.create(&PostParams::default(), &event).await) }
-        });
-        for (n, result) in futures::future::join_all(writes).await {
-            if let Err(e) = result {
-                tracing::warn!(node = ?node.metadata.name, reason = %n.reason, error = %e, "Could not record an Event on the node.");
-            }
+        if notes.is_empty() {
+            return;
         }
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.settings.event_namespace);
+        let writes: Vec<(String, Event)> =
+            notes.iter().map(|n| (n.reason.clone(), event_for(node, n, &self.settings))).collect();
+        let name = node.metadata.name.clone();
+        tokio::spawn(async move {
+            let writes = writes.into_iter().map(|(reason, event)| {
+                let events = events.clone();
+                async move { (reason, events.create(&PostParams::default(), &event).await) }
+            });
+            for (reason, result) in futures::future::join_all(writes).await {
+                if let Err(e) = result {
+                    tracing::warn!(node = ?name, %reason, error = %e, "Could not record an Event on the node.");
+                }
+            }
+        });
     }
 }
 

@@ -56,6 +56,7 @@ async fn quarantine_sets_condition_taint_label_cordon_and_events() {
     let record = applied(&node).expect("ownership recorded");
     assert!(record.cordoned);
     assert_eq!(record.incident_id, "i1");
+    // Events are written in the background; `event_reasons` waits for them to settle.
     let events = event_reasons(&client, &name).await;
     for reason in ["ConditionSet", "Tainted", "Cordoned"] {
         assert!(events.iter().any(|e| e == reason), "{reason} missing from {events:?}");

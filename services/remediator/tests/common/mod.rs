@@ -147,6 +147,21 @@ pub fn labels(node: &Node) -> BTreeMap<String, String> {
 /// The reasons of the Events recorded about the node, oldest first, found the way
 /// `kubectl describe node` finds them (kind, name and uid of the involved object).
 pub async fn event_reasons(client: &kube::Client, node: &str) -> Vec<String> {
+    // The remediator writes Events in the background: read until two looks a quarter second
+    // apart agree (at most 5 s), so a test sees every Event its remediation caused.
+    let mut last = read_event_reasons(client, node).await;
+    for _ in 0..20 {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let now = read_event_reasons(client, node).await;
+        if now == last && !now.is_empty() {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
+async fn read_event_reasons(client: &kube::Client, node: &str) -> Vec<String> {
     let uid = get_node(client, node).await.metadata.uid.expect("node uid");
     let events: Api<Event> = Api::all(client.clone());
     let lp = ListParams::default()
