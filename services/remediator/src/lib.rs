@@ -915,7 +915,7 @@ async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Option<&[u8]>)
         serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
     let action =
-        serde_json::to_value(&outcome.action).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        serde_json::to_value(outcome.action).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     metrics::counter!("gpumedic_remediator_outcomes_total", "action" => action, "status" => status).increment(1);
     let bytes = shared.codec.encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
     let id = outcome.verdict_id.to_string();
