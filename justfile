@@ -21,13 +21,24 @@ ci:
 
 # Clippy over every target, warnings denied.
 lint:
-    {{cargo}} clippy --workspace --all-targets -- -D warnings
+    {{cargo}} clippy --workspace --all-targets --all-features -- -D warnings
 
 # Format the code.
 fmt:
     {{cargo}} fmt --all
 
-# Start the testbed (Kafka, PostgreSQL, etcd, kube-apiserver) and print its addresses.
+# The load scenarios that fit in about 10 minutes, release builds, against the testbed; results
+# in target/load-tests/*.json and figures in docs/benchmarks.md.
+bench:
+    ./compose/up >/dev/null
+    {{cargo}} build --release -p gpumedic -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests kafka-ceiling --records 200000
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests classify-throughput
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests backtest
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests remediation
+
+# Start the testbed (Kafka, PostgreSQL, schema registry, Jaeger, etcd, kube-apiserver) and print
+# its addresses.
 testbed-up *servers:
     ./compose/up {{servers}}
 
