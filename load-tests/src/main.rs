@@ -6,11 +6,13 @@
 //! - `classify-throughput`: the classifier binary working through a pre-filled topic of enriched
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
+//! - `latency`: fault to cordon through three services under background load (see [`latency`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
 
 mod backtest;
 mod classify;
+mod latency;
 
 mod remediation;
 
@@ -54,6 +56,8 @@ enum Scenario {
     /// Events per second backtested by `gpumedic replay backtest`, beside the raw Kafka consume
     /// rate of the same events.
     Backtest(backtest::Options),
+    /// Fault to cordon through the enricher, classifier and remediator, under background load.
+    Latency(latency::Options),
     /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
     /// mass drain (see load-tests/src/remediation.rs).
     Remediation(remediation::Args),
@@ -92,6 +96,13 @@ async fn main() -> anyhow::Result<()> {
             let result = classify::run(options).await?;
             std::fs::create_dir_all(&cli.out_dir)?;
             let path = cli.out_dir.join("classify-throughput.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
+            println!("result written to {}", path.display());
+        }
+        Scenario::Latency(options) => {
+            let result = latency::run(options).await?;
+            std::fs::create_dir_all(&cli.out_dir)?;
+            let path = cli.out_dir.join("latency.json");
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }

@@ -14,10 +14,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Parser;
+use gpumedic_runtime::BoxError;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
 use gpumedic_runtime::k8s;
 use gpumedic_runtime::kafka::{
-    self, HandleError, KafkaArgs, KafkaSettings, Producer, Record, RecordHandler, record_headers,
+    self, BatchHandler, BatchSettings, Disposition, KafkaArgs, KafkaSettings, Producer, Record, record_headers,
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
@@ -53,6 +54,13 @@ pub struct Args {
     /// An Xid catalog file to use instead of the one built in (see catalog/xid-catalog.yaml).
     #[arg(long, env = "GPUMEDIC_XID_CATALOG")]
     xid_catalog: Option<PathBuf>,
+    /// Most raw records enriched together: their enriched records are produced together and the
+    /// offsets stored once every one is acknowledged (a batch fills only under backlog).
+    #[arg(long, env = "GPUMEDIC_BATCH_MAX", default_value_t = 1000)]
+    batch_max: usize,
+    /// How long a batch waits for more records after its first one (a latency cap when quiet).
+    #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "2ms")]
+    batch_linger: String,
 }
 
 /// The validated configuration.
@@ -68,6 +76,8 @@ pub struct Config {
     pub context: ContextSettings,
     /// The Xid catalog.
     pub catalog: XidCatalog,
+    /// How records are batched.
+    pub batch: BatchSettings,
 }
 
 impl Validate for Args {
@@ -79,6 +89,13 @@ impl Validate for Args {
         let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
+        }
+        if !(1..=100_000).contains(&self.batch_max) {
+            p.push("--batch-max", format!("{} is not from 1 to 100000", self.batch_max));
+        }
+        let linger = p.check("--batch-linger", gpumedic_runtime::config::parse_duration(&self.batch_linger));
+        if linger.is_some_and(|l| l > std::time::Duration::from_secs(1)) {
+            p.push("--batch-linger", "must be at most 1s (it delays every event)");
         }
         let catalog = match &self.xid_catalog {
             None => Some(XidCatalog::embedded()),
@@ -93,6 +110,7 @@ impl Validate for Args {
                 cluster: self.cluster_name,
             },
             catalog: catalog.expect("checked"),
+            batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked") },
         })
     }
 }
@@ -126,18 +144,26 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
     };
     let handler = Enrich { cache, catalog: config.catalog, producer, codec };
-    service.spawn_consumer(
-        config.kafka,
-        config.group,
-        vec![topics::HEALTH_RAW],
-        vec![topics::HEALTH_ENRICHED],
-        topics::DEFAULT_PARTITIONS,
-        handler,
-    );
+    let assigned = service.readiness.register("kafka-partitions-assigned");
+    let token = service.shutdown.token();
+    let Config { kafka: settings, group, batch, .. } = config;
+    service.shutdown.spawn("consumer", async move {
+        let specs = kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], topics::DEFAULT_PARTITIONS);
+        if !kafka::wait_for_topics(&settings, &specs, &token).await {
+            return Ok(());
+        }
+        let consumer = settings.consumer(NAME, &group, &[topics::HEALTH_RAW], assigned)?;
+        let dlq = settings.producer(&format!("{NAME}-dlq"))?;
+        kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
+    });
     service.run().await
 }
 
-/// The consumer's handler: decode, enrich, publish, and only then let the offset be stored.
+/// The consumer's batch handler: decode and enrich each record, produce every enriched record
+/// together (in order, so each node's order holds) and return once all are acknowledged; only
+/// then are the batch's offsets stored. A record that cannot be decoded is dead-lettered and the
+/// rest go on; a failed produce or an unreachable schema registry retries the whole batch
+/// (consumers deduplicate by event id).
 pub struct Enrich {
     cache: ClusterCache,
     catalog: XidCatalog,
@@ -145,27 +171,53 @@ pub struct Enrich {
     codec: Arc<Codec>,
 }
 
-impl RecordHandler for Enrich {
-    async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
-        let event: HealthEvent = kafka::decode_payload(&self.codec, record).await?;
-        let node = self.cache.node(&event.node);
-        if node.is_none() {
-            metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
-            tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
+impl BatchHandler for Enrich {
+    async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
+        let mut dispositions = vec![Disposition::Done; records.len()];
+        let mut out: Vec<(usize, String, String, Vec<u8>)> = Vec::with_capacity(records.len());
+        let now = chrono::Utc::now();
+        for (i, record) in records.iter().enumerate() {
+            let Some(payload) = record.payload.as_deref() else {
+                dispositions[i] = Disposition::DeadLetter("empty record".into());
+                continue;
+            };
+            let event: HealthEvent = match self.codec.decode(payload).await {
+                Ok(e) => e,
+                Err(e) if e.is_transient() => return Err(Box::new(e)),
+                Err(e) => {
+                    dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason()));
+                    continue;
+                }
+            };
+            let node = self.cache.node(&event.node);
+            if node.is_none() {
+                metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
+                tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
+            }
+            let event_id = event.event_id.to_string();
+            let key = event.node.clone();
+            let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, now);
+            match self.codec.encode(&enriched) {
+                Ok(bytes) => out.push((i, key, event_id, bytes)),
+                Err(e) => dispositions[i] = Disposition::DeadLetter(e.to_string()),
+            }
         }
-        let event_id = event.event_id.to_string();
-        let key = event.node.clone();
-        let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, chrono::Utc::now());
-        let bytes = self.codec.encode(&enriched).map_err(|e| HandleError::Invalid(e.to_string()))?;
-        let envelope = kafka::Envelope {
-            topic: topics::HEALTH_ENRICHED,
-            key: &key,
-            id: &event_id,
-            content_type: EnrichedHealthEvent::CONTENT_TYPE,
-            incoming_trace: record.header(record_headers::TRACEPARENT),
-        };
-        kafka::publish_record(&self.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
-        metrics::counter!("gpumedic_enricher_events_total").increment(1);
-        Ok(())
+        // Futures are first polled in order, so the records are queued in batch order, and the
+        // idempotent producer keeps that order within each partition.
+        let sends = out.iter().map(|(i, key, id, bytes)| {
+            let envelope = kafka::Envelope {
+                topic: topics::HEALTH_ENRICHED,
+                key,
+                id,
+                content_type: EnrichedHealthEvent::CONTENT_TYPE,
+                incoming_trace: records[*i].header(record_headers::TRACEPARENT),
+            };
+            kafka::publish_record(&self.producer, envelope, bytes)
+        });
+        for result in futures::future::join_all(sends).await {
+            result?;
+        }
+        metrics::counter!("gpumedic_enricher_events_total").increment(out.len() as u64);
+        Ok(dispositions)
     }
 }

@@ -1,0 +1,310 @@
+//! `latency`: fault to cordon, p50 / p99 / max, through the enricher, classifier and remediator
+//! binaries, under a background load of healthy telemetry (goal: p99 under 1 s at 10,000
+//! events per second), beside the apiserver's own latency for a plain node patch measured in the
+//! same run.
+//!
+//! 1. `--nodes` GPU nodes are created in the apiserver, labelled for this run only.
+//! 2. The three services start (release builds next to this program): the enricher and the
+//!    classifier on the pipeline's topics with new consumer groups that start at the end, the
+//!    classifier on a fresh database and a verdict topic of its own, the remediator in
+//!    `cordon-drain` on that verdict topic and this run's nodes.
+//! 3. A producer thread sends healthy temperature readings for every GPU of the fleet to the raw
+//!    topic at `--background-rate` events per second for the whole run.
+//! 4. After a warm-up, Xid 79 is produced on `--faults` distinct nodes, one every
+//!    `--fault-interval`; each node's latency runs from its fault's produce call to the first
+//!    time a watch sees it cordoned.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use futures::{StreamExt as _, TryStreamExt as _};
+use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, stage_topics};
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::health::{Component, Detail, Entity, Source, TemperatureDetail, XidDetail};
+use gpumedic_schemas::{HealthEvent, topics};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use rdkafka::producer::{BaseRecord, Producer as _};
+use serde_json::json;
+
+/// Options of the scenario.
+#[derive(Debug, clap::Args)]
+pub struct Options {
+    /// GPU nodes in the fleet (8 GPUs each in the background telemetry).
+    #[arg(long, default_value_t = 200)]
+    nodes: usize,
+    /// Faults (Xid 79), each on its own node.
+    #[arg(long, default_value_t = 100)]
+    faults: usize,
+    /// Background telemetry, events per second.
+    #[arg(long, default_value_t = 10_000)]
+    background_rate: u64,
+    /// Time between two faults.
+    #[arg(long, default_value = "200ms", value_parser = humantime_ms)]
+    fault_interval: Duration,
+}
+
+fn humantime_ms(raw: &str) -> std::result::Result<Duration, String> {
+    gpumedic_runtime::config::parse_duration(raw)
+}
+
+/// The JSON result.
+#[derive(Debug, serde::Serialize)]
+pub struct Result {
+    scenario: &'static str,
+    nodes: usize,
+    faults: usize,
+    cordoned: usize,
+    background_rate_target: u64,
+    background_rate_achieved: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    floor_patch_p50_ms: f64,
+    floor_patch_p99_ms: f64,
+}
+
+fn release_binary(name: &str) -> anyhow::Result<String> {
+    let p = std::env::current_exe()?.with_file_name(name);
+    anyhow::ensure!(p.is_file(), "{} is missing: `cargo build --release -p {name}`", p.display());
+    Ok(p.display().to_string())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// Runs the scenario and prints one line per figure.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let bootstrap = testbed::require_kafka().await?;
+    let client = testbed::require_kubernetes().await?;
+    let admin_db = testbed::require_postgres().await?;
+    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let run = testbed::unique_name("bench-latency");
+    let verdicts = format!("{run}.verdicts");
+    let actions = format!("{run}.actions");
+    settings
+        .ensure_topics(&stage_topics(&[topics::HEALTH_RAW, topics::HEALTH_ENRICHED], &[], topics::DEFAULT_PARTITIONS))
+        .await?;
+    settings
+        .ensure_topics(&[
+            TopicSpec::new(&verdicts, topics::DEFAULT_PARTITIONS),
+            TopicSpec::new(&actions, topics::DEFAULT_PARTITIONS),
+        ])
+        .await?;
+
+    // The fleet and the floor.
+    let nodes_api: Api<Node> = Api::all(client.clone());
+    let names: Vec<String> = (0..o.nodes).map(|i| format!("{run}-{i:04}")).collect();
+    futures::stream::iter(names.iter().map(|name| {
+        let api = nodes_api.clone();
+        let run = run.clone();
+        async move {
+            let node: Node = serde_json::from_value(json!({ "metadata": { "name": name,
+                "labels": { "gpumedic-bench/latency": run, "nvidia.com/gpu.present": "true" } } }))?;
+            api.create(&PostParams::default(), &node).await.with_context(|| format!("create node {name}"))?;
+            Ok::<_, anyhow::Error>(())
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await?;
+    let mut floor: Vec<f64> = Vec::new();
+    for name in names.iter().take(100) {
+        let t = Instant::now();
+        let patch = json!({ "metadata": { "labels": { "gpumedic-bench/touched": "yes" } } });
+        nodes_api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        floor.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    floor.sort_by(f64::total_cmp);
+    let ns = testbed::unique_name("bench-latency-ns");
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } }))?).await?;
+
+    // The services.
+    let db = testbed::unique_name("bench_latency").replace('-', "_");
+    let url = testbed::fresh_database(&admin_db, &db).await?;
+    let common = |group: &str| {
+        vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
+            ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned()),
+            ("GPUMEDIC_GROUP", testbed::unique_name(group)),
+            ("GPUMEDIC_LOG", "warn".to_owned()),
+            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+        ]
+    };
+    let mut enricher =
+        testbed::ServiceProcess::start(&release_binary("gpumedic-enricher")?, &[], &common("bench-enricher"))?;
+    let mut env = common("bench-classifier");
+    env.extend([
+        ("GPUMEDIC_DATABASE_URL", url.clone()),
+        ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+        ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
+    ]);
+    let mut classifier = testbed::ServiceProcess::start(&release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut env = common("bench-remediator");
+    env.extend([
+        ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+        ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
+        ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
+        ("GPUMEDIC_MODE", "cordon-drain".to_owned()),
+        ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-bench/latency={run}")),
+        ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".to_owned()),
+        ("GPUMEDIC_BREAKER_MAX_COUNT", "100000".to_owned()),
+        ("GPUMEDIC_QUARANTINES_PER_MINUTE", "100000".to_owned()),
+    ]);
+    let mut remediator = testbed::ServiceProcess::start(&release_binary("gpumedic-remediator")?, &[], &env)?;
+    for s in [&mut enricher, &mut classifier, &mut remediator] {
+        s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
+    }
+
+    // Cordons, as a watch sees them.
+    let cordoned_at: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watch = {
+        let seen = cordoned_at.clone();
+        let api = nodes_api.clone();
+        let selector = format!("gpumedic-bench/latency={run}");
+        tokio::spawn(async move {
+            let stream = watcher(api, watcher::Config::default().labels(&selector));
+            futures::pin_mut!(stream);
+            while let Some(Ok(event)) = stream.next().await {
+                let nodes: Vec<Node> = match event {
+                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => vec![n],
+                    _ => vec![],
+                };
+                for n in nodes {
+                    if n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+                        && let Some(name) = n.metadata.name
+                    {
+                        seen.lock().expect("lock").entry(name).or_insert_with(Instant::now);
+                    }
+                }
+            }
+        })
+    };
+
+    // The background load, paced every 10 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let background = {
+        let (stop, sent, names, bootstrap) = (stop.clone(), sent.clone(), names.clone(), bootstrap.clone());
+        let rate = o.background_rate;
+        std::thread::spawn(move || -> anyhow::Result<f64> {
+            let producer = crate::scratch_producer(&bootstrap)?;
+            let start = Instant::now();
+            let mut buffer = Vec::with_capacity(512);
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+                while i < due {
+                    let node = &names[(i as usize) % names.len()];
+                    let gpu = (i as usize / names.len()) % 8;
+                    let entity = Entity {
+                        gpu_uuid: Some(format!("GPU-{node}-{gpu}")),
+                        gpu_index: Some(gpu as i32),
+                        ..Default::default()
+                    };
+                    let detail = Detail::Temperature(TemperatureDetail {
+                        celsius: 55 + (i % 20) as i32,
+                        slowdown_celsius: Some(87),
+                        shutdown_celsius: Some(92),
+                    });
+                    let mut e = HealthEvent::new(node.as_str(), Source::Nvml, Component::Gpu, entity, detail);
+                    e.healthy = true;
+                    buffer.clear();
+                    gpumedic_schemas::codec::encode_into(&e, &mut buffer)?;
+                    crate::send(
+                        &producer,
+                        BaseRecord::to(topics::HEALTH_RAW).key(node.as_str()).payload(buffer.as_slice()),
+                    )?;
+                    i += 1;
+                }
+                producer.poll(Duration::ZERO);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            producer.flush(Duration::from_secs(30))?;
+            sent.store(i, Ordering::Relaxed);
+            Ok(i as f64 / start.elapsed().as_secs_f64())
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // The faults.
+    let producer = settings.producer("bench-latency-faults")?;
+    let mut faulted_at: HashMap<String, Instant> = HashMap::new();
+    for name in names.iter().take(o.faults) {
+        let detail = Detail::Xid(XidDetail {
+            code: 79,
+            text: "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.".into(),
+            pid: None,
+            process: None,
+            nvlink5: None,
+            recovery_action: None,
+        });
+        let event = HealthEvent::new(name.as_str(), Source::KernelLog, Component::Gpu, Entity::default(), detail);
+        let bytes = gpumedic_schemas::encode(&event)?;
+        faulted_at.insert(name.clone(), Instant::now());
+        gpumedic_runtime::kafka::publish(&producer, topics::HEALTH_RAW, name, &bytes, &[]).await?;
+        tokio::time::sleep(o.fault_interval).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while cordoned_at.lock().expect("lock").len() < faulted_at.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let achieved = background.join().map_err(|_| anyhow::anyhow!("the background producer panicked"))??;
+    watch.abort();
+
+    let seen = cordoned_at.lock().expect("lock").clone();
+    let mut latencies: Vec<f64> = faulted_at
+        .iter()
+        .filter_map(|(n, t)| seen.get(n).map(|c| c.saturating_duration_since(*t).as_secs_f64() * 1000.0))
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    for s in [&mut enricher, &mut classifier, &mut remediator] {
+        let _ = s.terminate(Duration::from_secs(20)).await;
+    }
+    futures::stream::iter(names.iter().map(|n| {
+        let api = nodes_api.clone();
+        async move {
+            let _ = api.delete(n, &DeleteParams::default()).await;
+        }
+    }))
+    .buffer_unordered(32)
+    .collect::<Vec<()>>()
+    .await;
+
+    let result = Result {
+        scenario: "latency",
+        nodes: o.nodes,
+        faults: faulted_at.len(),
+        cordoned: latencies.len(),
+        background_rate_target: o.background_rate,
+        background_rate_achieved: achieved,
+        p50_ms: percentile(&latencies, 0.50),
+        p99_ms: percentile(&latencies, 0.99),
+        max_ms: latencies.last().copied().unwrap_or(f64::NAN),
+        floor_patch_p50_ms: percentile(&floor, 0.50),
+        floor_patch_p99_ms: percentile(&floor, 0.99),
+    };
+    println!(
+        "latency: fault to cordon over {} of {} faults under {:.0} background events/s: p50 {:.0} ms, p99 {:.0} ms, \
+         max {:.0} ms (goal p99 < 1000 ms) beside a plain node patch p50 {:.1} ms, p99 {:.1} ms",
+        result.cordoned,
+        result.faults,
+        result.background_rate_achieved,
+        result.p50_ms,
+        result.p99_ms,
+        result.max_ms,
+        result.floor_patch_p50_ms,
+        result.floor_patch_p99_ms
+    );
+    Ok(result)
+}
