@@ -31,9 +31,11 @@ fmt:
 # in target/load-tests/*.json and figures in docs/benchmarks.md.
 bench:
     ./compose/up >/dev/null
-    {{cargo}} build --release -p gpumedic -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
+    {{cargo}} build --release -p gpumedic -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
     eval "$(./compose/env)" && target/release/gpumedic-load-tests kafka-ceiling --records 200000
     eval "$(./compose/env)" && target/release/gpumedic-load-tests classify-throughput
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests pipeline-throughput
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests latency
     eval "$(./compose/env)" && target/release/gpumedic-load-tests backtest
     eval "$(./compose/env)" && target/release/gpumedic-load-tests remediation
 

@@ -291,7 +291,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 }
 
 /// The sum of the samples of `name` (a metric name, or a name with its labels) in Prometheus text.
-fn metric(text: &str, name: &str) -> f64 {
+pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| {
             l.strip_prefix(name)

@@ -6,6 +6,8 @@
 //! - `classify-throughput`: the classifier binary working through a pre-filled topic of enriched
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
+//! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
+//!   passthrough (see [`pipeline`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
@@ -13,6 +15,7 @@
 mod backtest;
 mod classify;
 mod latency;
+mod pipeline;
 
 mod remediation;
 
@@ -58,13 +61,15 @@ enum Scenario {
     Backtest(backtest::Options),
     /// Fault to cordon through the enricher, classifier and remediator, under background load.
     Latency(latency::Options),
+    /// Raw events per second through the enricher and classifier, beside the Kafka passthrough.
+    PipelineThroughput(pipeline::Options),
     /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
     /// mass drain (see load-tests/src/remediation.rs).
     Remediation(remediation::Args),
 }
 
 #[derive(Debug, serde::Serialize)]
-struct CeilingResult {
+pub(crate) struct CeilingResult {
     scenario: &'static str,
     records: usize,
     record_bytes: usize,
@@ -96,6 +101,13 @@ async fn main() -> anyhow::Result<()> {
             let result = classify::run(options).await?;
             std::fs::create_dir_all(&cli.out_dir)?;
             let path = cli.out_dir.join("classify-throughput.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
+            println!("result written to {}", path.display());
+        }
+        Scenario::PipelineThroughput(options) => {
+            let result = pipeline::run(options).await?;
+            std::fs::create_dir_all(&cli.out_dir)?;
+            let path = cli.out_dir.join("pipeline-throughput.json");
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }
@@ -149,7 +161,7 @@ pub(crate) fn send(
     }
 }
 
-async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
+pub(crate) async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
     let bootstrap = testbed::require_kafka().await?;
     let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
     let topic = testbed::unique_name("ceiling");
