@@ -11,10 +11,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
 use gpumedic_runtime::testbed;
-use rdkafka::consumer::Consumer as _;
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
@@ -74,20 +72,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     println!("backtest: {} enriched events on {} partitions ({} nodes)", o.events, o.partitions, o.nodes);
 
     // The raw Kafka consume rate of the same records.
-    let readiness = Readiness::default();
-    let consumer = settings.consumer(
-        "load-tests",
-        &testbed::unique_name("bench-raw"),
-        &[topic.as_str()],
-        readiness.register("a"),
-    )?;
-    let start = Instant::now();
-    for _ in 0..o.events {
-        tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
-    }
-    let kafka_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
-    consumer.unsubscribe();
-    drop(consumer);
+    let kafka_per_sec = crate::raw_consume_rate(&settings, &topic, o.events).await?;
     println!("  kafka consume (raw):           {kafka_per_sec:>9.0} events/s");
 
     let start = Instant::now();

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use gpumedic_classifier::store;
-use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::enriched::NodeContext;
@@ -25,7 +24,6 @@ use gpumedic_schemas::health::{
     XidDetail,
 };
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
-use rdkafka::consumer::Consumer as _;
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
@@ -175,20 +173,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     println!("classify-throughput: {} enriched events of {avro_bytes} B on {} partitions", o.events, o.partitions);
 
     // (a) The raw Kafka consume rate of the same records.
-    let readiness = Readiness::default();
-    let consumer = settings.consumer(
-        "load-tests",
-        &testbed::unique_name("bench-raw"),
-        &[enriched.as_str()],
-        readiness.register("a"),
-    )?;
-    let start = Instant::now();
-    for _ in 0..o.events {
-        tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
-    }
-    let kafka_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
-    consumer.unsubscribe();
-    drop(consumer);
+    let kafka_per_sec = crate::raw_consume_rate(&settings, &enriched, o.events).await?;
     println!("  kafka consume (raw):            {kafka_per_sec:>9.0} events/s");
 
     // (b) The raw Postgres insert rate: the classifier's batch statement, rows built beforehand.

@@ -68,12 +68,6 @@ pub struct Result {
     floor_patch_p99_ms: f64,
 }
 
-fn release_binary(name: &str) -> anyhow::Result<String> {
-    let p = std::env::current_exe()?.with_file_name(name);
-    anyhow::ensure!(p.is_file(), "{} is missing: `cargo build --release -p {name}`", p.display());
-    Ok(p.display().to_string())
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -131,24 +125,16 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     // The services.
     let db = testbed::unique_name("bench_latency").replace('-', "_");
     let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = |group: &str| {
-        vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-            ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned()),
-            ("GPUMEDIC_GROUP", testbed::unique_name(group)),
-            ("GPUMEDIC_LOG", "warn".to_owned()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-        ]
-    };
+    let common = |group: &str| crate::service_env(&bootstrap, group);
     let mut enricher =
-        testbed::ServiceProcess::start(&release_binary("gpumedic-enricher")?, &[], &common("bench-enricher"))?;
+        testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &common("bench-enricher"))?;
     let mut env = common("bench-classifier");
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
         ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
     ]);
-    let mut classifier = testbed::ServiceProcess::start(&release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut classifier = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
     let mut env = common("bench-remediator");
     env.extend([
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
@@ -160,7 +146,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ("GPUMEDIC_BREAKER_MAX_COUNT", "100000".to_owned()),
         ("GPUMEDIC_QUARANTINES_PER_MINUTE", "100000".to_owned()),
     ]);
-    let mut remediator = testbed::ServiceProcess::start(&release_binary("gpumedic-remediator")?, &[], &env)?;
+    let mut remediator = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
     for s in [&mut enricher, &mut classifier, &mut remediator] {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }

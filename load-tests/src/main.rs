@@ -144,6 +144,40 @@ pub(crate) fn scratch_producer(bootstrap: &str) -> anyhow::Result<ThreadedProduc
         .context("producer")
 }
 
+/// Reads `records` records of `topic` in a new consumer group with the services' consumer, doing
+/// nothing with them: the raw consume rate the scenarios print their figures beside.
+pub(crate) async fn raw_consume_rate(settings: &KafkaSettings, topic: &str, records: usize) -> anyhow::Result<f64> {
+    let readiness = Readiness::default();
+    let consumer =
+        settings.consumer("load-tests", &testbed::unique_name("bench-raw"), &[topic], readiness.register("a"))?;
+    let start = Instant::now();
+    for _ in 0..records {
+        tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
+    }
+    let per_sec = records as f64 / start.elapsed().as_secs_f64();
+    consumer.unsubscribe();
+    Ok(per_sec)
+}
+
+/// A release binary built next to this program (the services the scenarios start).
+pub(crate) fn release_binary(name: &str) -> anyhow::Result<String> {
+    let p = std::env::current_exe()?.with_file_name(name);
+    anyhow::ensure!(p.is_file(), "{} is missing: `cargo build --release -p {name}`", p.display());
+    Ok(p.display().to_string())
+}
+
+/// The environment of a pipeline service a scenario starts: the testbed's Kafka, a new consumer
+/// group `group` that begins at the end of the topics, warnings only, the testbed's kubeconfig.
+pub(crate) fn service_env(bootstrap: &str, group: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.to_owned()),
+        ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned()),
+        ("GPUMEDIC_GROUP", testbed::unique_name(group)),
+        ("GPUMEDIC_LOG", "warn".to_owned()),
+        ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+    ]
+}
+
 /// Queues `record`, waiting while librdkafka's queue is full.
 pub(crate) fn send(
     producer: &ThreadedProducer<DefaultProducerContext>,

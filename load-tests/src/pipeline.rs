@@ -41,12 +41,6 @@ pub struct Result {
     rows: i64,
 }
 
-fn release_binary(name: &str) -> anyhow::Result<String> {
-    let p = std::env::current_exe()?.with_file_name(name);
-    anyhow::ensure!(p.is_file(), "{} is missing: `cargo build --release -p {name}`", p.display());
-    Ok(p.display().to_string())
-}
-
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
@@ -70,24 +64,19 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 
     let db = testbed::unique_name("bench_pipeline").replace('-', "_");
     let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = |group: &str| {
-        vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-            ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned()),
-            ("GPUMEDIC_GROUP", testbed::unique_name(group)),
-            ("GPUMEDIC_LOG", "warn".to_owned()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-        ]
-    };
-    let mut enricher =
-        testbed::ServiceProcess::start(&release_binary("gpumedic-enricher")?, &[], &common("bench-pipeline-enricher"))?;
+    let common = |group: &str| crate::service_env(&bootstrap, group);
+    let mut enricher = testbed::ServiceProcess::start(
+        &crate::release_binary("gpumedic-enricher")?,
+        &[],
+        &common("bench-pipeline-enricher"),
+    )?;
     let mut env = common("bench-pipeline-classifier");
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", testbed::unique_name("bench-pipeline-verdicts")),
         ("GPUMEDIC_ACTIONS_TOPIC", testbed::unique_name("bench-pipeline-actions")),
     ]);
-    let mut classifier = testbed::ServiceProcess::start(&release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut classifier = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
     for s in [&mut enricher, &mut classifier] {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
