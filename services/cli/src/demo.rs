@@ -527,11 +527,11 @@ async fn print_history(db: &sqlx::PgPool, nodes_like: &str) -> anyhow::Result<()
     .bind(nodes_like)
     .fetch_all(db)
     .await?;
-    let header = ["NODE", "RULE", "SEVERITY", "OPENED", "RESOLVED", "SECONDS OUT", "ACTIONS"].map(str::to_owned);
-    let table: Vec<[String; 7]> = rows
+    let header = ["NODE", "RULE", "SEVERITY", "OPENED", "RESOLVED", "SECONDS OUT", "ACTIONS"];
+    let table: Vec<Vec<String>> = rows
         .into_iter()
         .map(|(node, rule, severity, opened, resolved, secs, actions)| {
-            [
+            vec![
                 node,
                 rule,
                 severity,
@@ -542,15 +542,8 @@ async fn print_history(db: &sqlx::PgPool, nodes_like: &str) -> anyhow::Result<()
             ]
         })
         .collect();
-    let mut widths = header.clone().map(|h| h.len());
-    for row in &table {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.len());
-        }
-    }
-    for row in std::iter::once(&header).chain(&table) {
-        let cells: Vec<String> = row.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
-        tell(cells.join("  ").trim_end());
+    for line in crate::incidents::table(&header, &table).lines() {
+        tell(line);
     }
     Ok(())
 }

@@ -137,7 +137,8 @@ pub fn incident_story(d: &Value) -> String {
     out
 }
 
-fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+/// Aligned columns, two spaces apart, trailing blanks trimmed: every table the CLI prints.
+pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in rows {
         for (w, c) in widths.iter_mut().zip(r) {

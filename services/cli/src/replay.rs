@@ -794,12 +794,12 @@ impl Report {
             }
             return s;
         }
-        let rows: Vec<[String; 7]> = self
+        let rows: Vec<Vec<String>> = self
             .differences
             .iter()
             .take(limit)
             .map(|d| {
-                [
+                vec![
                     d.change.to_owned(),
                     d.issued_at.clone(),
                     d.node.clone(),
@@ -810,18 +810,8 @@ impl Report {
                 ]
             })
             .collect();
-        let header = ["CHANGE", "ISSUED", "NODE", "GPU", "RULE", "RECORDED", "BACKTEST"].map(str::to_owned);
-        let mut widths = header.clone().map(|h| h.len());
-        for row in &rows {
-            for (w, cell) in widths.iter_mut().zip(row) {
-                *w = (*w).max(cell.len());
-            }
-        }
-        for row in std::iter::once(&header).chain(&rows) {
-            let cells: Vec<String> = row.iter().zip(widths).map(|(c, w)| format!("{c:<w$}")).collect();
-            s.push_str(cells.join("  ").trim_end());
-            s.push('\n');
-        }
+        let header = ["CHANGE", "ISSUED", "NODE", "GPU", "RULE", "RECORDED", "BACKTEST"];
+        s.push_str(&crate::incidents::table(&header, &rows));
         if self.differences.len() > limit {
             s.push_str(&format!(
                 "... and {} more (--limit, or --output json for all)\n",

@@ -14,7 +14,6 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::control::{self, StatusClient};
 use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
-use gpumedic_runtime::kafka::{KafkaSettings, publish};
 use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -83,27 +82,12 @@ impl World {
     }
 
     async fn publish(&self, verdict: &Verdict) {
-        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
-            .producer("control-test")
-            .expect("producer");
-        publish(&producer, &self.verdicts, &verdict.node, &gpumedic_schemas::encode(verdict).unwrap(), &[])
-            .await
-            .expect("verdict published");
+        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
     }
 
     /// Waits for the outcome of verdict `id` that `want` accepts.
     async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
-        let record = testbed::wait_for_record(
-            &self.actions,
-            |r| {
-                gpumedic_schemas::decode::<ActionOutcome>(r.payload.as_deref().unwrap_or_default())
-                    .is_ok_and(|o| o.verdict_id == id && want(&o))
-            },
-            Duration::from_secs(120),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("no matching outcome for verdict {id}: {e}"));
-        gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
+        wait_for_outcome(&self.actions, id, want).await
     }
 
     /// Every outcome on the actions topic, read until it has been quiet for a few seconds.

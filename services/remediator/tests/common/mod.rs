@@ -249,3 +249,35 @@ pub async fn cleanup(client: &kube::Client, nodes: &[&str], namespaces: &[&str])
         let _ = ns.delete(name, &DeleteParams::default()).await;
     }
 }
+
+/// Publishes `verdict` on `topic`, keyed by its node, as the classifier would.
+pub async fn publish_verdict(bootstrap: &str, topic: &str, verdict: &gpumedic_schemas::Verdict) {
+    let producer = gpumedic_runtime::kafka::KafkaSettings {
+        bootstrap: bootstrap.to_owned(),
+        options: vec![],
+        schema_registry: None,
+    }
+    .producer("remediator-test")
+    .expect("producer");
+    let bytes = gpumedic_schemas::encode(verdict).expect("the verdict encodes");
+    gpumedic_runtime::kafka::publish(&producer, topic, &verdict.node, &bytes, &[]).await.expect("verdict published");
+}
+
+/// Waits (up to 2 minutes) for an outcome of verdict `id` on `actions` that `want` accepts.
+pub async fn wait_for_outcome(
+    actions: &str,
+    id: uuid::Uuid,
+    want: impl Fn(&gpumedic_schemas::ActionOutcome) -> bool,
+) -> gpumedic_schemas::ActionOutcome {
+    let record = testbed::wait_for_record(
+        actions,
+        |r| {
+            gpumedic_schemas::decode::<gpumedic_schemas::ActionOutcome>(r.payload.as_deref().unwrap_or_default())
+                .is_ok_and(|o| o.verdict_id == id && want(&o))
+        },
+        Duration::from_secs(120),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("no matching outcome for verdict {id}: {e}"));
+    gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
+}
