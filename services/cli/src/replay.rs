@@ -29,7 +29,6 @@ use gpumedic_classifier::rules::{self, Engine, RuleSet, SyntheticPolicy};
 use gpumedic_runtime::config::{Validate as _, render_problems};
 use gpumedic_runtime::kafka::{KafkaArgs, KafkaSettings};
 use gpumedic_schemas::{EnrichedHealthEvent, Verdict, topics};
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
@@ -298,15 +297,6 @@ fn drain(rx: &Receiver<Vec<Item>>, f: &mut impl FnMut(Item) -> anyhow::Result<()
 
 const BATCH: usize = 2_000;
 
-fn client_config(settings: &KafkaSettings) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &settings.bootstrap).set("client.id", "gpumedic-replay");
-    for (k, v) in &settings.options {
-        c.set(k, v);
-    }
-    c
-}
-
 /// Reads `topic` over `range` into `tx` in batches, stopping at the end offsets of the start.
 fn read_topic(
     settings: &KafkaSettings,
@@ -314,15 +304,21 @@ fn read_topic(
     range: TimeRange,
     tx: &SyncSender<Vec<Item>>,
 ) -> anyhow::Result<()> {
-    let mut config = client_config(settings);
     // Assigned, never subscribed: the group id is required by librdkafka but nothing is committed.
-    config
-        .set("group.id", format!("gpumedic-replay-{}", uuid::Uuid::new_v4()))
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("fetch.max.bytes", "52428800")
-        .set("max.partition.fetch.bytes", "10485760");
-    let consumer: BaseConsumer = config.create().context("cannot create the Kafka consumer")?;
+    let group = format!("gpumedic-replay-{}", uuid::Uuid::new_v4());
+    let consumer: BaseConsumer = settings
+        .client_config_with(
+            "gpumedic-replay",
+            &[
+                ("group.id", &group),
+                ("enable.auto.commit", "false"),
+                ("enable.auto.offset.store", "false"),
+                ("fetch.max.bytes", "52428800"),
+                ("max.partition.fetch.bytes", "10485760"),
+            ],
+        )
+        .create()
+        .context("cannot create the Kafka consumer")?;
     let timeout = Duration::from_secs(15);
     let metadata = consumer.fetch_metadata(Some(topic), timeout).with_context(|| format!("metadata of {topic}"))?;
     let partitions: Vec<i32> = metadata
@@ -517,9 +513,13 @@ fn read_item(r: &mut impl Read, timestamp_ms: i64) -> anyhow::Result<Item> {
 }
 
 fn republish(settings: &KafkaSettings, topic: &str, source: Source) -> anyhow::Result<u64> {
-    let mut config = client_config(settings);
-    config.set("acks", "all").set("enable.idempotence", "true").set("linger.ms", "20").set("compression.type", "lz4");
-    let producer: ThreadedProducer<DefaultProducerContext> = config.create().context("cannot create the producer")?;
+    let producer: ThreadedProducer<DefaultProducerContext> = settings
+        .client_config_with(
+            "gpumedic-replay",
+            &[("acks", "all"), ("enable.idempotence", "true"), ("linger.ms", "20"), ("compression.type", "lz4")],
+        )
+        .create()
+        .context("cannot create the producer")?;
     let count = source.for_each(|item| {
         let mut headers = OwnedHeaders::new();
         for (k, v) in &item.headers {

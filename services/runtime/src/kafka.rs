@@ -190,6 +190,17 @@ impl KafkaSettings {
         }
     }
 
+    /// A librdkafka configuration for a client of a tool (not a service loop): the bootstrap
+    /// servers, `client_id`, then `properties`, then the operator's `--kafka-option`s, which win.
+    pub fn client_config_with(&self, client_id: &str, properties: &[(&str, &str)]) -> ClientConfig {
+        let mut c = self.client_config(client_id);
+        for (k, v) in properties {
+            c.set(*k, *v);
+        }
+        self.apply_options(&mut c);
+        c
+    }
+
     /// An idempotent producer that waits for all in-sync replicas, so an acknowledged record is
     /// durable and a retried one is not duplicated.
     pub fn producer(&self, client_id: &str) -> Result<Producer, KafkaError> {
