@@ -125,17 +125,20 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     // The services.
     let db = testbed::unique_name("bench_latency").replace('-', "_");
     let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = |group: &str| crate::service_env(&bootstrap, group);
-    let mut enricher =
-        testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &common("bench-enricher"))?;
-    let mut env = common("bench-classifier");
+    let common = async |group: &str| crate::service_env(&bootstrap, group).await;
+    let mut enricher = testbed::ServiceProcess::start(
+        &crate::release_binary("gpumedic-enricher")?,
+        &[],
+        &common("bench-enricher").await?,
+    )?;
+    let mut env = common("bench-classifier").await?;
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
         ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
     ]);
     let mut classifier = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
-    let mut env = common("bench-remediator");
+    let mut env = common("bench-remediator").await?;
     env.extend([
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
         ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),

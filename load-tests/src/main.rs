@@ -167,15 +167,18 @@ pub(crate) fn release_binary(name: &str) -> anyhow::Result<String> {
 }
 
 /// The environment of a pipeline service a scenario starts: the testbed's Kafka, a new consumer
-/// group `group` that begins at the end of the topics, warnings only, the testbed's kubeconfig.
-pub(crate) fn service_env(bootstrap: &str, group: &str) -> Vec<(&'static str, String)> {
-    vec![
+/// group named after `group` and committed at the end of the pipeline topics (so it reads only
+/// this scenario's records, and every one of them), warnings only, the testbed's kubeconfig.
+pub(crate) async fn service_env(bootstrap: &str, group: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let group = testbed::unique_name(group);
+    let kafka = KafkaSettings { bootstrap: bootstrap.to_owned(), options: vec![], schema_registry: None };
+    kafka.start_group_at_end(&group, &gpumedic_schemas::topics::ALL).await?;
+    Ok(vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.to_owned()),
-        ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned()),
-        ("GPUMEDIC_GROUP", testbed::unique_name(group)),
+        ("GPUMEDIC_GROUP", group),
         ("GPUMEDIC_LOG", "warn".to_owned()),
         ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-    ]
+    ])
 }
 
 /// Queues `record`, waiting while librdkafka's queue is full.

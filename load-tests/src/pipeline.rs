@@ -64,13 +64,13 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 
     let db = testbed::unique_name("bench_pipeline").replace('-', "_");
     let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = |group: &str| crate::service_env(&bootstrap, group);
+    let common = async |group: &str| crate::service_env(&bootstrap, group).await;
     let mut enricher = testbed::ServiceProcess::start(
         &crate::release_binary("gpumedic-enricher")?,
         &[],
-        &common("bench-pipeline-enricher"),
+        &common("bench-pipeline-enricher").await?,
     )?;
-    let mut env = common("bench-pipeline-classifier");
+    let mut env = common("bench-pipeline-classifier").await?;
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", testbed::unique_name("bench-pipeline-verdicts")),

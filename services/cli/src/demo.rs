@@ -326,10 +326,6 @@ async fn story(
 ) -> anyhow::Result<()> {
     let [collector, enricher, classifier, remediator] = cx.bins;
     let bootstrap = env["KAFKA_BOOTSTRAP"].clone();
-    // Each run uses new consumer groups; starting them at the end of the topics keeps this run's
-    // story from queueing behind every record earlier runs and tests left (production groups start
-    // at the beginning, so nothing is missed after a first deployment).
-    let fresh = "auto.offset.reset=latest".to_owned();
     let common = |port: u16| {
         vec![
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
@@ -354,17 +350,20 @@ async fn story(
         services.start(&format!("collector-{i}"), collector, &e, logs)?;
         ports.push(port);
     }
+    // Each run uses new consumer groups, committed at the end of the topics before the services
+    // start: this run's story does not queue behind every record earlier runs and tests left, and
+    // no record of this run is skipped (production groups start at the beginning).
     let group = |s: &str| format!("demo-{}-{s}", cx.run_id);
+    let kafka =
+        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    for s in ["enricher", "classifier", "remediator"] {
+        kafka.start_group_at_end(&group(s), &gpumedic_schemas::topics::ALL).await?;
+    }
     let mut e = common(9402);
-    e.extend([
-        ("GPUMEDIC_KAFKA_OPTIONS", fresh.clone()),
-        ("GPUMEDIC_GROUP", group("enricher")),
-        ("GPUMEDIC_CLUSTER_NAME", "demo".into()),
-    ]);
+    e.extend([("GPUMEDIC_GROUP", group("enricher")), ("GPUMEDIC_CLUSTER_NAME", "demo".into())]);
     services.start("enricher", enricher, &e, logs)?;
     let mut e = common(9403);
     e.extend([
-        ("GPUMEDIC_KAFKA_OPTIONS", fresh.clone()),
         ("GPUMEDIC_GROUP", group("classifier")),
         ("GPUMEDIC_DATABASE_URL", env["DATABASE_URL"].clone()),
         ("GPUMEDIC_RULES_DIR", cx.rules.display().to_string()),
@@ -374,7 +373,6 @@ async fn story(
     services.start("classifier", classifier, &e, logs)?;
     let mut e = common(9404);
     e.extend([
-        ("GPUMEDIC_KAFKA_OPTIONS", fresh),
         ("GPUMEDIC_GROUP", group("remediator")),
         ("GPUMEDIC_MODE", "cordon-drain".into()),
         ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/demo={}", cx.run_id)),

@@ -99,9 +99,17 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     let (otlp_endpoint, jaeger) = testbed::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
     let otlp = ("GPUMEDIC_OTLP_ENDPOINT", otlp_endpoint);
     let synthetic = testbed::free_local_addr().unwrap();
-    // New groups start at the end of the topics: this test's records are not queued behind every
-    // record earlier tests left on the shared topics.
-    let fresh = ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".to_owned());
+    // New groups, committed at the end of the topics before the services start: this test's
+    // records are not queued behind every record earlier tests left on the shared topics, and none
+    // of them is skipped.
+    let kafka_settings =
+        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let mut groups = Vec::new();
+    for s in ["e2e-enricher", "e2e-classifier", "e2e-remediator"] {
+        let group = testbed::unique_name(s);
+        kafka_settings.start_group_at_end(&group, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
+        groups.push(("GPUMEDIC_GROUP", group));
+    }
     let mut collector = ServiceProcess::start(
         &bin("gpumedic-collector"),
         &[],
@@ -126,13 +134,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     let mut enricher = ServiceProcess::start(
         &bin("gpumedic-enricher"),
         &[],
-        &[
-            kafka.clone(),
-            otlp.clone(),
-            fresh.clone(),
-            ("GPUMEDIC_GROUP", testbed::unique_name("e2e-enricher")),
-            ("KUBECONFIG", kubeconfig.clone()),
-        ],
+        &[kafka.clone(), otlp.clone(), groups[0].clone(), ("KUBECONFIG", kubeconfig.clone())],
     )
     .unwrap();
     let mut classifier = ServiceProcess::start(
@@ -141,8 +143,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[
             kafka.clone(),
             otlp.clone(),
-            fresh.clone(),
-            ("GPUMEDIC_GROUP", testbed::unique_name("e2e-classifier")),
+            groups[1].clone(),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
             ("GPUMEDIC_ALLOW_SYNTHETIC", "true".into()),
@@ -156,8 +157,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         &[
             kafka.clone(),
             otlp.clone(),
-            fresh.clone(),
-            ("GPUMEDIC_GROUP", testbed::unique_name("e2e-remediator")),
+            groups[2].clone(),
             ("KUBECONFIG", kubeconfig.clone()),
             // Its Lease and status object live in the test's namespace.
             ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
@@ -189,10 +189,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
 
     // Garbage on the raw topic goes to its dead-letter topic, and nothing else stops.
     let garbage_key = format!("{faulty}-garbage");
-    let producer =
-        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None }
-            .producer("e2e-garbage")
-            .unwrap();
+    let producer = kafka_settings.producer("e2e-garbage").unwrap();
     gpumedic_runtime::kafka::publish(&producer, gpumedic_schemas::topics::HEALTH_RAW, &garbage_key, b"\xde\xad", &[])
         .await
         .unwrap();

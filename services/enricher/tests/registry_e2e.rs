@@ -26,16 +26,17 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
     // The same subjects the services use, so the same ids.
     let codec = Codec::with_registry(&registry, RegistryOptions::default()).await.expect("registry codec");
 
+    // Only this test's records: older ones on the shared topic were written without a registry,
+    // and their embedded ids mean nothing to it.
+    let group = testbed::unique_name("enricher-registry");
+    settings.start_group_at_end(&group, &[topics::HEALTH_RAW]).await.expect("group offsets");
     let mut enricher = testbed::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             ("GPUMEDIC_SCHEMA_REGISTRY_URL", registry.clone()),
-            ("GPUMEDIC_GROUP", testbed::unique_name("enricher-registry")),
-            // Only this test's records: older ones on the shared topic were written without a
-            // registry, and their embedded ids mean nothing to it.
-            ("GPUMEDIC_KAFKA_OPTIONS", "auto.offset.reset=latest".into()),
+            ("GPUMEDIC_GROUP", group),
             ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
         ],
     )

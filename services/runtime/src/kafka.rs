@@ -281,6 +281,40 @@ impl KafkaSettings {
         }
         Ok(())
     }
+
+    /// Commits, for the new consumer group `group`, the current end of every partition of
+    /// `topics`, so the group's members start exactly there: at records written after this call.
+    /// `auto.offset.reset=latest` is not the same: the end is looked up only once a member has
+    /// its partitions, so a record written between readiness and that lookup is skipped. A topic
+    /// that does not exist yet is left out (the group reads it from the beginning).
+    pub async fn start_group_at_end(&self, group: &str, topics: &[&str]) -> Result<(), KafkaError> {
+        let c =
+            self.client_config_with("gpumedic-group-start", &[("group.id", group), ("enable.auto.commit", "false")]);
+        let topics: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer =
+                c.create().map_err(|source| KafkaError::Client { what: "consumer", source })?;
+            let timeout = Duration::from_secs(10);
+            let mut ends = rdkafka::TopicPartitionList::new();
+            for topic in &topics {
+                let metadata = consumer.fetch_metadata(Some(topic), timeout).map_err(KafkaError::Commit)?;
+                let Some(t) = metadata.topics().iter().find(|t| t.name() == topic && t.error().is_none()) else {
+                    continue;
+                };
+                for p in t.partitions() {
+                    let (_, high) = consumer.fetch_watermarks(topic, p.id(), timeout).map_err(KafkaError::Commit)?;
+                    ends.add_partition_offset(topic, p.id(), rdkafka::Offset::Offset(high))
+                        .map_err(KafkaError::Commit)?;
+                }
+            }
+            if ends.count() > 0 {
+                consumer.commit(&ends, CommitMode::Sync).map_err(KafkaError::Commit)?;
+            }
+            Ok(())
+        })
+        .await
+        .expect("the offset commit does not panic")
+    }
 }
 
 /// The consumer's context: readiness on assignment, a commit on revoke, lag in the metrics.
@@ -1012,6 +1046,43 @@ mod tests {
             total += high;
         }
         assert_eq!(total, 50);
+    }
+
+    /// Against the testbed's Kafka: a group started at the end reads only what was written after,
+    /// including a record written before any member has its partitions; a missing topic is left out.
+    #[tokio::test]
+    async fn a_group_started_at_the_end_reads_every_later_record_and_no_earlier_one() {
+        use rdkafka::Message as _;
+        use rdkafka::consumer::StreamConsumer;
+        let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let topic = crate::testbed::unique_name("group-end");
+        let group = crate::testbed::unique_name("group-end");
+        settings.ensure_topics(&[TopicSpec::new(&topic, 3)]).await.expect("topic");
+        let producer = settings.producer("group-end-test").expect("producer");
+        for i in 0..20 {
+            publish(&producer, &topic, &format!("k{i}"), b"before", &[]).await.expect("published");
+        }
+        let missing = crate::testbed::unique_name("group-end-missing");
+        settings.start_group_at_end(&group, &[&topic, &missing]).await.expect("offsets committed");
+        for i in 0..7 {
+            publish(&producer, &topic, &format!("k{i}"), b"after", &[]).await.expect("published");
+        }
+        // The member comes after the records, and would start past them with `latest`.
+        let consumer: StreamConsumer = settings
+            .client_config_with("group-end-test", &[("group.id", &group), ("auto.offset.reset", "latest")])
+            .create()
+            .expect("consumer");
+        consumer.subscribe(&[&topic]).expect("subscribed");
+        let mut payloads = Vec::new();
+        while payloads.len() < 7 {
+            let m = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+                .await
+                .unwrap_or_else(|_| panic!("only {} records after the start: {payloads:?}", payloads.len()))
+                .expect("record");
+            payloads.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
+        }
+        assert!(payloads.iter().all(|p| p == "after"), "{payloads:?}");
     }
 
     #[test]
