@@ -9,15 +9,22 @@
 //! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
 //!   passthrough (see [`pipeline`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
+//! - `fleet`: the simulated GPU fleet on its own: raw events for N nodes of 8 GPUs at a rate,
+//!   with a fault mix, into Kafka, and the fleet's Nodes and GPU pods in the apiserver (see
+//!   [`fleet`]).
+//! - `soak`: the pipeline for 30 minutes at 5,000 events per second from the simulated fleet,
+//!   each service's RSS and consumer lag sampled; both must stay flat (see [`soak`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
 
 mod backtest;
 mod classify;
+mod fleet;
 mod latency;
 mod pipeline;
 
 mod remediation;
+mod soak;
 
 use std::time::{Duration, Instant};
 
@@ -63,6 +70,12 @@ enum Scenario {
     Latency(latency::Options),
     /// Raw events per second through the enricher and classifier, beside the Kafka passthrough.
     PipelineThroughput(pipeline::Options),
+    /// The simulated GPU fleet on its own: raw events at a rate with a fault mix into Kafka, and
+    /// optionally its Nodes and GPU pods in the apiserver.
+    Fleet(fleet::Options),
+    /// The pipeline for a long run at a steady rate from the simulated fleet, memory and lag of each
+    /// service sampled (runs on request: 30 minutes by default).
+    Soak(soak::Options),
     /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
     /// mass drain (see load-tests/src/remediation.rs).
     Remediation(remediation::Args),
@@ -125,9 +138,31 @@ async fn main() -> anyhow::Result<()> {
             std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
             println!("result written to {}", path.display());
         }
+        Scenario::Fleet(options) => {
+            let result = fleet::run(options).await?;
+            write_result(&cli.out_dir, "fleet.json", &result)?;
+        }
+        Scenario::Soak(options) => {
+            let result = soak::run(options).await?;
+            write_result(&cli.out_dir, "soak.json", &result)?;
+        }
         Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
     }
     Ok(())
+}
+
+/// Writes a scenario's JSON result into `out_dir` and says where.
+fn write_result(out_dir: &std::path::Path, name: &str, result: &impl serde::Serialize) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out_dir)?;
+    let path = out_dir.join(name);
+    std::fs::write(&path, serde_json::to_vec_pretty(result)?)?;
+    println!("result written to {}", path.display());
+    Ok(())
+}
+
+/// A duration flag (`500ms`, `30s`, `30m`).
+pub(crate) fn duration(raw: &str) -> Result<Duration, String> {
+    gpumedic_runtime::config::parse_duration(raw)
 }
 
 /// The producer scenarios fill their scratch topics with: the services' settings (idempotent,

@@ -181,35 +181,13 @@ fn verdict(node: &str, action: RecommendedAction) -> Verdict {
 
 impl World {
     async fn make_nodes(&self, fleet: &str, n: usize, concurrency: usize) -> anyhow::Result<Vec<String>> {
-        let nodes: Api<Node> = Api::all(self.client.clone());
         let names: Vec<String> = (0..n).map(|i| format!("{fleet}-{i:05}")).collect();
-        futures::stream::iter(names.iter().map(|name| {
-            let nodes = nodes.clone();
-            async move {
-                let node: Node = serde_json::from_value(json!({
-                    "metadata": { "name": name, "labels": { "gpumedic-bench/fleet": fleet, "nvidia.com/gpu.present": "true" } }
-                }))?;
-                nodes.create(&PostParams::default(), &node).await.with_context(|| format!("create node {name}"))?;
-                Ok::<_, anyhow::Error>(())
-            }
-        }))
-        .buffer_unordered(concurrency)
-        .try_collect::<Vec<()>>()
-        .await?;
+        crate::fleet::create_nodes(&self.client, fleet, &names, concurrency).await?;
         Ok(names)
     }
 
     async fn delete_nodes(&self, names: &[String], concurrency: usize) {
-        let nodes: Api<Node> = Api::all(self.client.clone());
-        futures::stream::iter(names.iter().map(|name| {
-            let nodes = nodes.clone();
-            async move {
-                let _ = nodes.delete(name, &DeleteParams::default()).await;
-            }
-        }))
-        .buffer_unordered(concurrency)
-        .collect::<Vec<()>>()
-        .await;
+        crate::fleet::delete_from_apiserver(&self.client, names, None, concurrency).await;
     }
 
     /// One plain label patch per node, `concurrency` in flight.

@@ -45,6 +45,12 @@ pub struct Args {
     /// Kafka consumer group shared by all enricher replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-enricher")]
     group: String,
+    /// The topic of raw health events read (another name lets pipelines share one Kafka).
+    #[arg(long, env = "GPUMEDIC_RAW_TOPIC", default_value = topics::HEALTH_RAW)]
+    raw_topic: String,
+    /// The topic enriched events are written to.
+    #[arg(long, env = "GPUMEDIC_ENRICHED_TOPIC", default_value = topics::HEALTH_ENRICHED)]
+    enriched_topic: String,
     /// The cluster's name, recorded in every event's node context.
     #[arg(long, env = "GPUMEDIC_CLUSTER_NAME")]
     cluster_name: Option<String>,
@@ -72,6 +78,10 @@ pub struct Config {
     pub kafka: KafkaSettings,
     /// The consumer group.
     pub group: String,
+    /// The topic read.
+    pub raw_topic: String,
+    /// The topic written.
+    pub enriched_topic: String,
     /// How node context is built.
     pub context: ContextSettings,
     /// The Xid catalog.
@@ -90,6 +100,14 @@ impl Validate for Args {
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
         }
+        for (flag, topic) in [("--raw-topic", &self.raw_topic), ("--enriched-topic", &self.enriched_topic)] {
+            if topic.trim().is_empty() {
+                p.push(flag, "the topic must not be empty");
+            }
+        }
+        if self.raw_topic == self.enriched_topic {
+            p.push("--enriched-topic", "must differ from --raw-topic (the enricher would read its own output)");
+        }
         if !(1..=100_000).contains(&self.batch_max) {
             p.push("--batch-max", format!("{} is not from 1 to 100000", self.batch_max));
         }
@@ -105,6 +123,8 @@ impl Validate for Args {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
             group: self.group,
+            raw_topic: self.raw_topic,
+            enriched_topic: self.enriched_topic,
             context: ContextSettings {
                 selected_labels: self.node_labels.into_iter().filter(|l| !l.is_empty()).collect(),
                 cluster: self.cluster_name,
@@ -143,16 +163,17 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
         }
     };
-    let handler = Enrich { cache, catalog: config.catalog, producer, codec };
+    let handler =
+        Enrich { cache, catalog: config.catalog, producer, codec, enriched_topic: config.enriched_topic.clone() };
     let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();
-    let Config { kafka: settings, group, batch, .. } = config;
+    let Config { kafka: settings, group, batch, raw_topic, enriched_topic, .. } = config;
     service.shutdown.spawn("consumer", async move {
-        let specs = kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], topics::DEFAULT_PARTITIONS);
+        let specs = kafka::stage_topics(&[&raw_topic], &[&enriched_topic], topics::DEFAULT_PARTITIONS);
         if !kafka::wait_for_topics(&settings, &specs, &token).await {
             return Ok(());
         }
-        let consumer = settings.consumer(NAME, &group, &[topics::HEALTH_RAW], assigned)?;
+        let consumer = settings.consumer(NAME, &group, &[&raw_topic], assigned)?;
         let dlq = settings.producer(&format!("{NAME}-dlq"))?;
         kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
     });
@@ -169,6 +190,7 @@ pub struct Enrich {
     catalog: XidCatalog,
     producer: Producer,
     codec: Arc<Codec>,
+    enriched_topic: String,
 }
 
 impl BatchHandler for Enrich {
@@ -206,7 +228,7 @@ impl BatchHandler for Enrich {
         // idempotent producer keeps that order within each partition.
         let sends = out.iter().map(|(i, key, id, bytes)| {
             let envelope = kafka::Envelope {
-                topic: topics::HEALTH_ENRICHED,
+                topic: &self.enriched_topic,
                 key,
                 id,
                 content_type: EnrichedHealthEvent::CONTENT_TYPE,

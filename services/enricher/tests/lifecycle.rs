@@ -29,10 +29,21 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 fn invalid_config_lists_every_problem_and_exits_64() {
     let (code, stderr) = testbed::run_with_invalid_config(
         BIN,
-        &["--kafka-bootstrap", "nohost", "--kafka-option", "novalue", "--group", " "],
+        &[
+            "--kafka-bootstrap",
+            "nohost",
+            "--kafka-option",
+            "novalue",
+            "--group",
+            " ",
+            "--raw-topic",
+            "t",
+            "--enriched-topic",
+            "t",
+        ],
     );
     assert_eq!(code, Some(64), "{stderr}");
-    for field in ["--kafka-bootstrap", "--kafka-option", "--group"] {
+    for field in ["--kafka-bootstrap", "--kafka-option", "--group", "--enriched-topic"] {
         assert!(stderr.contains(field), "{field} missing from: {stderr}");
     }
 }

@@ -178,6 +178,16 @@ impl ServiceProcess {
         self.admin
     }
 
+    /// The process id (for sampling its memory from `/proc`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait()
+    }
+
     /// Polls `/readyz` until it answers 200 or `timeout` passes; the error carries the last answer.
     pub async fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
         let deadline = tokio::time::Instant::now() + timeout;

@@ -1,0 +1,330 @@
+//! `soak`: the pipeline for a long run at a steady rate (the issue's: 30 minutes at 5,000 events
+//! per second), with the resident memory of each service and its consumer lag sampled; both must
+//! stay flat.
+//!
+//! 1. The simulated fleet ([`crate::fleet`]) is created in the apiserver: `--nodes` GPU nodes,
+//!    labelled for this run only, with GPU pods.
+//! 2. The release enricher, classifier (fresh database) and remediator (`cordon-drain`, on this
+//!    run's nodes, with the default safety limits) start on topics of this run only, so other
+//!    users of the testbed's Kafka neither feed nor read it.
+//! 3. The fleet's stream, with its fault mix, is produced to the raw topic at `--rate` for
+//!    `--duration`. Every `--sample-every`: each service's RSS (`/proc/<pid>/status`), its
+//!    consumer lag (`gpumedic_<service>_consumer_lag`, from librdkafka's statistics) and the
+//!    classifier's events so far.
+//! 4. Verdicts, after the first fifth of the run (warm-up) is set aside and the rest cut in
+//!    thirds: memory is flat when the median RSS of the last third is at most 10% (and at least
+//!    8 MiB) above that of the first; lag is flat when the highest lag of the last third is at most
+//!    twice that of the first third, or under two seconds of events.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
+use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::topics;
+
+use crate::fleet::{self, Fleet};
+
+/// Options of the scenario.
+#[derive(Debug, clap::Args)]
+pub struct Options {
+    /// Events per second.
+    #[arg(long, default_value_t = 5000)]
+    rate: u64,
+    /// How long to run.
+    #[arg(long, default_value = "30m", value_parser = crate::duration)]
+    duration: Duration,
+    /// Nodes in the fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// GPU pods per node.
+    #[arg(long, default_value_t = 2)]
+    pods_per_node: usize,
+    /// Faults per minute over the whole fleet.
+    #[arg(long, default_value_t = 30.0)]
+    faults_per_minute: f64,
+    /// Time between two samples.
+    #[arg(long, default_value = "10s", value_parser = crate::duration)]
+    sample_every: Duration,
+    /// Keep the run's database (by default it is dropped at the end: a 30-minute soak writes about
+    /// 9 million rows).
+    #[arg(long)]
+    keep_database: bool,
+}
+
+/// One sample.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Sample {
+    t_s: f64,
+    produced: u64,
+    classified: f64,
+    rss_mib: BTreeMap<&'static str, f64>,
+    lag: BTreeMap<&'static str, f64>,
+}
+
+/// A service's verdict.
+#[derive(Debug, serde::Serialize)]
+pub struct Flatness {
+    service: &'static str,
+    rss_first_third_mib: f64,
+    rss_last_third_mib: f64,
+    rss_flat: bool,
+    lag_first_third_max: f64,
+    lag_last_third_max: f64,
+    lag_flat: bool,
+}
+
+/// The JSON result.
+#[derive(Debug, serde::Serialize)]
+pub struct Result {
+    scenario: &'static str,
+    rate: u64,
+    duration_s: f64,
+    nodes: usize,
+    faults_per_minute: f64,
+    produced: u64,
+    classified: f64,
+    rate_achieved: f64,
+    fleet_counts: BTreeMap<&'static str, u64>,
+    verdicts: Vec<Flatness>,
+    flat: bool,
+    samples: Vec<Sample>,
+}
+
+const SERVICES: [&str; 3] = ["enricher", "classifier", "remediator"];
+
+/// Resident memory of `pid`, MiB.
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The verdicts of the module's doc, from the samples after warm-up.
+fn flatness(samples: &[Sample], rate: u64) -> Vec<Flatness> {
+    let steady = &samples[samples.len() / 5..];
+    let third = (steady.len() / 3).max(1);
+    let (first, last) = (&steady[..third.min(steady.len())], &steady[steady.len().saturating_sub(third)..]);
+    SERVICES
+        .iter()
+        .map(|&service| {
+            let rss = |s: &[Sample]| median(s.iter().map(|x| x.rss_mib[service]).collect());
+            let lag = |s: &[Sample]| s.iter().map(|x| x.lag[service]).fold(0.0, f64::max);
+            let (a, b) = (rss(first), rss(last));
+            let (la, lb) = (lag(first), lag(last));
+            Flatness {
+                service,
+                rss_first_third_mib: a,
+                rss_last_third_mib: b,
+                rss_flat: b - a <= (a * 0.10).max(8.0),
+                lag_first_third_max: la,
+                lag_last_third_max: lb,
+                lag_flat: lb <= (2.0 * la).max(2.0 * rate as f64),
+            }
+        })
+        .collect()
+}
+
+/// Runs the scenario and prints one line per sample and per verdict.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let bootstrap = testbed::require_kafka().await?;
+    let client = testbed::require_kubernetes().await?;
+    let admin_db = testbed::require_postgres().await?;
+    let id = testbed::unique_name("soak");
+    let mut fleet = Fleet::new(&id, o.nodes, o.rate, o.faults_per_minute, 1);
+    let names = fleet.nodes().to_vec();
+    let ns = fleet::create_in_apiserver(&client, &id, &names, o.pods_per_node, 32).await?;
+    println!(
+        "soak: {} nodes ({} GPUs, {} pods) in the apiserver; {} events/s for {:?}, {} faults/min",
+        o.nodes,
+        o.nodes * fleet::GPUS_PER_NODE,
+        o.nodes * o.pods_per_node,
+        o.rate,
+        o.duration,
+        o.faults_per_minute
+    );
+
+    let db = id.replace('-', "_");
+    let url = testbed::fresh_database(&admin_db, &db).await?;
+    // Topics of this run only: other users of the testbed's Kafka neither feed nor read this run.
+    let [raw, enriched, verdicts, actions] = ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
+    KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None }
+        .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
+        .await?;
+    let topics_env = [
+        ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
+        ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+        ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
+    ];
+    let mut env = crate::service_env(&bootstrap, "soak-enricher").await?;
+    env.extend([("GPUMEDIC_RAW_TOPIC", raw.clone()), topics_env[0].clone()]);
+    let enricher = ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
+    let mut env = crate::service_env(&bootstrap, "soak-classifier").await?;
+    env.push(("GPUMEDIC_DATABASE_URL", url.clone()));
+    env.extend(topics_env.clone());
+    let classifier = ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut env = crate::service_env(&bootstrap, "soak-remediator").await?;
+    env.extend(topics_env);
+    env.extend([
+        ("GPUMEDIC_MODE", "cordon-drain".to_owned()),
+        ("GPUMEDIC_GPU_NODE_SELECTOR", format!("{}={id}", fleet::FLEET_LABEL)),
+        ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
+        ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".to_owned()),
+    ]);
+    let remediator = ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
+    let mut services = [("enricher", enricher), ("classifier", classifier), ("remediator", remediator)];
+    for (_, s) in &mut services {
+        s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
+    }
+
+    let producer = crate::scratch_producer(&bootstrap)?;
+    let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let start = Instant::now();
+    let until = start + o.duration;
+    let (rate, s2, n2) = (o.rate, stop.clone(), sent.clone());
+    let producing = std::thread::spawn(move || {
+        fleet::produce_paced(&mut fleet, &producer, &raw, rate, until, &s2, &n2).map(|()| fleet)
+    });
+
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut next = start + o.sample_every;
+    let outcome: anyhow::Result<()> = async {
+        while Instant::now() < until {
+            tokio::time::sleep_until(next.into()).await;
+            next += o.sample_every;
+            let mut rss_mib = BTreeMap::new();
+            let mut lag = BTreeMap::new();
+            let mut classified = 0.0;
+            for (name, s) in &mut services {
+                if let Ok(Some(status)) = s.try_wait() {
+                    anyhow::bail!("the {name} exited with {status} during the soak");
+                }
+                rss_mib.insert(*name, rss_mib_of(s));
+                let (_, text) = testbed::http_get(s.admin_addr(), "/metrics").await?;
+                lag.insert(*name, crate::classify::metric(&text, &format!("gpumedic_{name}_consumer_lag")));
+                if *name == "classifier" {
+                    classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
+                }
+            }
+            let sample = Sample {
+                t_s: start.elapsed().as_secs_f64(),
+                produced: sent.load(Ordering::Relaxed),
+                classified,
+                rss_mib,
+                lag,
+            };
+            println!(
+                "  t={:>6.0}s produced {:>9} classified {:>9.0}  rss MiB {:?}  lag {:?}",
+                sample.t_s, sample.produced, sample.classified, sample.rss_mib, sample.lag
+            );
+            samples.push(sample);
+        }
+        Ok(())
+    }
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let fleet = producing.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
+    let seconds = start.elapsed().as_secs_f64();
+    for (_, s) in &mut services {
+        let _ = s.terminate(Duration::from_secs(30)).await;
+    }
+    fleet::delete_from_apiserver(&client, &names, Some(&ns), 32).await;
+    if !o.keep_database {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
+            .execute(&admin_db)
+            .await?;
+    }
+    outcome?;
+    anyhow::ensure!(samples.len() >= 5, "too few samples ({}) for a verdict: run longer", samples.len());
+
+    let verdicts = flatness(&samples, o.rate);
+    for v in &verdicts {
+        println!(
+            "  {:<10} RSS {:>6.1} -> {:>6.1} MiB ({}), lag max {:>8.0} -> {:>8.0} ({})",
+            v.service,
+            v.rss_first_third_mib,
+            v.rss_last_third_mib,
+            if v.rss_flat { "flat" } else { "GROWING" },
+            v.lag_first_third_max,
+            v.lag_last_third_max,
+            if v.lag_flat { "flat" } else { "GROWING" },
+        );
+    }
+    let last = samples.last().expect("samples");
+    let result = Result {
+        scenario: "soak",
+        rate: o.rate,
+        duration_s: seconds,
+        nodes: o.nodes,
+        faults_per_minute: o.faults_per_minute,
+        produced: last.produced,
+        classified: last.classified,
+        rate_achieved: last.produced as f64 / last.t_s,
+        fleet_counts: fleet.counts().clone(),
+        flat: verdicts.iter().all(|v| v.rss_flat && v.lag_flat),
+        verdicts,
+        samples,
+    };
+    println!(
+        "soak: {:.0} events/s produced for {:.0} s, {:.0} classified; memory and lag {} (goal: flat)",
+        result.rate_achieved,
+        result.duration_s,
+        result.classified,
+        if result.flat { "flat" } else { "NOT flat" }
+    );
+    Ok(result)
+}
+
+fn rss_mib_of(s: &ServiceProcess) -> f64 {
+    rss_mib(s.pid())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(t: f64, rss: f64, lag: f64) -> Sample {
+        Sample {
+            t_s: t,
+            produced: 0,
+            classified: 0.0,
+            rss_mib: SERVICES.iter().map(|s| (*s, rss)).collect(),
+            lag: SERVICES.iter().map(|s| (*s, lag)).collect(),
+        }
+    }
+
+    #[test]
+    fn steady_memory_and_lag_are_flat_and_growth_is_not() {
+        // Warm-up growth (the first fifth) does not count.
+        let flat: Vec<Sample> = (0..30)
+            .map(|i| sample(f64::from(i), if i < 6 { 10.0 * f64::from(i) } else { 100.0 + f64::from(i % 3) }, 50.0))
+            .collect();
+        assert!(flatness(&flat, 5000).iter().all(|v| v.rss_flat && v.lag_flat));
+        let leaking: Vec<Sample> = (0..30).map(|i| sample(f64::from(i), 100.0 + 5.0 * f64::from(i), 50.0)).collect();
+        assert!(flatness(&leaking, 5000).iter().all(|v| !v.rss_flat && v.lag_flat));
+        let falling_behind: Vec<Sample> = (0..30).map(|i| sample(f64::from(i), 100.0, 2000.0 * f64::from(i))).collect();
+        assert!(flatness(&falling_behind, 5000).iter().all(|v| v.rss_flat && !v.lag_flat));
+    }
+
+    #[test]
+    fn rss_is_read_from_proc() {
+        let mib = rss_mib(std::process::id());
+        assert!(mib > 1.0 && mib < 10_000.0, "{mib}");
+    }
+}
