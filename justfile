@@ -28,7 +28,7 @@ fmt:
     {{cargo}} fmt --all
 
 # The load scenarios that fit in about 10 minutes, release builds, against the testbed; results
-# in target/load-tests/*.json and figures in docs/benchmarks.md.
+# in target/load-tests/*.json, figures in docs/benchmarks.md, plots redrawn into docs/img/.
 bench:
     ./compose/up >/dev/null
     {{cargo}} build --release -p gpumedic -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
@@ -38,6 +38,7 @@ bench:
     eval "$(./compose/env)" && target/release/gpumedic-load-tests latency
     eval "$(./compose/env)" && target/release/gpumedic-load-tests backtest
     eval "$(./compose/env)" && target/release/gpumedic-load-tests remediation
+    load-tests/plot/run
 
 # Start the testbed (Kafka, PostgreSQL, schema registry, Jaeger, etcd, kube-apiserver) and print
 # its addresses.

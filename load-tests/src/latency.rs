@@ -13,6 +13,10 @@
 //! 4. After a warm-up, Xid 79 is produced on `--faults` distinct nodes, one every
 //!    `--fault-interval`; each node's latency runs from its fault's produce call to the first
 //!    time a watch sees it cordoned.
+//!
+//! Besides the percentiles, the JSON result keeps every fault's latency in the order the faults
+//! were sent and the background producer's progress each second, for the plots of
+//! `load-tests/plot/`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +70,12 @@ pub struct Result {
     max_ms: f64,
     floor_patch_p50_ms: f64,
     floor_patch_p99_ms: f64,
+    /// Each fault's latency in the order the faults were sent; `null` for a node never seen
+    /// cordoned.
+    latencies_ms: Vec<Option<f64>>,
+    /// `[seconds since the background producer started, events it had queued]`, about once a
+    /// second: the achieved background rate over the run, not just its mean.
+    background_timeline: Vec<[f64; 2]>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -185,11 +195,13 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let background = {
         let (stop, sent, names, bootstrap) = (stop.clone(), sent.clone(), names.clone(), bootstrap.clone());
         let rate = o.background_rate;
-        std::thread::spawn(move || -> anyhow::Result<f64> {
+        std::thread::spawn(move || -> anyhow::Result<(f64, Vec<[f64; 2]>)> {
             let producer = crate::scratch_producer(&bootstrap)?;
             let start = Instant::now();
             let mut buffer = Vec::with_capacity(512);
             let mut i = 0u64;
+            let mut timeline = vec![[0.0, 0.0]];
+            let mut next_sample = 1.0;
             while !stop.load(Ordering::Relaxed) {
                 let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
                 while i < due {
@@ -216,11 +228,20 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                     i += 1;
                 }
                 producer.poll(Duration::ZERO);
+                // Sampled on the 10 ms pacing tick, not per record, so the timeline costs nothing
+                // on the produce path.
+                let now = start.elapsed().as_secs_f64();
+                if now >= next_sample {
+                    timeline.push([now, i as f64]);
+                    next_sample = now.floor() + 1.0;
+                }
                 std::thread::sleep(Duration::from_millis(10));
             }
             producer.flush(Duration::from_secs(30))?;
             sent.store(i, Ordering::Relaxed);
-            Ok(i as f64 / start.elapsed().as_secs_f64())
+            let elapsed = start.elapsed().as_secs_f64();
+            timeline.push([elapsed, i as f64]);
+            Ok((i as f64 / elapsed, timeline))
         })
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -228,6 +249,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     // The faults.
     let producer = settings.producer("bench-latency-faults")?;
     let mut faulted_at: HashMap<String, Instant> = HashMap::new();
+    let mut fault_order: Vec<String> = Vec::with_capacity(o.faults);
     for name in names.iter().take(o.faults) {
         let detail = Detail::Xid(XidDetail {
             code: 79,
@@ -240,6 +262,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         let event = HealthEvent::new(name.as_str(), Source::KernelLog, Component::Gpu, Entity::default(), detail);
         let bytes = gpumedic_schemas::encode(&event)?;
         faulted_at.insert(name.clone(), Instant::now());
+        fault_order.push(name.clone());
         gpumedic_runtime::kafka::publish(&producer, topics::HEALTH_RAW, name, &bytes, &[]).await?;
         tokio::time::sleep(o.fault_interval).await;
     }
@@ -248,14 +271,16 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stop.store(true, Ordering::Relaxed);
-    let achieved = background.join().map_err(|_| anyhow::anyhow!("the background producer panicked"))??;
+    let (achieved, background_timeline) =
+        background.join().map_err(|_| anyhow::anyhow!("the background producer panicked"))??;
     watch.abort();
 
     let seen = cordoned_at.lock().expect("lock").clone();
-    let mut latencies: Vec<f64> = faulted_at
+    let latencies_ms: Vec<Option<f64>> = fault_order
         .iter()
-        .filter_map(|(n, t)| seen.get(n).map(|c| c.saturating_duration_since(*t).as_secs_f64() * 1000.0))
+        .map(|n| seen.get(n).map(|c| c.saturating_duration_since(faulted_at[n]).as_secs_f64() * 1000.0))
         .collect();
+    let mut latencies: Vec<f64> = latencies_ms.iter().flatten().copied().collect();
     latencies.sort_by(f64::total_cmp);
     for s in [&mut enricher, &mut classifier, &mut remediator] {
         let _ = s.terminate(Duration::from_secs(20)).await;
@@ -282,6 +307,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         max_ms: latencies.last().copied().unwrap_or(f64::NAN),
         floor_patch_p50_ms: percentile(&floor, 0.50),
         floor_patch_p99_ms: percentile(&floor, 0.99),
+        latencies_ms,
+        background_timeline,
     };
     println!(
         "latency: fault to cordon over {} of {} faults under {:.0} background events/s: p50 {:.0} ms, p99 {:.0} ms, \

@@ -9,7 +9,13 @@
 //! 3. N raw events (the fleet mix of [`crate::classify`], as raw records) are produced as fast as
 //!    Kafka takes them; the clock runs from the first produce until the classifier's
 //!    `gpumedic_classifier_events_total` reaches N, then the rows are counted.
+//!
+//! The producing runs on a thread of its own so that the same 100 ms polls of the classifier's
+//! metrics can also sample the events Kafka has acknowledged: the JSON result's `timeline`, for
+//! the plots of `load-tests/plot/`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -39,6 +45,9 @@ pub struct Result {
     pipeline_per_sec: f64,
     pipeline_seconds: f64,
     rows: i64,
+    /// `[seconds since the first produce, events acknowledged by Kafka, events classified]` at
+    /// each 100 ms poll of the classifier's `gpumedic_classifier_events_total`.
+    timeline: Vec<[f64; 3]>,
 }
 
 /// Runs the scenario and prints one line per figure.
@@ -81,22 +90,47 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
 
-    let producer = crate::scratch_producer(&bootstrap)?;
+    let producer = Arc::new(crate::scratch_producer(&bootstrap)?);
+    let queued = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
-    for (key, payload) in &raw {
-        crate::send(&producer, BaseRecord::to(topics::HEALTH_RAW).key(key.as_str()).payload(payload.as_slice()))?;
-    }
-    producer.flush(Duration::from_secs(120)).context("flush")?;
+    let producing = {
+        let (producer, queued) = (producer.clone(), queued.clone());
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            for (key, payload) in &raw {
+                crate::send(
+                    &producer,
+                    BaseRecord::to(topics::HEALTH_RAW).key(key.as_str()).payload(payload.as_slice()),
+                )?;
+                queued.fetch_add(1, Ordering::Relaxed);
+            }
+            producer.flush(Duration::from_secs(120)).context("flush")
+        })
+    };
     let deadline = start + Duration::from_secs(900);
+    let mut timeline: Vec<[f64; 3]> = Vec::new();
+    let mut producing = Some(producing);
     loop {
         let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
-        if crate::classify::metric(&text, "gpumedic_classifier_events_total") >= o.events as f64 {
+        let classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
+        // Queued minus still in librdkafka's queue or awaiting acknowledgement: what Kafka has
+        // taken. Read in this order, a record queued between the two reads can only lower it.
+        let acknowledged = queued.load(Ordering::Relaxed).saturating_sub(producer.in_flight_count().max(0) as u64);
+        timeline.push([start.elapsed().as_secs_f64(), acknowledged as f64, classified]);
+        if classified >= o.events as f64 {
             break;
+        }
+        if producing.as_ref().is_some_and(|p| p.is_finished())
+            && let Some(p) = producing.take()
+        {
+            p.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
         }
         anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish within 900 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let seconds = start.elapsed().as_secs_f64();
+    if let Some(p) = producing {
+        p.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
+    }
     let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
     pool.close().await;
@@ -113,6 +147,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         pipeline_per_sec: o.events as f64 / seconds,
         pipeline_seconds: seconds,
         rows,
+        timeline,
     };
     println!(
         "  enricher + classifier:       {:>9.0} events/s persisted ({} in {:.1} s; goal 50,000/s and half the \
