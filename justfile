@@ -40,6 +40,14 @@ bench:
     eval "$(./compose/env)" && target/release/gpumedic-load-tests remediation
     load-tests/plot/run
 
+# The soak, on request: the pipeline for 30 minutes at 5,000 events/s from the simulated fleet,
+# RSS and consumer lag of each service sampled (pass e.g. --duration 5m to shorten it).
+soak *args:
+    ./compose/up >/dev/null
+    {{cargo}} build --release -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests soak {{args}}
+    load-tests/plot/run
+
 # Start the testbed (Kafka, PostgreSQL, schema registry, Jaeger, etcd, kube-apiserver) and print
 # its addresses.
 testbed-up *servers:
