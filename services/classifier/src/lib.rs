@@ -83,6 +83,11 @@ pub struct Args {
     /// How long a batch waits for more records after its first one (a latency cap when quiet).
     #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "5ms")]
     batch_linger: String,
+    /// A batch is written as this many statements at once, split by node, each on its own
+    /// connection: Postgres runs one backend per statement, so one statement uses one core of
+    /// the database (docs/profiles.md). At most --database-pool.
+    #[arg(long, env = "GPUMEDIC_WRITE_PARALLELISM", default_value_t = 2)]
+    write_parallelism: usize,
     /// How long recorded health events are kept; older daily partitions are dropped hourly.
     /// Incidents, verdicts and actions are kept.
     #[arg(long, env = "GPUMEDIC_EVENT_RETENTION", default_value = "30d")]
@@ -126,6 +131,8 @@ pub struct Config {
     pub database_url: String,
     /// Connections in the pool.
     pub database_pool: u32,
+    /// Statements a batch is written as, at once.
+    pub write_parallelism: usize,
     /// The rules.
     pub rules: RuleSet,
     /// How far back to rebuild.
@@ -161,6 +168,15 @@ impl Validate for Args {
         }
         if self.database_pool == 0 {
             p.push("--database-pool", "must be at least 1");
+        }
+        // With no valid pool, that problem is the one to fix first.
+        if self.write_parallelism == 0
+            || (self.database_pool > 0 && self.write_parallelism > self.database_pool as usize)
+        {
+            p.push(
+                "--write-parallelism",
+                format!("{} is not from 1 to --database-pool ({})", self.write_parallelism, self.database_pool),
+            );
         }
         let rules = match &self.rules_dir {
             None => rules::defaults::rule_set(),
@@ -222,6 +238,7 @@ impl Validate for Args {
                 group: self.group,
                 database_url: self.database_url,
                 database_pool: self.database_pool,
+                write_parallelism: self.write_parallelism,
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),
@@ -262,7 +279,9 @@ pub enum ClassifierError {
 
 /// Connects to the database and brings its schema up to date.
 pub async fn connect_and_migrate(url: &str, pool_size: u32) -> Result<sqlx::PgPool, ClassifierError> {
-    let pool = postgres::connect(url, pool_size).await?;
+    // A batch statement carries thousands of rows with their JSON: at the default 4 MB of
+    // work_mem Postgres spills it to temporary files (docs/profiles.md).
+    let pool = postgres::connect_with_settings(url, pool_size, &[("work_mem", "64MB")]).await?;
     MIGRATOR.run(&pool).await?;
     tracing::info!("Database schema is up to date.");
     Ok(pool)
@@ -275,6 +294,8 @@ pub struct Classifier {
     producer: Producer,
     verdicts_topic: String,
     codec: Arc<Codec>,
+    /// Statements each batch is written as, at once.
+    write_parallelism: usize,
 }
 
 impl Classifier {
@@ -362,9 +383,13 @@ impl BatchHandler for Handler {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
         let mut dispositions = vec![Disposition::Done; records.len()];
-        let mut batch = store::Batch { events: store::EventRows::with_capacity(records.len()), ..Default::default() };
+        let (codec, parts) = {
+            let c = self.classifier.lock().await;
+            (c.codec.clone(), c.write_parallelism)
+        };
+        // One batch per concurrent write; a node's rows all go to the same one.
+        let mut batch = store::Batch::parts(parts, records.len());
         let mut observations = Vec::with_capacity(records.len());
-        let codec = self.classifier.lock().await.codec.clone();
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
                 dispositions[i] = Disposition::DeadLetter("empty record".into());
@@ -372,7 +397,8 @@ impl BatchHandler for Handler {
             };
             if record.topic == self.actions_topic {
                 match codec.decode::<ActionOutcome>(payload).await {
-                    Ok(outcome) => batch.actions.push(&outcome),
+                    // Outcomes refer to verdicts of earlier batches, already written.
+                    Ok(outcome) => batch[0].actions.push(&outcome),
                     // An unreachable schema registry: the whole batch waits and is retried.
                     Err(e) if e.is_transient() => return Err(Box::new(e)),
                     Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
@@ -380,7 +406,7 @@ impl BatchHandler for Handler {
                 continue;
             }
             match codec.decode::<EnrichedHealthEvent>(payload).await {
-                Ok(event) => match batch.events.push(&event) {
+                Ok(event) => match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
                     Ok(()) => observations.push((i, observe::observation(&event))),
                     Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
                 },
@@ -410,15 +436,21 @@ impl BatchHandler for Handler {
             let published = c.publish(&traced).await?;
             let acknowledged = std::time::Instant::now();
             stage_seconds("publish", classified, acknowledged);
-            batch.decisions = store::DecisionRows::new(&published);
-            let written = store::write_batch(&c.pool, &batch).await?;
+            let mut by_part: Vec<Vec<(Decision, Verdict)>> = vec![Vec::new(); parts];
+            for (d, v) in published {
+                by_part[store::part_of(&v.node, parts)].push((d, v));
+            }
+            for (b, published) in batch.iter_mut().zip(&by_part) {
+                b.decisions = store::DecisionRows::new(published);
+            }
+            let written = store::write_parts(&c.pool, &batch).await?;
             stage_seconds("write", acknowledged, std::time::Instant::now());
             Ok::<_, ClassifierError>(written)
         }
         .await;
         match outcome {
             Ok(written) => {
-                let events = batch.events.len() as u64;
+                let events = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
                 metrics::counter!("gpumedic_classifier_events_total").increment(events);
                 metrics::counter!("gpumedic_classifier_duplicate_events_total")
                     .increment(events.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
@@ -462,6 +494,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             producer,
             verdicts_topic: config.topics.verdicts.clone(),
             codec,
+            write_parallelism: config.write_parallelism,
         })
     };
     let classifier = match setup.await {

@@ -209,6 +209,43 @@ pub struct Batch {
     pub actions: ActionRows,
 }
 
+impl Batch {
+    /// Nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty() && self.decisions.is_empty() && self.actions.is_empty()
+    }
+
+    /// `parts` empty batches with room for `events` events between them, for [`write_parts`].
+    pub fn parts(parts: usize, events: usize) -> Vec<Batch> {
+        let parts = parts.max(1);
+        (0..parts)
+            .map(|_| Batch { events: EventRows::with_capacity(events / parts + 1), ..Default::default() })
+            .collect()
+    }
+}
+
+/// Which of `parts` concurrent writes the rows about `node` go to. A node's events, incidents and
+/// verdicts are always in the same part, so one statement still writes each node's rows in
+/// order and folds each incident's updates (FNV-1a: stable across builds and restarts).
+pub fn part_of(node: &str, parts: usize) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in node.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h % parts.max(1) as u64) as usize
+}
+
+/// Writes the parts of one batch at once, each in its own statement on its own connection, so
+/// several Postgres backends share the work. Succeeds when every part is durable; when one fails
+/// the whole batch is written again, and the parts already written change nothing the second
+/// time (every insert skips rows it already has, and an incident's update is idempotent).
+pub async fn write_parts(pool: &PgPool, parts: &[Batch]) -> Result<Written, StoreError> {
+    let writes = parts.iter().filter(|b| !b.is_empty()).map(|b| write_batch(pool, b));
+    let written = futures::future::try_join_all(writes).await?;
+    Ok(Written { new_events: written.iter().map(|w| w.new_events).sum() })
+}
+
 /// What a batch write changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Written {

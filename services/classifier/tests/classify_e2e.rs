@@ -81,7 +81,11 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            // At the end of the shared topics: not behind every record earlier runs left there.
+            (
+                "GPUMEDIC_GROUP",
+                testbed::group_at_end("classifier", &[topics::HEALTH_ENRICHED, topics::ACTIONS]).await.expect("group"),
+            ),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
             ("GPUMEDIC_TICK", "500ms".into()),

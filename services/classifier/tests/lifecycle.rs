@@ -59,11 +59,20 @@ fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
             "0s",
             "--verdicts-topic",
             "bad topic!",
+            "--write-parallelism",
+            "9",
         ],
     );
     assert_eq!(code, Some(64), "{stderr}");
-    for field in ["--batch-max", "--batch-linger", "--event-retention", "--rules-poll", "--verdicts-topic"] {
+    for field in [
+        "--batch-max",
+        "--batch-linger",
+        "--event-retention",
+        "--rules-poll",
+        "--verdicts-topic",
+        "--write-parallelism",
+    ] {
         assert!(stderr.contains(field), "{field} missing from: {stderr}");
     }
-    assert!(stderr.contains("5 problems"), "{stderr}");
+    assert!(stderr.contains("6 problems"), "{stderr}");
 }

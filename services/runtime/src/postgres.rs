@@ -18,7 +18,17 @@ pub enum PostgresError {
 
 /// A pool of at most `max_connections` to `url`.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, PostgresError> {
-    let options: PgConnectOptions = url.parse().map_err(PostgresError::Url)?;
+    connect_with_settings(url, max_connections, &[]).await
+}
+
+/// [`connect`], with server `settings` (such as `work_mem`) set on every connection at start.
+pub async fn connect_with_settings(
+    url: &str,
+    max_connections: u32,
+    settings: &[(&str, &str)],
+) -> Result<PgPool, PostgresError> {
+    let options: PgConnectOptions =
+        url.parse::<PgConnectOptions>().map_err(PostgresError::Url)?.options(settings.iter().copied());
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
