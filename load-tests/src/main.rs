@@ -205,9 +205,7 @@ pub(crate) fn release_binary(name: &str) -> anyhow::Result<String> {
 /// group named after `group` and committed at the end of the pipeline topics (so it reads only
 /// this scenario's records, and every one of them), warnings only, the testbed's kubeconfig.
 pub(crate) async fn service_env(bootstrap: &str, group: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
-    let group = testbed::unique_name(group);
-    let kafka = KafkaSettings { bootstrap: bootstrap.to_owned(), options: vec![], schema_registry: None };
-    kafka.start_group_at_end(&group, &gpumedic_schemas::topics::ALL).await?;
+    let group = testbed::group_at_end(group, &gpumedic_schemas::topics::ALL).await?;
     Ok(vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.to_owned()),
         ("GPUMEDIC_GROUP", group),

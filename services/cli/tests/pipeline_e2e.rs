@@ -106,8 +106,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
     let mut groups = Vec::new();
     for s in ["e2e-enricher", "e2e-classifier", "e2e-remediator"] {
-        let group = testbed::unique_name(s);
-        kafka_settings.start_group_at_end(&group, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
+        let group = testbed::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
         groups.push(("GPUMEDIC_GROUP", group));
     }
     let mut collector = ServiceProcess::start(

@@ -75,7 +75,8 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("enricher")),
+            // At the end of the shared topic: not behind every record earlier runs left there.
+            ("GPUMEDIC_GROUP", testbed::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
             ("GPUMEDIC_CLUSTER_NAME", "testbed".into()),
             ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
         ],

@@ -28,8 +28,7 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
 
     // Only this test's records: older ones on the shared topic were written without a registry,
     // and their embedded ids mean nothing to it.
-    let group = testbed::unique_name("enricher-registry");
-    settings.start_group_at_end(&group, &[topics::HEALTH_RAW]).await.expect("group offsets");
+    let group = testbed::group_at_end("enricher-registry", &[topics::HEALTH_RAW]).await.expect("group offsets");
     let mut enricher = testbed::ServiceProcess::start(
         BIN,
         &[],

@@ -44,9 +44,25 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
+/// A new consumer group named after `prefix`, committed at the current end of `topics`, so a
+/// service started in it reads every record written from now on and none of the backlog that
+/// earlier tests and load runs left on the shared topics.
+pub async fn group_at_end(prefix: &str, topics: &[&str]) -> Result<String, crate::kafka::KafkaError> {
+    let group = unique_name(prefix);
+    crate::kafka::KafkaSettings { bootstrap: kafka_bootstrap(), options: vec![], schema_registry: None }
+        .start_group_at_end(&group, topics)
+        .await?;
+    Ok(group)
+}
+
+/// When this test process first touched the testbed's Kafka: every record a test waits for was
+/// written after it.
+static FIRST_TOUCH: std::sync::LazyLock<std::time::SystemTime> = std::sync::LazyLock::new(std::time::SystemTime::now);
+
 /// Checks that Kafka answers a metadata request; returns the bootstrap address.
 pub async fn require_kafka() -> Result<String, Unreachable> {
     use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    std::sync::LazyLock::force(&FIRST_TOUCH);
     let bootstrap = kafka_bootstrap();
     let b = bootstrap.clone();
     let result = tokio::task::spawn_blocking(move || {
@@ -257,14 +273,16 @@ pub async fn assert_service_lifecycle(
     assert!(status.success(), "{binary} exited with {status} after SIGTERM");
 }
 
-/// Reads `topic` from the beginning in a fresh consumer group until a record satisfies `want`,
-/// or `timeout` passes (the error says how many records were seen).
+/// Reads `topic` in a fresh consumer group, from the records written since a minute before this
+/// test process first touched Kafka, until one satisfies `want` or `timeout` passes (the error
+/// says how many records were seen).
 pub async fn wait_for_record(
     topic: &str,
     mut want: impl FnMut(&crate::kafka::Record) -> bool,
     timeout: Duration,
 ) -> Result<crate::kafka::Record, String> {
     use rdkafka::consumer::{Consumer as _, StreamConsumer};
+    std::sync::LazyLock::force(&FIRST_TOUCH);
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())
         .set("group.id", unique_name("test-reader"))
@@ -272,7 +290,33 @@ pub async fn wait_for_record(
         .set("enable.auto.commit", "false")
         .create()
         .map_err(|e| e.to_string())?;
-    consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
+    // From a minute before this process first touched Kafka, not from the beginning: the shared
+    // topics hold every record earlier tests and load runs left, millions on a busy testbed.
+    let since =
+        FIRST_TOUCH.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().saturating_sub(Duration::from_secs(60));
+    let timestamps = rdkafka::TopicPartitionList::from_topic_map(
+        &consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .ok()
+            .into_iter()
+            .flat_map(|m| {
+                m.topics()
+                    .iter()
+                    .filter(|t| t.name() == topic && t.error().is_none())
+                    .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                    .collect::<Vec<_>>()
+            })
+            .map(|p| ((topic.to_owned(), p), rdkafka::Offset::Offset(since.as_millis() as i64)))
+            .collect(),
+    )
+    .map_err(|e| e.to_string())?;
+    if timestamps.count() == 0 {
+        // Not created yet: whatever it will hold is new.
+        consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
+    } else {
+        let start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        consumer.assign(&start).map_err(|e| e.to_string())?;
+    }
     let deadline = tokio::time::Instant::now() + timeout;
     let mut seen = 0usize;
     loop {
