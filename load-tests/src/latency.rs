@@ -48,12 +48,8 @@ pub struct Options {
     #[arg(long, default_value_t = 10_000)]
     background_rate: u64,
     /// Time between two faults.
-    #[arg(long, default_value = "200ms", value_parser = humantime_ms)]
+    #[arg(long, default_value = "200ms", value_parser = crate::duration)]
     fault_interval: Duration,
-}
-
-fn humantime_ms(raw: &str) -> std::result::Result<Duration, String> {
-    gpumedic_runtime::config::parse_duration(raw)
 }
 
 /// The JSON result.

@@ -105,38 +105,23 @@ async fn main() -> anyhow::Result<()> {
                 result.produce_mib_per_sec,
                 result.consume_per_sec
             );
-            std::fs::create_dir_all(&cli.out_dir)?;
-            let path = cli.out_dir.join("kafka-ceiling.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
-            println!("result written to {}", path.display());
+            write_result(&cli.out_dir, "kafka-ceiling.json", &result)?;
         }
         Scenario::ClassifyThroughput(options) => {
             let result = classify::run(options).await?;
-            std::fs::create_dir_all(&cli.out_dir)?;
-            let path = cli.out_dir.join("classify-throughput.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
-            println!("result written to {}", path.display());
+            write_result(&cli.out_dir, "classify-throughput.json", &result)?;
         }
         Scenario::PipelineThroughput(options) => {
             let result = pipeline::run(options).await?;
-            std::fs::create_dir_all(&cli.out_dir)?;
-            let path = cli.out_dir.join("pipeline-throughput.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
-            println!("result written to {}", path.display());
+            write_result(&cli.out_dir, "pipeline-throughput.json", &result)?;
         }
         Scenario::Latency(options) => {
             let result = latency::run(options).await?;
-            std::fs::create_dir_all(&cli.out_dir)?;
-            let path = cli.out_dir.join("latency.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
-            println!("result written to {}", path.display());
+            write_result(&cli.out_dir, "latency.json", &result)?;
         }
         Scenario::Backtest(options) => {
             let result = backtest::run(options).await?;
-            std::fs::create_dir_all(&cli.out_dir)?;
-            let path = cli.out_dir.join("backtest.json");
-            std::fs::write(&path, serde_json::to_vec_pretty(&result)?)?;
-            println!("result written to {}", path.display());
+            write_result(&cli.out_dir, "backtest.json", &result)?;
         }
         Scenario::Fleet(options) => {
             let result = fleet::run(options).await?;

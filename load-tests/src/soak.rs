@@ -215,7 +215,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 if let Ok(Some(status)) = s.try_wait() {
                     anyhow::bail!("the {name} exited with {status} during the soak");
                 }
-                rss_mib.insert(*name, rss_mib_of(s));
+                rss_mib.insert(*name, self::rss_mib(s.pid()));
                 let (_, text) = testbed::http_get(s.admin_addr(), "/metrics").await?;
                 lag.insert(*name, crate::classify::metric(&text, &format!("gpumedic_{name}_consumer_lag")));
                 if *name == "classifier" {
@@ -300,10 +300,6 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         if result.flat { "flat" } else { "NOT flat" }
     );
     Ok(result)
-}
-
-fn rss_mib_of(s: &ServiceProcess) -> f64 {
-    rss_mib(s.pid())
 }
 
 #[cfg(test)]

@@ -297,14 +297,9 @@ impl KafkaSettings {
             let timeout = Duration::from_secs(10);
             let mut ends = rdkafka::TopicPartitionList::new();
             for topic in &topics {
-                let metadata = consumer.fetch_metadata(Some(topic), timeout).map_err(KafkaError::Commit)?;
-                let Some(t) = metadata.topics().iter().find(|t| t.name() == topic && t.error().is_none()) else {
-                    continue;
-                };
-                for p in t.partitions() {
-                    let (_, high) = consumer.fetch_watermarks(topic, p.id(), timeout).map_err(KafkaError::Commit)?;
-                    ends.add_partition_offset(topic, p.id(), rdkafka::Offset::Offset(high))
-                        .map_err(KafkaError::Commit)?;
+                for p in existing_partitions(&consumer, topic, timeout).map_err(KafkaError::Commit)? {
+                    let (_, high) = consumer.fetch_watermarks(topic, p, timeout).map_err(KafkaError::Commit)?;
+                    ends.add_partition_offset(topic, p, rdkafka::Offset::Offset(high)).map_err(KafkaError::Commit)?;
                 }
             }
             if ends.count() > 0 {
@@ -315,6 +310,21 @@ impl KafkaSettings {
         .await
         .expect("the offset commit does not panic")
     }
+}
+
+/// The partitions of `topic` as the broker lists them; none when it does not exist yet.
+pub(crate) fn existing_partitions<C: ConsumerContext>(
+    consumer: &impl rdkafka::consumer::Consumer<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, RdKafkaError> {
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic && t.error().is_none())
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect())
 }
 
 /// The consumer's context: readiness on assignment, a commit on revoke, lag in the metrics.

@@ -294,26 +294,17 @@ pub async fn wait_for_record(
     // topics hold every record earlier tests and load runs left, millions on a busy testbed.
     let since =
         FIRST_TOUCH.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().saturating_sub(Duration::from_secs(60));
-    let timestamps = rdkafka::TopicPartitionList::from_topic_map(
-        &consumer
-            .fetch_metadata(Some(topic), Duration::from_secs(10))
-            .ok()
-            .into_iter()
-            .flat_map(|m| {
-                m.topics()
-                    .iter()
-                    .filter(|t| t.name() == topic && t.error().is_none())
-                    .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-                    .collect::<Vec<_>>()
-            })
-            .map(|p| ((topic.to_owned(), p), rdkafka::Offset::Offset(since.as_millis() as i64)))
-            .collect(),
-    )
-    .map_err(|e| e.to_string())?;
-    if timestamps.count() == 0 {
-        // Not created yet: whatever it will hold is new.
+    // A topic not created yet (or metadata not answered) holds only what comes next.
+    let partitions = crate::kafka::existing_partitions(&consumer, topic, Duration::from_secs(10)).unwrap_or_default();
+    if partitions.is_empty() {
         consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
     } else {
+        let mut timestamps = rdkafka::TopicPartitionList::new();
+        for p in partitions {
+            timestamps
+                .add_partition_offset(topic, p, rdkafka::Offset::Offset(since.as_millis() as i64))
+                .map_err(|e| e.to_string())?;
+        }
         let start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
         consumer.assign(&start).map_err(|e| e.to_string())?;
     }
