@@ -143,6 +143,9 @@ pub fn to_health_event(event: pb::IngestEvent, context: &IngestContext<'_>) -> R
         } else {
             client_version
         },
+        // The ingest API carries no boot id and the context has none to stamp; null is what the
+        // schema documents for writers that do not know it.
+        boot_id: None,
     })
 }
 

@@ -4,6 +4,10 @@
 //! full name (the enriched event embeds the raw event; the verdict reuses the raw event's `Entity`).
 //! [`parse_set`] inlines such references, so that every record gets a self-contained schema: the
 //! form a schema registry stores and a consumer in another language can use on its own.
+//!
+//! Beside the current files, the files of every earlier released version stay embedded
+//! (`schemas/avro/released/v1/`): they are the writer schemas of records framed with that
+//! version's ids, which stay readable forever.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
@@ -20,16 +24,43 @@ pub const VERDICT_AVSC: &str = include_str!("../avro/verdict.avsc");
 /// The action outcome schema file.
 pub const ACTION_OUTCOME_AVSC: &str = include_str!("../avro/action_outcome.avsc");
 
+/// The current schema files, in the order of the codec's schema table: `HealthEvent`,
+/// `EnrichedHealthEvent`, `Verdict`, `ActionOutcome`.
+pub const CURRENT_AVSC: [&str; 4] = [HEALTH_EVENT_AVSC, ENRICHED_HEALTH_EVENT_AVSC, VERDICT_AVSC, ACTION_OUTCOME_AVSC];
+
+/// The version 1 schema files as released (`schemas/avro/released/v1/`), in the same order: the
+/// writer schemas of records framed with the embedded ids 1 to 4.
+pub const V1_AVSC: [&str; 4] = [
+    include_str!("../avro/released/v1/health_event.avsc"),
+    include_str!("../avro/released/v1/enriched_health_event.avsc"),
+    include_str!("../avro/released/v1/verdict.avsc"),
+    include_str!("../avro/released/v1/action_outcome.avsc"),
+];
+
 /// The Avro namespace of every gpumedic record.
 pub const NAMESPACE: &str = "io.gpumedic.events";
 
-/// The current schemas, self-contained, in the order of the files above.
+/// The current schemas, self-contained, in the order of [`CURRENT_AVSC`].
 static CURRENT: LazyLock<Vec<Schema>> = LazyLock::new(|| {
     // A failure here is a defect of the embedded files, caught by this crate's tests before any
     // release; there is no bad input at run time that can reach it.
-    parse_set(&[HEALTH_EVENT_AVSC, ENRICHED_HEALTH_EVENT_AVSC, VERDICT_AVSC, ACTION_OUTCOME_AVSC])
-        .expect("the embedded .avsc files parse (tested)")
+    parse_set(&CURRENT_AVSC).expect("the embedded .avsc files parse (tested)")
 });
+
+/// The version 1 schemas, self-contained, in the order of [`V1_AVSC`].
+static V1: LazyLock<Vec<Schema>> =
+    LazyLock::new(|| parse_set(&V1_AVSC).expect("the embedded released v1 .avsc files parse (tested)"));
+
+/// The current schemas, in the order of [`CURRENT_AVSC`].
+pub fn current() -> &'static [Schema] {
+    &CURRENT
+}
+
+/// The version 1 schemas, in the order of [`V1_AVSC`]: what records framed with the embedded ids
+/// 1 to 4 were written with.
+pub fn v1() -> &'static [Schema] {
+    &V1
+}
 
 /// The current `HealthEvent` schema.
 pub fn health_event() -> &'static Schema {
@@ -259,11 +290,24 @@ mod tests {
             // Self-contained: the canonical form parses alone, without the other files.
             Schema::parse_str(&schema.canonical_form()).unwrap_or_else(|e| panic!("{name} is not self-contained: {e}"));
         }
-        let texts =
-            self_contained_json(&[HEALTH_EVENT_AVSC, ENRICHED_HEALTH_EVENT_AVSC, VERDICT_AVSC, ACTION_OUTCOME_AVSC])
-                .expect("self-contained texts");
-        for (text, schema) in texts.iter().zip([health_event(), enriched_health_event(), verdict(), action_outcome()]) {
-            assert_eq!(&Schema::parse_str(text).expect("registry text parses alone"), schema);
+        for (sources, schemas) in [(&CURRENT_AVSC, current()), (&V1_AVSC, v1())] {
+            let texts = self_contained_json(sources).expect("self-contained texts");
+            assert_eq!(texts.len(), schemas.len());
+            for (text, schema) in texts.iter().zip(schemas) {
+                assert_eq!(&Schema::parse_str(text).expect("registry text parses alone"), schema);
+            }
+        }
+    }
+
+    #[test]
+    fn the_v1_schemas_are_records_of_the_same_names_and_differ_from_the_current_ones() {
+        let names = ["HealthEvent", "EnrichedHealthEvent", "Verdict", "ActionOutcome"];
+        for ((old, new), name) in v1().iter().zip(current()).zip(names) {
+            let Schema::Record(record) = old else { panic!("v1 {name} is not a record") };
+            assert_eq!(record.name.fullname(None), format!("{NAMESPACE}.{name}"));
+            // ActionOutcome's file did not change, but the RecommendedAction it takes from the
+            // verdict gained a symbol: every record is a new version.
+            assert_ne!(old.canonical_form(), new.canonical_form(), "{name}: v1 and v2 are the same schema");
         }
     }
 

@@ -7,10 +7,13 @@
 //! ```
 //!
 //! Schema ids resolve from an embedded table built from `schemas/avro/` ([`SCHEMA_TABLE`]); the ids
-//! are fixed forever, so data written without a registry stays readable. A record written with an
-//! older or newer version of its schema is read through Avro schema resolution into this build's
-//! types; a record written with this build's schema takes a fast path that reads and writes the
-//! Avro binary straight from the Rust types (the private `binary` module).
+//! are fixed forever, so data written without a registry stays readable. Every version of a record
+//! has its own id: version 1 of the four records is 1 to 4 (the files under
+//! `schemas/avro/released/v1/`), version 2 is 5 to 8 (the current files). Encoding writes the
+//! current version's id. A record written with an older or newer version of its schema is read
+//! through Avro schema resolution into this build's types; a record written with this build's
+//! schema takes a fast path that reads and writes the Avro binary straight from the Rust types
+//! (the private `binary` module).
 
 use apache_avro::Schema;
 use apache_avro::reader::datum::GenericDatumReader;
@@ -38,6 +41,20 @@ pub const ENRICHED_HEALTH_EVENT_V1: u32 = 2;
 pub const VERDICT_V1: u32 = 3;
 /// Embedded schema id of `ActionOutcome` v1.
 pub const ACTION_OUTCOME_V1: u32 = 4;
+/// Embedded schema id of `HealthEvent` v2 (`boot_id`, the `gpu_inventory` kind).
+pub const HEALTH_EVENT_V2: u32 = 5;
+/// Embedded schema id of `EnrichedHealthEvent` v2 (the resolved `gpu`, `gpu_unresolved`, the
+/// node's `expected_gpus`, and the `HealthEvent` v2 inside).
+pub const ENRICHED_HEALTH_EVENT_V2: u32 = 6;
+/// Embedded schema id of `Verdict` v2 (`run_diagnostics`, `not_before`, `deferrable`,
+/// `workload`).
+pub const VERDICT_V2: u32 = 7;
+/// Embedded schema id of `ActionOutcome` v2: its own file is unchanged, but the
+/// `RecommendedAction` it shares with the verdict gained `run_diagnostics`.
+pub const ACTION_OUTCOME_V2: u32 = 8;
+
+/// The version of the records this build writes (its schema files under `schemas/avro/`).
+pub const CURRENT_VERSION: u32 = 2;
 
 /// One entry of the embedded schema table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,13 +67,19 @@ pub struct SchemaTableEntry {
     pub version: u32,
 }
 
-/// The embedded schema table. Ids are never reused or renumbered: a new version of a record gets
-/// the next free id and the old entry stays, so its data stays readable.
-pub const SCHEMA_TABLE: [SchemaTableEntry; 4] = [
+/// The embedded schema table, in id order. Ids are never reused or renumbered: a new version of a
+/// record gets the next free id and the old entry stays, so its data stays readable. A schema
+/// registry started fresh for gpumedic numbers the schemas in this order too
+/// ([`Codec::with_registry`](crate::Codec)), so its ids are these.
+pub const SCHEMA_TABLE: [SchemaTableEntry; 8] = [
     SchemaTableEntry { id: HEALTH_EVENT_V1, record: HealthEvent::NAME, version: 1 },
     SchemaTableEntry { id: ENRICHED_HEALTH_EVENT_V1, record: EnrichedHealthEvent::NAME, version: 1 },
     SchemaTableEntry { id: VERDICT_V1, record: Verdict::NAME, version: 1 },
     SchemaTableEntry { id: ACTION_OUTCOME_V1, record: ActionOutcome::NAME, version: 1 },
+    SchemaTableEntry { id: HEALTH_EVENT_V2, record: HealthEvent::NAME, version: 2 },
+    SchemaTableEntry { id: ENRICHED_HEALTH_EVENT_V2, record: EnrichedHealthEvent::NAME, version: 2 },
+    SchemaTableEntry { id: VERDICT_V2, record: Verdict::NAME, version: 2 },
+    SchemaTableEntry { id: ACTION_OUTCOME_V2, record: ActionOutcome::NAME, version: 2 },
 ];
 
 /// A record type the codec can frame: one of the four event records.
@@ -74,39 +97,44 @@ pub trait Record: Serialize + DeserializeOwned {
 
 impl Record for HealthEvent {
     const NAME: &'static str = "io.gpumedic.events.HealthEvent";
-    const SCHEMA_ID: u32 = HEALTH_EVENT_V1;
+    const SCHEMA_ID: u32 = HEALTH_EVENT_V2;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.health-event.v1+avro";
     const TOPIC: &'static str = topics::HEALTH_RAW;
 }
 
 impl Record for EnrichedHealthEvent {
     const NAME: &'static str = "io.gpumedic.events.EnrichedHealthEvent";
-    const SCHEMA_ID: u32 = ENRICHED_HEALTH_EVENT_V1;
+    const SCHEMA_ID: u32 = ENRICHED_HEALTH_EVENT_V2;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.enriched-health-event.v1+avro";
     const TOPIC: &'static str = topics::HEALTH_ENRICHED;
 }
 
 impl Record for Verdict {
     const NAME: &'static str = "io.gpumedic.events.Verdict";
-    const SCHEMA_ID: u32 = VERDICT_V1;
+    const SCHEMA_ID: u32 = VERDICT_V2;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.verdict.v1+avro";
     const TOPIC: &'static str = topics::VERDICTS;
 }
 
 impl Record for ActionOutcome {
     const NAME: &'static str = "io.gpumedic.events.ActionOutcome";
-    const SCHEMA_ID: u32 = ACTION_OUTCOME_V1;
+    const SCHEMA_ID: u32 = ACTION_OUTCOME_V2;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.action-outcome.v1+avro";
     const TOPIC: &'static str = topics::ACTIONS;
 }
 
-/// The schema registered under an embedded id, if any.
+/// The schema registered under an embedded id, if any: for ids 1 to 4 the version 1 schema the
+/// record was written with (`schemas/avro/released/v1/`), for 5 to 8 the current one.
 pub fn schema_for_id(id: u32) -> Option<&'static Schema> {
     match id {
-        HEALTH_EVENT_V1 => Some(avro::health_event()),
-        ENRICHED_HEALTH_EVENT_V1 => Some(avro::enriched_health_event()),
-        VERDICT_V1 => Some(avro::verdict()),
-        ACTION_OUTCOME_V1 => Some(avro::action_outcome()),
+        HEALTH_EVENT_V1 => avro::v1().first(),
+        ENRICHED_HEALTH_EVENT_V1 => avro::v1().get(1),
+        VERDICT_V1 => avro::v1().get(2),
+        ACTION_OUTCOME_V1 => avro::v1().get(3),
+        HEALTH_EVENT_V2 => Some(avro::health_event()),
+        ENRICHED_HEALTH_EVENT_V2 => Some(avro::enriched_health_event()),
+        VERDICT_V2 => Some(avro::verdict()),
+        ACTION_OUTCOME_V2 => Some(avro::action_outcome()),
         _ => None,
     }
 }
@@ -276,4 +304,43 @@ pub fn decode_body_with_writer_schema<T: Record>(writer_schema: &Schema, body: &
 
 fn finish<T>(record: T, rest: &[u8]) -> Result<T, DecodeError> {
     if rest.is_empty() { Ok(record) } else { Err(DecodeError::TrailingBytes(rest.len())) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_numbers_every_version_of_every_record_once_from_one() {
+        let ids: Vec<u32> = SCHEMA_TABLE.iter().map(|entry| entry.id).collect();
+        assert_eq!(ids, (1..=8).collect::<Vec<u32>>());
+        for entry in &SCHEMA_TABLE {
+            let Some(Schema::Record(record)) = schema_for_id(entry.id) else {
+                panic!("id {} has no record schema", entry.id);
+            };
+            assert_eq!(record.name.fullname(None), entry.record, "id {}", entry.id);
+        }
+        assert_eq!(schema_for_id(0), None);
+        assert_eq!(schema_for_id(9), None);
+    }
+
+    #[test]
+    fn every_record_writes_its_current_version() {
+        for (id, name) in [
+            (HealthEvent::SCHEMA_ID, HealthEvent::NAME),
+            (EnrichedHealthEvent::SCHEMA_ID, EnrichedHealthEvent::NAME),
+            (Verdict::SCHEMA_ID, Verdict::NAME),
+            (ActionOutcome::SCHEMA_ID, ActionOutcome::NAME),
+        ] {
+            let entry = table_entry(id).expect("in the table");
+            assert_eq!((entry.record, entry.version), (name, CURRENT_VERSION));
+        }
+        // Each record's v1 id still names it, with the v1 schema.
+        for (position, id) in
+            [HEALTH_EVENT_V1, ENRICHED_HEALTH_EVENT_V1, VERDICT_V1, ACTION_OUTCOME_V1].into_iter().enumerate()
+        {
+            assert_eq!(table_entry(id).map(|entry| entry.version), Some(1));
+            assert_eq!(schema_for_id(id), avro::v1().get(position));
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::health::HealthEvent;
+use crate::health::{GpuIdentity, HealthEvent};
 
 /// A raw health event with cluster context, published on
 /// [`HEALTH_ENRICHED`](crate::topics::HEALTH_ENRICHED) keyed by node name.
@@ -25,6 +25,11 @@ pub struct EnrichedHealthEvent {
     /// When the enricher published this record.
     #[serde(with = "crate::serde_util::micros")]
     pub enriched_at: DateTime<Utc>,
+    /// The canonical identity of the GPU the event names, resolved from the node's latest GPU
+    /// inventory (schema version 2).
+    pub gpu: Option<GpuIdentity>,
+    /// The event names a GPU that the node's inventory could not resolve.
+    pub gpu_unresolved: bool,
 }
 
 /// What the cluster knows about a node.
@@ -42,6 +47,8 @@ pub struct NodeContext {
     pub driver_version: Option<String>,
     /// Node labels selected by configuration.
     pub labels: BTreeMap<String, String>,
+    /// The node's `nvidia.com/gpu` capacity: how many GPUs it should have (schema version 2).
+    pub expected_gpus: Option<i32>,
 }
 
 /// The Xid catalog's entry for an event's Xid.

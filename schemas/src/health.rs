@@ -43,6 +43,10 @@ pub struct HealthEvent {
     pub raw: Option<String>,
     /// Version of the collector or ingest client.
     pub collector_version: String,
+    /// The node's boot id (`/proc/sys/kernel/random/boot_id`) when the event was observed: a new
+    /// one proves a reboot. `None` from writers that do not know it (schema version 1, the gRPC
+    /// ingest).
+    pub boot_id: Option<String>,
 }
 
 impl HealthEvent {
@@ -66,6 +70,7 @@ impl HealthEvent {
             synthetic: false,
             raw: None,
             collector_version: env!("CARGO_PKG_VERSION").to_owned(),
+            boot_id: None,
         }
     }
 }
@@ -232,6 +237,8 @@ kinds! {
     MonitorHealth => monitor_health: MonitorHealthDetail,
     /// Free key/values from a custom monitor.
     Custom => custom: CustomDetail,
+    /// The GPUs the collector sees on the node (schema version 2).
+    GpuInventory => gpu_inventory: GpuInventoryDetail,
 }
 
 /// An NVIDIA Xid error reported by the GPU driver.
@@ -538,4 +545,48 @@ pub struct CustomDetail {
     pub monitor: String,
     /// Free key/values.
     pub values: BTreeMap<String, String>,
+}
+
+/// The GPUs the collector sees on the node: the inventory that the enricher resolves GPU
+/// references against, and that tells a missing GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInventoryDetail {
+    /// The GPUs present, in NVML index order.
+    pub gpus: Vec<GpuIdentity>,
+    /// Why the inventory was published: one of [`GpuInventoryDetail::REASONS`].
+    pub reason: String,
+    /// How many GPUs the collector expects on the node: the largest count it has seen in this
+    /// boot.
+    pub expected: Option<i32>,
+}
+
+impl GpuInventoryDetail {
+    /// The collector started.
+    pub const START: &'static str = "start";
+    /// A GPU appeared, disappeared or changed identity since the previous inventory.
+    pub const CHANGE: &'static str = "change";
+    /// Periodic, unchanged since the previous inventory.
+    pub const REFRESH: &'static str = "refresh";
+    /// Every reason this version writes. On the wire the reason is a string, not an enum, so a
+    /// reader keeps a reason added later as it came.
+    pub const REASONS: [&'static str; 3] = [Self::START, Self::CHANGE, Self::REFRESH];
+}
+
+/// Every name one GPU of a node goes by, so that a reference by any of them (NVML index, PCI bus
+/// id, UUID) resolves to the others. Every field is optional: a source knows what it knows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GpuIdentity {
+    /// NVML index; not stable across reboots.
+    pub index: Option<i32>,
+    /// GPU UUID as NVML reports it: the canonical identity.
+    pub uuid: Option<String>,
+    /// PCI bus id (domain:bus:device.function).
+    pub pci_bus_id: Option<String>,
+    /// Board serial number.
+    pub serial: Option<String>,
+    /// Product name.
+    pub product: Option<String>,
+    /// The NVLink domain (clique): the node label `nvidia.com/gpu.clique`, or NVML's fabric
+    /// cluster UUID and clique id.
+    pub nvlink_domain: Option<String>,
 }

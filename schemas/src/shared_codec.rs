@@ -2,7 +2,7 @@
 //! embedded table ([`Codec::embedded`]) or from a schema registry ([`Codec::with_registry`],
 //! cargo feature `registry`).
 //!
-//! With a registry, the schema id space is the registry's: every id on the wire, 1 to 4 included,
+//! With a registry, the schema id space is the registry's: every id on the wire, 1 to 8 included,
 //! is resolved through the registry, never through the embedded table, because a registry hands
 //! out the same small numbers to whatever schema it saw first. How data written without a
 //! registry stays readable is in docs/events.md ("Schema registry"); [`Codec::embedded_ids_readable`]
@@ -134,8 +134,9 @@ struct WriterSchema {
 #[derive(Debug)]
 struct Registry {
     client: RegistryClient,
-    /// The ids this build's schemas got, indexed by embedded id - 1.
-    writer_ids: [u32; 4],
+    /// The registry ids of the embedded table's schemas (every version), indexed by embedded
+    /// id - 1.
+    writer_ids: [u32; codec::SCHEMA_TABLE.len()],
     /// Every id resolved so far. Ids are immutable in a schema registry, so entries never expire.
     known: RwLock<HashMap<u32, Arc<WriterSchema>>>,
     /// One cell per id being fetched, so that concurrent decodes of a new id fetch it once.
@@ -152,8 +153,8 @@ pub struct Codec {
 }
 
 impl Codec {
-    /// A codec without a registry: embedded ids 1 to 4, exactly as [`codec::encode`] and
-    /// [`codec::decode`].
+    /// A codec without a registry: the embedded ids (it writes 5 to 8, the current version, and
+    /// reads 1 to 8), exactly as [`codec::encode`] and [`codec::decode`].
     pub fn embedded() -> Self {
         Self {
             #[cfg(feature = "registry")]
@@ -229,9 +230,9 @@ impl Codec {
         Ok(read_value(writer, reader_schema, body)?)
     }
 
-    /// True without a registry. With one: true when the registry's ids 1 to 4 are exactly this
-    /// build's embedded schemas (checked at start), so records written without a registry decode
-    /// correctly through it.
+    /// True without a registry. With one: true when the registry's ids 1 to 8 are exactly the
+    /// embedded table's schemas (checked at start), so records written without a registry, by
+    /// this version or an earlier one, decode correctly through it.
     pub fn embedded_ids_readable(&self) -> bool {
         #[cfg(feature = "registry")]
         if let Some(registry) = &self.registry {
@@ -253,9 +254,11 @@ impl Codec {
 #[cfg(feature = "registry")]
 impl Codec {
     /// A codec backed by the schema registry at `url` (Confluent REST API; for Apicurio, the
-    /// `/apis/ccompat/v7` URL). Registers this build's four schemas under `<topic>-value` and
-    /// remembers their ids, then checks what the registry's ids 1 to 4 are
-    /// ([`Codec::embedded_ids_readable`]).
+    /// `/apis/ccompat/v7` URL). Registers every schema of the embedded table under its record's
+    /// subject `<topic>-value`, in table order (version 1 of the four records, then version 2):
+    /// a new version of a record is a new version of the same subject, and a fresh registry gives
+    /// the schemas the embedded ids. Remembers their ids, writes the current version's, then
+    /// checks what the registry's ids 1 to 8 are ([`Codec::embedded_ids_readable`]).
     ///
     /// # Errors
     /// [`RegistryStartError`] when the registry is unreachable or refuses a schema: a service
@@ -264,33 +267,39 @@ impl Codec {
         let client = RegistryClient::new(url, options.request_timeout).map_err(|source| {
             RegistryStartError::Register { record: HealthEvent::NAME, subject: String::new(), source }
         })?;
-        let texts = avro::self_contained_json(&[
-            avro::HEALTH_EVENT_AVSC,
-            avro::ENRICHED_HEALTH_EVENT_AVSC,
-            avro::VERDICT_AVSC,
-            avro::ACTION_OUTCOME_AVSC,
-        ])
-        .expect("the embedded .avsc files parse (tested)");
+        let texts = [
+            avro::self_contained_json(&avro::V1_AVSC).expect("the embedded released .avsc files parse (tested)"),
+            avro::self_contained_json(&avro::CURRENT_AVSC).expect("the embedded .avsc files parse (tested)"),
+        ];
         let records = [
             (HealthEvent::NAME, HealthEvent::TOPIC),
             (EnrichedHealthEvent::NAME, EnrichedHealthEvent::TOPIC),
             (Verdict::NAME, Verdict::TOPIC),
             (ActionOutcome::NAME, ActionOutcome::TOPIC),
         ];
-        let mut writer_ids = [0; 4];
+        let mut writer_ids = [0; codec::SCHEMA_TABLE.len()];
         let mut known = HashMap::new();
-        // In table order, so that a fresh registry gives this build's schemas ids 1 to 4, the
-        // embedded ids (see docs/events.md).
-        for (index, ((record, topic), text)) in records.iter().zip(&texts).enumerate() {
+        // In table order, so that a fresh registry gives the schemas the embedded ids 1 to 8 and
+        // records written without a registry stay readable through it (see docs/events.md). The
+        // older versions are registered too, although this build never writes them: registering
+        // a schema the subject already has only returns its id.
+        for (slot, entry) in codec::SCHEMA_TABLE.iter().enumerate() {
+            let position = records
+                .iter()
+                .position(|(name, _)| *name == entry.record)
+                .expect("every table entry names one of the four records (tested)");
+            let (record, topic) = records[position];
+            let text = &texts[if entry.version == codec::CURRENT_VERSION { 1 } else { 0 }][position];
             let subject = format!("{}{topic}-value", options.subject_prefix);
             let id = client.register(&subject, text).await.map_err(|source| RegistryStartError::Register {
                 record,
                 subject,
                 source,
             })?;
-            writer_ids[index] = id;
-            let schema = ours(index).clone();
-            known.insert(id, Arc::new(WriterSchema { schema, name: (*record).to_owned(), ours: true }));
+            writer_ids[slot] = id;
+            let schema = codec::schema_for_id(entry.id).expect("every table entry has a schema (tested)").clone();
+            let ours = entry.version == codec::CURRENT_VERSION;
+            known.insert(id, Arc::new(WriterSchema { schema, name: record.to_owned(), ours }));
         }
         let registry = Registry {
             client,
@@ -300,9 +309,9 @@ impl Codec {
             embedded_ids_readable: false,
         };
         let mut readable = true;
-        for id in 1..=4 {
-            match registry.resolve(id).await {
-                Ok(writer) => readable &= writer.ours && ours((id - 1) as usize) == &writer.schema,
+        for entry in &codec::SCHEMA_TABLE {
+            match registry.resolve(entry.id).await {
+                Ok(writer) => readable &= codec::schema_for_id(entry.id) == Some(&writer.schema),
                 Err(DecodeFailure::RegistryUnavailable { id, source }) => {
                     return Err(RegistryStartError::Check { id, source });
                 }
@@ -405,7 +414,7 @@ mod tests {
         let bytes = codec.encode(&event).unwrap();
         assert_eq!(bytes, codec::encode(&event).unwrap());
         assert_eq!(codec.decode::<crate::HealthEvent>(&bytes).await.unwrap(), event);
-        assert_eq!(codec.writer_id::<crate::Verdict>(), codec::VERDICT_V1);
+        assert_eq!(codec.writer_id::<crate::Verdict>(), codec::VERDICT_V2);
         assert!(codec.embedded_ids_readable());
         assert_eq!(codec.registry_requests(), 0);
         let err = codec.decode::<crate::HealthEvent>(&[0, 0, 0, 0, 99]).await.unwrap_err();

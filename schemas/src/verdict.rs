@@ -41,6 +41,15 @@ pub struct Verdict {
     pub issued_at: DateTime<Utc>,
     /// The verdict declares the incident recovered.
     pub recovery: bool,
+    /// The action must not be taken before this time (e.g. a cloud maintenance window's start
+    /// less a lead); `None`: at once. Schema version 2, as the two fields after it.
+    #[serde(with = "crate::serde_util::micros::option")]
+    pub not_before: Option<DateTime<Utc>>,
+    /// The action may wait until the GPU has no workload or a maintenance window opens.
+    pub deferrable: bool,
+    /// For a workload fault: the workload (`namespace/Kind/name`) whose application errors were
+    /// seen across nodes; no node action is recommended.
+    pub workload: Option<String>,
 }
 
 /// How bad a condition is.
@@ -81,4 +90,7 @@ pub enum RecommendedAction {
     ContactSupport,
     /// A site-specific action, named in `custom_action`.
     Custom,
+    /// Run the GPU's diagnostics (DCGM) when it is free; no change to the node unless they fail
+    /// (schema version 2).
+    RunDiagnostics,
 }

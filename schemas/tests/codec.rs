@@ -18,8 +18,8 @@ fn sample_payloads() -> Vec<Vec<u8>> {
 #[test]
 fn the_frame_is_magic_byte_schema_id_body() {
     let payload = codec::encode(&common::verdict()).unwrap();
-    assert_eq!(&payload[..5], &[0, 0, 0, 0, 3]);
-    assert_eq!(codec::split_frame(&payload).unwrap().0, codec::VERDICT_V1);
+    assert_eq!(&payload[..5], &[0, 0, 0, 0, 7]);
+    assert_eq!(codec::split_frame(&payload).unwrap().0, codec::VERDICT_V2);
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn another_record_type_is_rejected() {
         DecodeError::WrongRecordType { expected, found, id } => {
             assert_eq!(expected, "io.gpumedic.events.Verdict");
             assert_eq!(found, "io.gpumedic.events.ActionOutcome");
-            assert_eq!(id, codec::ACTION_OUTCOME_V1);
+            assert_eq!(id, codec::ACTION_OUTCOME_V2);
         }
         other => panic!("expected WrongRecordType, got {other}"),
     }
@@ -146,8 +146,9 @@ fn random_bytes_never_panic() {
         let len = rng.below(64);
         let mut payload: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
         if payload.len() >= 5 && rng.below(2) == 0 {
-            // A valid frame header pointing at a real schema, so the bytes reach Avro.
-            payload[..5].copy_from_slice(&[0, 0, 0, 0, 1 + rng.below(4) as u8]);
+            // A valid frame header pointing at a real schema, so the bytes reach Avro: the
+            // current versions' fast path or an older version's schema resolution.
+            payload[..5].copy_from_slice(&[0, 0, 0, 0, 1 + rng.below(codec::SCHEMA_TABLE.len()) as u8]);
         }
         let _ = codec::decode::<HealthEvent>(&payload);
         let _ = codec::decode::<EnrichedHealthEvent>(&payload);

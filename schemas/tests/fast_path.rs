@@ -100,6 +100,12 @@ fn minimal_details() -> Vec<Detail> {
         }),
         Detail::MonitorHealth(MonitorHealthDetail { monitor: "dcgm".into(), state: MonitorState::Ok, message: None }),
         Detail::Custom(CustomDetail { monitor: String::new(), values: Default::default() }),
+        Detail::GpuInventory(GpuInventoryDetail { gpus: Vec::new(), reason: String::new(), expected: None }),
+        Detail::GpuInventory(GpuInventoryDetail {
+            gpus: vec![GpuIdentity::default(), common::full_gpu()],
+            reason: GpuInventoryDetail::START.into(),
+            expected: None,
+        }),
         Detail::Absent,
     ]
 }
@@ -113,8 +119,14 @@ fn every_detail_full_and_minimal_is_written_as_apache_avro_writes_it() {
         event.raw = None;
         event.healthy = true;
         event.synthetic = false;
+        event.boot_id = None;
         assert_same_as_apache(avro::health_event(), &event);
-        assert_same_as_apache(avro::enriched_health_event(), &common::enriched(detail));
+        let mut enriched = common::enriched(detail);
+        assert_same_as_apache(avro::enriched_health_event(), &enriched);
+        enriched.gpu = None;
+        enriched.gpu_unresolved = true;
+        enriched.node_context.expected_gpus = None;
+        assert_same_as_apache(avro::enriched_health_event(), &enriched);
     }
 }
 
@@ -189,13 +201,20 @@ fn every_enum_symbol_is_written_at_its_schema_index() {
 
     use RecommendedAction as A;
     let actions = [A::Unknown, A::None, A::Monitor, A::Cordon, A::Drain, A::ResetGpu, A::RebootNode, A::ReplaceNode];
-    let actions = actions.into_iter().chain([A::ContactSupport, A::Custom]);
+    let actions = actions.into_iter().chain([A::ContactSupport, A::Custom, A::RunDiagnostics]);
     let severities = [Severity::Unknown, Severity::Info, Severity::Warning, Severity::Critical].into_iter().cycle();
     for (action, severity) in actions.zip(severities) {
         let mut verdict = common::verdict();
         verdict.action = action;
         verdict.severity = severity;
         assert_same_as_apache(avro::verdict(), &verdict);
+        verdict.not_before = None;
+        verdict.deferrable = false;
+        verdict.workload = None;
+        assert_same_as_apache(avro::verdict(), &verdict);
+        let mut outcome = common::action_outcome();
+        outcome.action = action;
+        assert_same_as_apache(avro::action_outcome(), &outcome);
     }
     use ActionStatus as T;
     for status in [T::Unknown, T::Applied, T::DryRun, T::SkippedByMode, T::BlockedByBreaker, T::AlreadyDone, T::Failed]

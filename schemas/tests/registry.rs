@@ -17,13 +17,13 @@ use gpumedic_schemas::codec::{self, DecodeError};
 use gpumedic_schemas::health::{Detail, Kind, Source};
 use gpumedic_schemas::registry::{RegistryClient, RegistryError};
 use gpumedic_schemas::{
-    ActionOutcome, Codec, DecodeFailure, EnrichedHealthEvent, HealthEvent, RegistryOptions, RegistryStartError,
+    ActionOutcome, Codec, DecodeFailure, EnrichedHealthEvent, HealthEvent, Record, RegistryOptions, RegistryStartError,
     Verdict, avro,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-const HEALTH_EVENT_V2: &str = include_str!("fixtures/health_event_v2.avsc");
+const HEALTH_EVENT_V3: &str = include_str!("fixtures/health_event_v3.avsc");
 
 /// The registry's Confluent-compatible URL: `SCHEMA_REGISTRY_URL`, or the testbed's default.
 fn registry_url() -> String {
@@ -55,8 +55,8 @@ fn id_of(payload: &[u8]) -> u32 {
     codec::split_frame(payload).expect("framed").0
 }
 
-fn v2() -> (Schema, String) {
-    let mut texts = avro::self_contained_json(&[HEALTH_EVENT_V2]).expect("fixture parses");
+fn v3() -> (Schema, String) {
+    let mut texts = avro::self_contained_json(&[HEALTH_EVENT_V3]).expect("fixture parses");
     let text = texts.remove(0);
     (Schema::parse_str(&text).expect("fixture parses alone"), text)
 }
@@ -66,18 +66,19 @@ fn field_mut<'a>(record: &'a mut Value, name: &str) -> &'a mut Value {
     &mut fields.iter_mut().find(|(field, _)| field == name).unwrap_or_else(|| panic!("no field {name}")).1
 }
 
-/// `event` as a v2 writer would write it (unframed), with the v2-only parts set.
-fn written_by_v2(event: &HealthEvent, v2: &Schema) -> Vec<u8> {
-    let v1_body = &codec::encode(event).unwrap()[5..];
+/// `event` as a v3 writer (the next version, a fixture) would write it (unframed), with the
+/// v3-only parts set.
+fn written_by_v3(event: &HealthEvent, v3: &Schema) -> Vec<u8> {
+    let body = &codec::encode(event).unwrap()[5..];
     let mut value = GenericDatumReader::builder(avro::health_event())
-        .reader_schema(v2)
+        .reader_schema(v3)
         .build()
         .unwrap()
-        .read_value(&mut &v1_body[..])
+        .read_value(&mut &body[..])
         .unwrap();
     *field_mut(&mut value, "sequence") = Value::Union(1, Box::new(Value::Long(7)));
     *field_mut(&mut value, "source") = Value::Enum(7, "bmc".into());
-    GenericDatumWriter::builder(v2).build().unwrap().write_value_to_vec(value).expect("valid v2 datum")
+    GenericDatumWriter::builder(v3).build().unwrap().write_value_to_vec(value).expect("valid v3 datum")
 }
 
 fn frame(id: u32, body: &[u8]) -> Vec<u8> {
@@ -121,6 +122,37 @@ async fn registration_returns_ids_and_encode_writes_them() {
 }
 
 #[tokio::test]
+async fn the_v1_schemas_are_earlier_versions_of_the_same_subjects_and_stay_readable() {
+    let url = require_schema_registry().await;
+    let prefix = unique_prefix();
+    let options = RegistryOptions { subject_prefix: prefix.clone(), ..RegistryOptions::default() };
+    let codec = Codec::with_registry(&url, options).await.unwrap();
+    let client = RegistryClient::new(&url, Duration::from_secs(5)).unwrap();
+    let v1_texts = avro::self_contained_json(&avro::V1_AVSC).unwrap();
+
+    // The codec registered v1 under the record's subject before v2: registering it again returns
+    // its id, another than the one the codec writes.
+    let subject = format!("{prefix}{}-value", Verdict::TOPIC);
+    let v1_id = client.register(&subject, &v1_texts[2]).await.unwrap();
+    assert_ne!(v1_id, codec.writer_id::<Verdict>());
+    let registered = client.schema_by_id(v1_id).await.unwrap();
+    assert_eq!(&Schema::parse_str(&registered.schema).unwrap(), &avro::v1()[2]);
+
+    // A record a v1 producer wrote under that id decodes into this build's type, new fields at
+    // their defaults.
+    let verdict = common::verdict();
+    let v1_value = GenericDatumReader::builder(avro::verdict())
+        .reader_schema(&avro::v1()[2])
+        .build()
+        .unwrap()
+        .read_value(&mut &codec::encode(&verdict).unwrap()[5..])
+        .unwrap();
+    let body = GenericDatumWriter::builder(&avro::v1()[2]).build().unwrap().write_value_to_vec(v1_value).unwrap();
+    let read: Verdict = codec.decode(&frame(v1_id, &body)).await.unwrap();
+    assert_eq!(read, Verdict { not_before: None, deferrable: false, workload: None, ..verdict });
+}
+
+#[tokio::test]
 async fn all_four_records_round_trip_through_registry_ids() {
     let url = require_schema_registry().await;
     let codec = codec(&url).await;
@@ -149,32 +181,32 @@ async fn all_four_records_round_trip_through_registry_ids() {
 }
 
 #[tokio::test]
-async fn a_record_written_with_v2_decodes_into_this_builds_v1_types() {
+async fn a_record_written_with_v3_decodes_into_this_builds_types() {
     let url = require_schema_registry().await;
     let codec = codec(&url).await;
-    let (v2, v2_text) = v2();
+    let (v3, v3_text) = v3();
     let client = RegistryClient::new(&url, Duration::from_secs(5)).unwrap();
-    let v2_id = client.register(&format!("{}v2-writer-value", unique_prefix()), &v2_text).await.unwrap();
-    assert_ne!(v2_id, codec.writer_id::<HealthEvent>());
+    let v3_id = client.register(&format!("{}v3-writer-value", unique_prefix()), &v3_text).await.unwrap();
+    assert_ne!(v3_id, codec.writer_id::<HealthEvent>());
 
     let event = common::health_event(common::all_details().remove(3));
-    let payload = frame(v2_id, &written_by_v2(&event, &v2));
+    let payload = frame(v3_id, &written_by_v3(&event, &v3));
     let read: HealthEvent = codec.decode(&payload).await.unwrap();
-    // The symbol v1 lacks falls back to the enum default; the rest is as written.
+    // The symbol this build lacks falls back to the enum default; the rest is as written.
     assert_eq!(read.source, Source::Unknown);
     assert_eq!(read, HealthEvent { source: Source::Unknown, ..event });
 }
 
 #[tokio::test]
-async fn a_v1_record_decodes_with_a_v2_reader() {
+async fn a_record_of_this_build_decodes_with_a_v3_reader() {
     let url = require_schema_registry().await;
     let codec = codec(&url).await;
-    let (v2, _) = v2();
+    let (v3, _) = v3();
     let event = common::health_event(common::all_details().remove(3));
     let payload = codec.encode(&event).unwrap();
 
-    let mut value = codec.decode_value(&payload, &v2).await.unwrap();
-    assert!(value.validate(&v2));
+    let mut value = codec.decode_value(&payload, &v3).await.unwrap();
+    assert!(value.validate(&v3));
     assert_eq!(
         field_mut(&mut value, "sequence"),
         &Value::Union(0, Box::new(Value::Null)),
@@ -239,27 +271,27 @@ async fn an_unreachable_registry_is_transient_and_a_cached_id_needs_no_registry(
     let via = format!("http://{}/{path}", forwarder.addr);
     let codec = codec(&via).await;
 
-    // A v2 writer's id: not this build's, so the codec must fetch it once.
-    let (v2, v2_text) = v2();
+    // A v3 writer's id: not this build's, so the codec must fetch it once.
+    let (v3, v3_text) = v3();
     let client = RegistryClient::new(&url, Duration::from_secs(5)).unwrap();
-    let v2_id = client.register(&format!("{}v2-writer-value", unique_prefix()), &v2_text).await.unwrap();
+    let v3_id = client.register(&format!("{}v3-writer-value", unique_prefix()), &v3_text).await.unwrap();
     let event = common::health_event(common::all_details().remove(2));
-    let v2_payload = frame(v2_id, &written_by_v2(&event, &v2));
+    let v3_payload = frame(v3_id, &written_by_v3(&event, &v3));
     let own_payload = codec.encode(&event).unwrap();
 
     let before = codec.registry_requests();
-    codec.decode::<HealthEvent>(&v2_payload).await.unwrap();
+    codec.decode::<HealthEvent>(&v3_payload).await.unwrap();
     assert_eq!(codec.registry_requests(), before + 1, "a new id is fetched once");
-    codec.decode::<HealthEvent>(&v2_payload).await.unwrap();
+    codec.decode::<HealthEvent>(&v3_payload).await.unwrap();
     codec.decode::<HealthEvent>(&own_payload).await.unwrap();
     assert_eq!(codec.registry_requests(), before + 1, "known ids are not fetched again");
 
     forwarder.stop().await;
     // Known ids decode with the registry gone...
     assert_eq!(codec.decode::<HealthEvent>(&own_payload).await.unwrap(), event);
-    codec.decode::<HealthEvent>(&v2_payload).await.unwrap();
+    codec.decode::<HealthEvent>(&v3_payload).await.unwrap();
     // ...and a new id is a transient failure, never a bad record.
-    let (_, other_text) = v2_other();
+    let (_, other_text) = v3_other();
     let other_id = client.register(&format!("{}other-value", unique_prefix()), &other_text).await.unwrap();
     let err = codec.decode::<HealthEvent>(&frame(other_id, &[])).await.unwrap_err();
     assert!(matches!(err, DecodeFailure::RegistryUnavailable { id, .. } if id == other_id), "{err:?}");
@@ -267,9 +299,9 @@ async fn an_unreachable_registry_is_transient_and_a_cached_id_needs_no_registry(
     assert_eq!(err.reason(), "registry_unavailable");
 }
 
-/// Another schema the registry has not seen in this test: v2 with one more documented field.
-fn v2_other() -> (Schema, String) {
-    let text = HEALTH_EVENT_V2.replace("Per-collector sequence number.", &format!("Sequence {}.", unique_prefix()));
+/// Another schema the registry has not seen in this test: v3 with one more documented field.
+fn v3_other() -> (Schema, String) {
+    let text = HEALTH_EVENT_V3.replace("Per-collector sequence number.", &format!("Sequence {}.", unique_prefix()));
     let text = avro::self_contained_json(&[&text]).unwrap().remove(0);
     (Schema::parse_str(&text).unwrap(), text)
 }

@@ -49,7 +49,7 @@ where
 fn every_detail_variant_round_trips_as_a_health_event() {
     let details = common::all_details();
     let kinds: HashSet<Kind> = details.iter().map(Detail::kind).collect();
-    assert_eq!(kinds.len(), 17, "one detail per kind, every kind covered");
+    assert_eq!(kinds.len(), 18, "one detail per kind, every kind covered");
     assert!(!kinds.contains(&Kind::Unknown));
     for detail in details {
         round_trip(avro::health_event(), &common::health_event(detail));
@@ -75,6 +75,8 @@ fn enriched_health_event_round_trips() {
     unknown_node.node_context = Default::default();
     unknown_node.xid_catalog = None;
     unknown_node.workloads.clear();
+    unknown_node.gpu = None;
+    unknown_node.gpu_unresolved = true;
     round_trip(avro::enriched_health_event(), &unknown_node);
 }
 
@@ -85,6 +87,9 @@ fn verdict_round_trips() {
     minimal.entity = Entity::default();
     minimal.custom_action = None;
     minimal.evidence.clear();
+    minimal.not_before = None;
+    minimal.deferrable = false;
+    minimal.workload = None;
     round_trip(avro::verdict(), &minimal);
 }
 

@@ -112,7 +112,24 @@ pub fn all_details() -> Vec<Detail> {
             monitor: "ib-link-checker".into(),
             values: BTreeMap::from([("port".into(), "mlx5_0/1".into()), ("state".into(), "down".into())]),
         }),
+        Detail::GpuInventory(GpuInventoryDetail {
+            gpus: vec![full_gpu(), GpuIdentity { index: Some(4), ..GpuIdentity::default() }],
+            reason: GpuInventoryDetail::CHANGE.into(),
+            expected: Some(8),
+        }),
     ]
+}
+
+/// Every identity field set, for the GPU `full_entity` names.
+pub fn full_gpu() -> GpuIdentity {
+    GpuIdentity {
+        index: Some(3),
+        uuid: Some("GPU-5c1f2a8e-9d3b-4f47-a1c2-0e6b7d8f9a01".into()),
+        pci_bus_id: Some("0000:3b:00.0".into()),
+        serial: Some("1654922008123".into()),
+        product: Some("NVIDIA H100 80GB HBM3".into()),
+        nvlink_domain: Some("a1b2c3d4-0000-4000-8000-000000000001.7".into()),
+    }
 }
 
 /// A fully populated raw event carrying `detail`.
@@ -131,6 +148,7 @@ pub fn health_event(detail: Detail) -> HealthEvent {
         synthetic: true,
         raw: Some("NVRM: Xid (PCI:0000:3b:00): 145, pid=4242, name=python3, RLW_REMAP ...".into()),
         collector_version: "0.1.0".into(),
+        boot_id: Some("8c2f7c1e-4d51-4b0e-9a58-2f0a6c1b9d33".into()),
     }
 }
 
@@ -144,6 +162,7 @@ pub fn enriched(detail: Detail) -> EnrichedHealthEvent {
             gpu_product: Some("NVIDIA-H100-80GB-HBM3".into()),
             driver_version: Some("570.133.20".into()),
             labels: BTreeMap::from([("team".into(), "llm".into())]),
+            expected_gpus: Some(8),
         },
         node_unknown: false,
         xid_catalog: Some(XidCatalogEntry {
@@ -160,6 +179,8 @@ pub fn enriched(detail: Detail) -> EnrichedHealthEvent {
             gpu_uuids: vec!["GPU-5c1f2a8e-9d3b-4f47-a1c2-0e6b7d8f9a01".into()],
         }],
         enriched_at: at(1_767_225_600_323_456),
+        gpu: Some(full_gpu()),
+        gpu_unresolved: false,
     }
 }
 
@@ -178,6 +199,9 @@ pub fn verdict() -> Verdict {
         evidence: vec![uuid(1), uuid(4)],
         issued_at: at(1_767_225_600_423_456),
         recovery: true,
+        not_before: Some(at(1_767_312_000_000_000)),
+        deferrable: true,
+        workload: Some("training/Job/llm-pretrain".into()),
     }
 }
 
