@@ -4,6 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::identity::NodeIdentity;
+
 /// One GPU's readings at one moment. `None` means the GPU does not support the reading.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GpuSample {
@@ -15,6 +17,10 @@ pub struct GpuSample {
     pub pci_bus_id: String,
     /// The GPU no longer answers (NVML_ERROR_GPU_IS_LOST: fallen off the bus).
     pub lost: bool,
+    /// Board serial number, when the GPU tells it.
+    pub serial: Option<String>,
+    /// Product name (`NVIDIA H100 80GB HBM3`), when the GPU tells it.
+    pub product: Option<String>,
     /// GPU temperature, Celsius.
     pub temperature_c: Option<i32>,
     /// Slowdown threshold, Celsius.
@@ -131,6 +137,7 @@ type XidQueue = std::sync::mpsc::Receiver<(u32, u64)>;
 /// Changes the state of a [`Simulated`] backend from outside: tests, the demo, load tests.
 #[derive(Clone)]
 pub struct SimulatedControl {
+    node: String,
     state: Arc<Mutex<Vec<GpuSample>>>,
     xids: std::sync::mpsc::Sender<(u32, u64)>,
 }
@@ -139,47 +146,64 @@ impl Simulated {
     /// `n` healthy H100-like GPUs on `node`, with UUIDs derived from the node name so they are
     /// stable across restarts.
     pub fn new(node: &str, n: u32) -> (Self, SimulatedControl) {
-        let gpus = (0..n)
-            .map(|i| GpuSample {
-                index: i,
-                uuid: simulated_uuid(node, i),
-                pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + i * 0x10),
-                lost: false,
-                temperature_c: Some(45),
-                slowdown_c: Some(87),
-                shutdown_c: Some(92),
-                power_w: Some(350.0),
-                power_limit_w: Some(700.0),
-                ecc_sbe_volatile: Some(0),
-                ecc_dbe_volatile: Some(0),
-                ecc_sbe_aggregate: Some(0),
-                ecc_dbe_aggregate: Some(0),
-                pcie_replay: Some(0),
-                // An H100-like GPU remaps rows and does not retire pages.
-                retired_pages_sbe: None,
-                retired_pages_dbe: None,
-                retired_pages_pending: None,
-                remapped_rows_correctable: Some(0),
-                remapped_rows_uncorrectable: Some(0),
-                remap_pending: Some(false),
-                remap_failure: Some(false),
-                throttle_mask: Some(throttle::GPU_IDLE),
-                nvlinks: (0..SIMULATED_NVLINKS)
-                    .map(|link| NvlinkSample {
-                        link,
-                        active: Some(true),
-                        crc_flit: Some(0),
-                        crc_data: Some(0),
-                        replay: Some(0),
-                        recovery: Some(0),
-                    })
-                    .collect(),
-            })
-            .collect();
+        let gpus = (0..n).map(|i| fresh_gpu(node, i)).collect();
         let state = Arc::new(Mutex::new(gpus));
         let (tx, rx) = std::sync::mpsc::channel();
-        (Self { state: state.clone(), xids: Arc::new(Mutex::new(Some(rx))) }, SimulatedControl { state, xids: tx })
+        (
+            Self { state: state.clone(), xids: Arc::new(Mutex::new(Some(rx))) },
+            SimulatedControl { node: node.to_owned(), state, xids: tx },
+        )
     }
+}
+
+/// Simulated GPU `index` of `node` as it comes up: healthy, idle, every counter at zero.
+fn fresh_gpu(node: &str, index: u32) -> GpuSample {
+    GpuSample {
+        index,
+        uuid: simulated_uuid(node, index),
+        pci_bus_id: simulated_pci(index),
+        lost: false,
+        serial: Some(format!("{:013}", fnv1a(node.as_bytes()).wrapping_add(u64::from(index)) % 10_000_000_000_000)),
+        product: Some(SIMULATED_PRODUCT.to_owned()),
+        temperature_c: Some(45),
+        slowdown_c: Some(87),
+        shutdown_c: Some(92),
+        power_w: Some(350.0),
+        power_limit_w: Some(700.0),
+        ecc_sbe_volatile: Some(0),
+        ecc_dbe_volatile: Some(0),
+        ecc_sbe_aggregate: Some(0),
+        ecc_dbe_aggregate: Some(0),
+        pcie_replay: Some(0),
+        // An H100-like GPU remaps rows and does not retire pages.
+        retired_pages_sbe: None,
+        retired_pages_dbe: None,
+        retired_pages_pending: None,
+        remapped_rows_correctable: Some(0),
+        remapped_rows_uncorrectable: Some(0),
+        remap_pending: Some(false),
+        remap_failure: Some(false),
+        throttle_mask: Some(throttle::GPU_IDLE),
+        nvlinks: (0..SIMULATED_NVLINKS)
+            .map(|link| NvlinkSample {
+                link,
+                active: Some(true),
+                crc_flit: Some(0),
+                crc_data: Some(0),
+                replay: Some(0),
+                recovery: Some(0),
+            })
+            .collect(),
+    }
+}
+
+/// The product name of every simulated GPU.
+pub const SIMULATED_PRODUCT: &str = "NVIDIA H100 80GB HBM3";
+
+/// The PCI bus id the simulated backend gives GPU `index` (`dddd:bb:dd.f`, as NVML's is
+/// normalised).
+pub fn simulated_pci(index: u32) -> String {
+    format!("0000:{:02x}:00.0", 0x18 + index * 0x10)
 }
 
 /// NVLink links per simulated GPU (as on an H100 SXM).
@@ -213,6 +237,59 @@ impl SimulatedControl {
             }
             None => false,
         }
+    }
+
+    /// GPU `index` as it is now, `None` when there is no such GPU.
+    pub fn gpu(&self, index: u32) -> Option<GpuSample> {
+        self.state.lock().expect("simulated state").iter().find(|g| g.index == index).cloned()
+    }
+
+    /// GPU `index` falls off the bus: from now on NVML answers GPU_IS_LOST for it (no readings, no
+    /// heartbeats, absent from the inventory) until the node reboots. Returns the GPU as it was,
+    /// for its names.
+    ///
+    /// # Errors
+    /// A sentence when there is no such GPU or it is already lost.
+    pub fn fall_off_bus(&self, index: u32) -> Result<GpuSample, String> {
+        let mut gpus = self.state.lock().expect("simulated state");
+        let count = gpus.len();
+        let Some(gpu) = gpus.iter_mut().find(|g| g.index == index) else {
+            return Err(format!("the simulated node has no GPU {index} (it has {count}, from 0)"));
+        };
+        if gpu.lost {
+            return Err(format!("GPU {index} has already fallen off the bus; inject a reboot to bring it back"));
+        }
+        let before = gpu.clone();
+        gpu.lost = true;
+        Ok(before)
+    }
+
+    /// The node reboots: it gets a new boot id (on `identity`, so every event from now on carries
+    /// it) and every GPU answers again with fresh counters. What a GPU keeps across a reboot in its
+    /// InfoROM (aggregate ECC counts, remapped rows, a remap failure) stays. Returns the new boot
+    /// id.
+    ///
+    /// The boot id changes under the same lock that samples take, so a sample is either all
+    /// before the reboot or all after it: never revived GPUs under the old boot id, nor the lost
+    /// GPU under the new one.
+    pub fn reboot(&self, identity: &NodeIdentity) -> String {
+        let mut gpus = self.state.lock().expect("simulated state");
+        let boot_id = uuid::Uuid::new_v4().to_string();
+        identity.reboot(boot_id.clone());
+        for gpu in gpus.iter_mut() {
+            let old = gpu.clone();
+            *gpu = GpuSample {
+                ecc_sbe_aggregate: old.ecc_sbe_aggregate,
+                ecc_dbe_aggregate: old.ecc_dbe_aggregate,
+                remapped_rows_correctable: old.remapped_rows_correctable,
+                remapped_rows_uncorrectable: old.remapped_rows_uncorrectable,
+                remap_failure: old.remap_failure,
+                retired_pages_sbe: old.retired_pages_sbe,
+                retired_pages_dbe: old.retired_pages_dbe,
+                ..fresh_gpu(&self.node, old.index)
+            };
+        }
+        boot_id
     }
 
     /// Raises Xid `code` on GPU `index`, as NVML's event set would deliver it.
@@ -311,12 +388,17 @@ pub mod throttle {
 /// The real backend: NVML through nvml-wrapper, loaded at run time (no driver needed to build).
 pub struct NvmlBackend {
     nvml: nvml_wrapper::Nvml,
+    /// Serial and product name by UUID: they never change for a GPU, so they are read once (a
+    /// failed read is tried again at the next sample).
+    names: std::collections::HashMap<String, (Option<String>, Option<String>)>,
 }
 
 impl NvmlBackend {
     /// Loads and initialises NVML.
     pub fn init() -> Result<Self, BackendError> {
-        nvml_wrapper::Nvml::init().map(|nvml| Self { nvml }).map_err(|e| BackendError::Unavailable(e.to_string()))
+        nvml_wrapper::Nvml::init()
+            .map(|nvml| Self { nvml, names: Default::default() })
+            .map_err(|e| BackendError::Unavailable(e.to_string()))
     }
 }
 
@@ -342,14 +424,28 @@ impl GpuBackend for NvmlBackend {
                 }
                 Err(e) => return Err(BackendError::Call(e.to_string())),
             };
-            // A lost GPU answers every call with GpuLost; the UUID read tells first.
+            // A lost GPU answers every call with GpuLost; the UUID read tells first. Another error
+            // leaves the UUID unknown, not the GPU: it is still there and still sampled.
             let uuid = match device.uuid() {
                 Ok(u) => u,
                 Err(NvmlError::GpuLost) => {
                     out.push(GpuSample { index, lost: true, ..Default::default() });
                     continue;
                 }
-                Err(e) => return Err(BackendError::Call(e.to_string())),
+                Err(e) => {
+                    tracing::debug!(gpu = index, error = %e, "Cannot read the GPU's UUID.");
+                    String::new()
+                }
+            };
+            let (serial, product) = match self.names.get(&uuid) {
+                Some((Some(serial), Some(product))) => (Some(serial.clone()), Some(product.clone())),
+                _ => {
+                    let names = (device.serial().ok(), device.name().ok());
+                    if !uuid.is_empty() {
+                        self.names.insert(uuid.clone(), names.clone());
+                    }
+                    names
+                }
             };
             let ecc = |kind, counter| device.total_ecc_errors(kind, counter).ok().map(|v| v as i64);
             let retired = |cause| device.retired_pages(cause).ok().map(|p| p.len() as i64);
@@ -363,6 +459,8 @@ impl GpuBackend for NvmlBackend {
                     .and_then(|p| crate::kernel_log::parse::normalize_pci(&p.bus_id))
                     .unwrap_or_default(),
                 lost: false,
+                serial,
+                product,
                 temperature_c: device.temperature(TemperatureSensor::Gpu).ok().map(|t| t as i32),
                 slowdown_c: device.temperature_threshold(TemperatureThreshold::Slowdown).ok().map(|t| t as i32),
                 shutdown_c: device.temperature_threshold(TemperatureThreshold::Shutdown).ok().map(|t| t as i32),
@@ -542,6 +640,33 @@ mod tests {
         assert!(control.update(3, |g| g.lost = true));
         assert!(!control.update(9, |g| g.lost = true));
         assert!(sim.sample().unwrap()[3].lost);
+    }
+
+    #[test]
+    fn a_simulated_gpu_falls_off_the_bus_until_the_node_reboots() {
+        let (mut sim, control) = Simulated::new("gpu-node-1", 8);
+        let identity = NodeIdentity::new("boot-1");
+        control.update(3, |g| {
+            g.ecc_sbe_volatile = Some(5);
+            g.ecc_dbe_aggregate = Some(2);
+            g.pcie_replay = Some(40);
+        });
+        let gone = control.fall_off_bus(3).expect("GPU 3 exists");
+        assert_eq!((gone.index, gone.pci_bus_id.as_str()), (3, simulated_pci(3).as_str()));
+        assert!(sim.sample().unwrap()[3].lost, "NVML answers GPU_IS_LOST");
+        assert!(control.fall_off_bus(3).unwrap_err().contains("already"));
+        assert!(control.fall_off_bus(8).unwrap_err().contains("no GPU 8"));
+
+        let boot = control.reboot(&identity);
+        assert_ne!(boot, "boot-1");
+        assert_eq!(identity.boot_id(), boot, "every later event carries the new boot id");
+        let after = sim.sample().unwrap();
+        assert!(after.iter().all(|g| !g.lost), "every GPU answers again");
+        assert_eq!(after[3].ecc_sbe_volatile, Some(0), "volatile counters start from zero");
+        assert_eq!(after[3].pcie_replay, Some(0));
+        assert_eq!(after[3].ecc_dbe_aggregate, Some(2), "the InfoROM's lifetime count stays");
+        assert_eq!(after[3].uuid, simulated_uuid("gpu-node-1", 3), "the same GPU");
+        assert_ne!(control.reboot(&identity), boot, "each reboot a new boot id");
     }
 
     #[test]

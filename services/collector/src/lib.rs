@@ -9,7 +9,9 @@
 pub mod cloud;
 pub mod dcgm;
 pub mod gpu;
+pub mod identity;
 pub mod ingest;
+pub mod inventory;
 pub mod kernel_log;
 pub mod nvml_xid;
 pub mod publisher;
@@ -53,6 +55,14 @@ pub struct Args {
     /// GPUs of the simulated backend.
     #[arg(long, env = "GPUMEDIC_SIMULATED_GPUS", default_value_t = 8)]
     simulated_gpus: u32,
+    /// The file holding the node's boot id, stamped on every event (a new one proves a reboot).
+    /// Read once at start; a missing or empty file stops the start.
+    #[arg(long, env = "GPUMEDIC_BOOT_ID_FILE", default_value = identity::BOOT_ID_FILE)]
+    boot_id_file: PathBuf,
+    /// How often the GPU inventory is published when nothing changes (it is also published at
+    /// start and whenever the GPUs present change).
+    #[arg(long, env = "GPUMEDIC_INVENTORY_REFRESH", default_value = "5m")]
+    inventory_refresh: String,
     /// How often GPUs are sampled.
     #[arg(long, env = "GPUMEDIC_SAMPLE_INTERVAL", default_value = "10s")]
     sample_interval: String,
@@ -118,6 +128,10 @@ pub struct Config {
     pub node_name: String,
     /// The GPU backend.
     pub backend: BackendChoice,
+    /// The host's boot id, read from `--boot-id-file` at start.
+    pub boot_id: String,
+    /// Time between unchanged GPU inventories.
+    pub inventory_refresh: Duration,
     /// Sampling interval.
     pub sample_interval: Duration,
     /// Heartbeat interval.
@@ -165,6 +179,13 @@ impl Validate for Args {
                 "off" => Ok(BackendChoice::Off),
                 other => Err(format!("'{other}' is not a backend; use nvml, simulated or off")),
             },
+        );
+        let boot_id = p.check("--boot-id-file", identity::read_boot_id(&self.boot_id_file));
+        let inventory_refresh = p.check(
+            "--inventory-refresh",
+            parse_duration(&self.inventory_refresh).and_then(|d| {
+                if d.is_zero() { Err("the inventory needs a refresh interval above zero".to_owned()) } else { Ok(d) }
+            }),
         );
         let sample_interval = p.check("--sample-interval", parse_duration(&self.sample_interval));
         let heartbeat_interval = p.check("--heartbeat-interval", parse_duration(&self.heartbeat_interval));
@@ -221,6 +242,8 @@ impl Validate for Args {
             kafka: kafka.expect("checked"),
             node_name: self.node_name,
             backend: backend.expect("checked"),
+            boot_id: boot_id.expect("checked"),
+            inventory_refresh: inventory_refresh.expect("checked"),
             sample_interval: sample_interval.expect("checked"),
             heartbeat_interval: heartbeat_interval.expect("checked"),
             sample_timeout: sample_timeout.expect("checked"),
@@ -296,6 +319,16 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     // With a schema registry, this build's schema must be registered before the first event is
     // encoded: an unreachable registry stops the start (the kernel-log cursor keeps its place).
     let codec = config.kafka.codec().await.map_err(|e| failed("schema-registry", e.into()))?;
+    // A simulated node keeps the boot id of its last simulated reboot across a restart of the
+    // collector (the classifier refuses events from a boot it saw replaced).
+    let boot_id = match config.backend {
+        BackendChoice::Simulated(_) => {
+            identity::load_simulated_boot(&config.state_dir, &config.boot_id).unwrap_or_else(|| config.boot_id.clone())
+        }
+        _ => config.boot_id.clone(),
+    };
+    tracing::info!(%boot_id, "Every event carries this boot id.");
+    let node_identity = identity::NodeIdentity::new(boot_id);
     // The publisher starts without Kafka: events spool until the broker answers.
     let (publisher, sink) = Publisher::open(
         PublisherSettings {
@@ -306,16 +339,23 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         },
         producer,
         codec,
+        node_identity,
     )
     .map_err(|e| failed("spool", e.into()))?;
     service.shutdown.spawn("publisher", publisher.run(token.clone()));
     ready.set(true);
     tracing::info!(node = %config.node_name, topic = topics::HEALTH_RAW, "Collector ready to publish.");
 
+    let mut simulated = None;
     let backend: Option<(Box<dyn GpuBackend>, Source)> = match config.backend {
         BackendChoice::Off => None,
         BackendChoice::Simulated(n) => {
-            let (sim, _control) = Simulated::new(&config.node_name, n);
+            let (sim, control) = Simulated::new(&config.node_name, n);
+            simulated = Some(synthetic::SimulatedNode {
+                control,
+                state_dir: config.state_dir.clone(),
+                host_boot_id: config.boot_id.clone(),
+            });
             Some((Box::new(sim), Source::Nvml))
         }
         BackendChoice::Nvml => match NvmlBackend::init() {
@@ -355,6 +395,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                     interval: config.sample_interval,
                     heartbeat: config.heartbeat_interval,
                     timeout: config.sample_timeout,
+                    state_dir: config.state_dir.clone(),
+                    inventory_refresh: config.inventory_refresh,
                 },
                 backend,
                 sink.clone(),
@@ -389,6 +431,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 config.node_name.clone(),
                 path,
                 config.state_dir.clone(),
+                // The kernel log's cursor is the host's, whatever a simulated node says.
+                config.boot_id.clone(),
                 sink.clone(),
                 token.clone(),
             ),
@@ -403,7 +447,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         service.shutdown.spawn("ingest", ingest::serve(settings, sink.clone(), token.clone()));
     }
     if let Some(addr) = config.synthetic_addr {
-        service.shutdown.spawn("synthetic", synthetic::serve(addr, config.node_name.clone(), sink, token.clone()));
+        let task = synthetic::serve(addr, config.node_name.clone(), sink, simulated, token.clone());
+        service.shutdown.spawn("synthetic", task);
     }
     service.run().await
 }
@@ -447,5 +492,16 @@ mod tests {
         let err = args(&["--synthetic-addr", "0.0.0.0:9401"]).expect_err("not loopback");
         assert!(err.list().iter().any(|p| p.field == "--synthetic-addr" && p.message.contains("loopback")));
         assert_eq!(args(&["--ingest-socket", "off"]).expect("valid").ingest_socket, None);
+    }
+
+    #[test]
+    fn the_boot_id_is_read_at_start_and_a_missing_file_is_a_listed_problem() {
+        let c = args(&[]).expect("valid");
+        assert_eq!(c.boot_id, identity::read_boot_id(std::path::Path::new(identity::BOOT_ID_FILE)).unwrap());
+        assert_eq!(c.inventory_refresh, Duration::from_secs(300));
+        let err = args(&["--boot-id-file", "/nonexistent/boot_id", "--inventory-refresh", "0s"]).expect_err("invalid");
+        let fields: Vec<&str> = err.list().iter().map(|p| p.field.as_str()).collect();
+        assert!(fields.contains(&"--boot-id-file") && fields.contains(&"--inventory-refresh"), "{fields:?}");
+        assert!(err.list().iter().any(|p| p.message.contains("/nonexistent/boot_id")));
     }
 }

@@ -44,6 +44,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::identity::NodeIdentity;
 use crate::spool::{Appended, Spool, SpoolError, SpoolRecord};
 
 /// Most spooled records in flight while the spool drains.
@@ -100,20 +101,34 @@ pub fn to_record(event: &HealthEvent, codec: &Codec) -> Result<SpoolRecord, Publ
 }
 
 /// Hands events to the publisher. Cheap to clone; every source holds one.
+///
+/// Every event is stamped here on its way in ([`NodeIdentity::stamp`]): the node's boot id, and
+/// a GPU named by PCI bus id alone gets its UUID and index. The stamp happens at submission, so
+/// an event spooled before a reboot keeps the boot it was seen in.
 #[derive(Clone)]
 pub struct Sink {
     tx: mpsc::Sender<Outgoing>,
     codec: Arc<Codec>,
+    identity: NodeIdentity,
 }
 
 impl Sink {
+    /// The node identity events are stamped with.
+    pub fn identity(&self) -> &NodeIdentity {
+        &self.identity
+    }
+
+    fn record(&self, event: &HealthEvent) -> Result<SpoolRecord, PublishError> {
+        to_record(&self.identity.stamp(event), &self.codec)
+    }
+
     /// Queues `event` (waiting while the channel is full) and returns what will say when it is
     /// published or spooled.
     ///
     /// # Errors
     /// [`PublishError::Closed`] at shutdown, [`PublishError::Encode`].
     pub async fn submit(&self, event: &HealthEvent) -> Result<oneshot::Receiver<Outcome>, PublishError> {
-        let record = to_record(event, &self.codec)?;
+        let record = self.record(event)?;
         let (ack, rx) = oneshot::channel();
         self.tx.send(Outgoing { record, ack: Some(ack) }).await.map_err(|_| PublishError::Closed)?;
         Ok(rx)
@@ -145,7 +160,7 @@ impl Sink {
 
     /// Queues `event` without waiting and without an answer; false when the channel is full.
     pub fn try_offer(&self, event: &HealthEvent) -> bool {
-        let record = match to_record(event, &self.codec) {
+        let record = match self.record(event) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, event_id = %event.event_id, "A health event cannot be published; it is lost.");
@@ -235,7 +250,8 @@ struct Direct {
 }
 
 impl Publisher {
-    /// Opens the spool and returns the publisher (to spawn) and the sink sources publish through.
+    /// Opens the spool and returns the publisher (to spawn) and the sink sources publish through,
+    /// which stamps every event with `identity`.
     ///
     /// # Errors
     /// [`SpoolError`] when the spool cannot be opened.
@@ -243,10 +259,11 @@ impl Publisher {
         settings: PublisherSettings,
         producer: Producer,
         codec: Arc<Codec>,
+        identity: NodeIdentity,
     ) -> Result<(Self, Sink), SpoolError> {
         let spool = Spool::open(&settings.spool_dir, settings.spool_max_bytes)?;
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
-        Ok((Self { settings, producer, spool, rx }, Sink { tx, codec }))
+        Ok((Self { settings, producer, spool, rx }, Sink { tx, codec, identity }))
     }
 
     fn send(&self, record: &SpoolRecord) -> Result<BoxFuture<'static, Result<(), String>>, String> {

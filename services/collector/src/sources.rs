@@ -11,7 +11,8 @@ use gpumedic_schemas::{HealthEvent, Record as _, topics};
 use tokio_util::sync::CancellationToken;
 
 use crate::gpu::GpuBackend;
-use crate::kernel_log::kmsg::{Cursor, KmsgReader, Resume, current_boot_id};
+use crate::inventory::Inventory;
+use crate::kernel_log::kmsg::{Cursor, KmsgReader, Resume};
 use crate::kernel_log::{LogParser, event::to_health_event};
 use crate::publisher::{Outbox, Sink};
 use crate::sampler::Sampler;
@@ -84,18 +85,26 @@ pub struct SamplingSettings {
     pub heartbeat: Duration,
     /// A sample taking longer is a hung monitor.
     pub timeout: Duration,
+    /// Where the GPU inventory keeps its count across restarts.
+    pub state_dir: PathBuf,
+    /// Time between inventories when nothing changes.
+    pub inventory_refresh: Duration,
 }
 
 /// Samples GPUs every `interval` on a blocking thread; a sample that takes longer than `timeout`
-/// is reported as a hung monitor and does not stall anything else.
+/// is reported as a hung monitor and does not stall anything else. Each sample also feeds the
+/// GPU inventory ([`Inventory`]), published at start, on a change and every `inventory_refresh`.
 pub async fn sample_gpus(
     settings: SamplingSettings,
     backend: Box<dyn GpuBackend>,
     sink: Sink,
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
-    let SamplingSettings { node, source, interval, heartbeat, timeout } = settings;
+    let SamplingSettings { node, source, interval, heartbeat, timeout, state_dir, inventory_refresh } = settings;
     let name = backend.name();
+    let identity = sink.identity().clone();
+    let mut inventory = Inventory::open(&node, &state_dir, inventory_refresh, identity.clone());
+    let mut boot_id = identity.boot_id();
     let mut sampler = Sampler::new(&node, source, heartbeat);
     let backend = std::sync::Arc::new(std::sync::Mutex::new(backend));
     let mut hung = false;
@@ -104,6 +113,7 @@ pub async fn sample_gpus(
     let mut outbox = Outbox::new(sink);
     loop {
         let b = backend.clone();
+        let boot_before = identity.boot_id();
         let call = tokio::task::spawn_blocking(move || b.lock().expect("backend lock").sample());
         let events = match tokio::time::timeout(timeout, call).await {
             Ok(Ok(Ok(samples))) => {
@@ -112,7 +122,20 @@ pub async fn sample_gpus(
                     hung = false;
                     events.push(monitor_event(&node, name, MonitorState::Ok, format!("{name} answers again")));
                 }
-                events.extend(sampler.observe(&samples, chrono::Utc::now()));
+                if identity.boot_id() != boot_before {
+                    // The node rebooted (a simulated reboot) while it was sampled: the readings
+                    // may be from either boot, so they are dropped; the next sample is all new.
+                } else {
+                    if boot_before != boot_id {
+                        // A new boot: every GPU is seen afresh, as by a collector started now.
+                        boot_id = boot_before;
+                        sampler = Sampler::new(&node, source, heartbeat);
+                    }
+                    // The inventory goes first: a reboot's proof of repair is a complete
+                    // inventory of the new boot, then the lost GPU's own heartbeat.
+                    events.extend(inventory.observe(crate::inventory::present(&samples), std::time::Instant::now()));
+                    events.extend(sampler.observe(&samples, chrono::Utc::now()));
+                }
                 events
             }
             Ok(Ok(Err(e))) => vec![monitor_event(&node, name, MonitorState::Error, e.to_string())],
@@ -144,17 +167,18 @@ pub async fn sample_gpus(
     }
 }
 
-/// Reads the kernel log at `path`, publishes what it recognises, and saves the cursor (boot id,
-/// sequence) in `state_dir` after each publish, so a restart neither re-reports nor misses.
+/// Reads the kernel log at `path`, publishes what it recognises, and saves the cursor (`boot_id`,
+/// the host's, and the sequence) in `state_dir` after each publish, so a restart neither
+/// re-reports nor misses.
 pub async fn follow_kernel_log(
     node: String,
     path: PathBuf,
     state_dir: PathBuf,
+    boot_id: String,
     emitter: Sink,
     token: CancellationToken,
 ) -> Result<(), crate::kernel_log::kmsg::KmsgError> {
     let cursor_path = state_dir.join("kmsg.cursor");
-    let boot_id = current_boot_id().unwrap_or_default();
     let saved = Cursor::load(&cursor_path)?;
     let resume = Resume::decide(saved.as_ref(), &boot_id);
     tracing::info!(path = %path.display(), ?resume, "Following the kernel log.");

@@ -13,8 +13,23 @@
 //! `gpu_uuid`, `gpu_index`, `pci_bus_id`), `healthy`, `raw` and `count` (1 to 1000). The answer
 //! comes once the events are acknowledged by Kafka or durable in the spool:
 //! `{"event_ids": ["..."]}`; a bad body gets 400 `{"error": "..."}`.
+//!
+//! Two requests act on the simulated GPU backend (`--gpu-backend simulated`) rather than publish
+//! an event of their own, so that the pipeline sees the real mechanism, not a made-up event:
+//! - `{"fall_off_bus": true, "gpu_index": N}`: simulated GPU N stops answering (NVML's lost GPU:
+//!   no readings, no heartbeats, missing from the inventory published on the change), and the
+//!   kernel-log line of an Xid 79 naming it by PCI bus id is published, synthetic and from source
+//!   `synthetic` like every injected fault; the collector names the GPU fully from its inventory,
+//!   as it does a real kernel-log Xid. Answers `{"event_ids": [...], "pci_bus_id": "..."}`.
+//! - `{"reboot": true}`: the simulated node reboots: a new boot id on every later event, every GPU
+//!   answering again with fresh counters, an inventory with reason `start`, heartbeats from every
+//!   GPU. Answers `{"event_ids": [], "boot_id": "..."}`.
+//!
+//! With another backend both are refused (409): a real GPU falls off the bus on its own, and a
+//! real node's reboot is a real reboot.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use axum::Json;
 use axum::extract::State;
@@ -27,6 +42,7 @@ use gpumedic_schemas::health::{
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::gpu::SimulatedControl;
 use crate::publisher::{Outcome, Sink};
 
 /// Most events one request may ask for.
@@ -60,6 +76,73 @@ pub struct InjectRequest {
     pub raw: Option<String>,
     /// How many events (each distinct); 1 unless given.
     pub count: Option<u32>,
+    /// The simulated GPU `gpu_index` falls off the bus (simulated backend only).
+    #[serde(default)]
+    pub fall_off_bus: bool,
+    /// The simulated node reboots (simulated backend only).
+    #[serde(default)]
+    pub reboot: bool,
+}
+
+/// What a request asks of the simulated node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simulation {
+    /// This GPU (by index) falls off the bus.
+    FallOffBus(u32),
+    /// The node reboots.
+    Reboot,
+}
+
+/// The simulated-node action `request` asks for, `None` when it asks for events instead.
+///
+/// # Errors
+/// Why the request is malformed, in a sentence.
+pub fn simulation(request: &InjectRequest) -> Result<Option<Simulation>, String> {
+    if !request.fall_off_bus && !request.reboot {
+        return Ok(None);
+    }
+    let other = request.xid.is_some()
+        || request.gpu_lost
+        || request.healthy
+        || request.detail.is_some()
+        || request.component.is_some()
+        || request.entity.is_some()
+        || request.gpu_uuid.is_some()
+        || request.pci_bus_id.is_some()
+        || request.raw.is_some()
+        || request.count.is_some();
+    match (request.fall_off_bus, request.reboot) {
+        (true, true) => Err("give one of fall_off_bus and reboot".into()),
+        _ if other => Err("fall_off_bus takes gpu_index alone, and reboot takes nothing else".into()),
+        (true, false) => match request.gpu_index {
+            Some(i) => u32::try_from(i)
+                .map(|i| Some(Simulation::FallOffBus(i)))
+                .map_err(|_| "gpu_index: must not be negative".to_owned()),
+            None => Err("fall_off_bus: name the GPU with gpu_index".into()),
+        },
+        (false, _) if request.gpu_index.is_some() => Err("reboot: a reboot is of the whole node; no gpu_index".into()),
+        (false, _) => Ok(Some(Simulation::Reboot)),
+    }
+}
+
+/// The kernel-log line the driver writes when the GPU at `pci_bus_id` (`dddd:bb:dd.f`) falls off
+/// the bus.
+pub fn xid79_line(pci_bus_id: &str) -> String {
+    // The driver names the GPU without the PCI function.
+    let short = pci_bus_id.rsplit_once('.').map_or(pci_bus_id, |(main, _)| main);
+    format!("NVRM: Xid (PCI:{short}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+}
+
+/// The event for [`xid79_line`]: shaped as the kernel-log source shapes it (the GPU named by PCI
+/// bus id alone, the line in `raw`), marked synthetic and from source `synthetic`.
+pub fn xid79_event(node: &str, pci_bus_id: &str) -> HealthEvent {
+    let line = xid79_line(pci_bus_id);
+    let parsed = crate::kernel_log::parse::parse_all(&line);
+    let k = parsed.first().expect("the kernel-log parser reads the driver's own Xid 79 line");
+    let mut e = crate::kernel_log::event::to_health_event(node, k, &line);
+    e.source = Source::Synthetic;
+    e.synthetic = true;
+    e
 }
 
 /// Builds the events a request describes, about `node`.
@@ -121,10 +204,23 @@ pub fn events(request: InjectRequest, node: &str) -> Result<Vec<HealthEvent>, St
         .collect())
 }
 
+/// The simulated node behind the endpoint, when the collector runs the simulated backend.
+#[derive(Clone)]
+pub struct SimulatedNode {
+    /// Scripts the simulated GPUs.
+    pub control: SimulatedControl,
+    /// Where the simulated boot id is kept across restarts.
+    pub state_dir: PathBuf,
+    /// The host's own boot id, which the saved simulated one is tied to.
+    pub host_boot_id: String,
+}
+
 #[derive(Clone)]
 struct Endpoint {
     node: String,
     sink: Sink,
+    simulated: Option<SimulatedNode>,
+    simulating: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -136,15 +232,33 @@ async fn inject(State(endpoint): State<Endpoint>, body: axum::body::Bytes) -> Re
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("the body is not an inject request: {e}")),
     };
+    match simulation(&request) {
+        Ok(Some(action)) => return simulate(&endpoint, action).await,
+        Ok(None) => {}
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    }
     let events = match events(request, &endpoint.node) {
         Ok(events) => events,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
+    match publish(&endpoint.sink, &events).await {
+        Ok(ids) => {
+            metrics::counter!("gpumedic_collector_synthetic_events_total").increment(ids.len() as u64);
+            tracing::info!(events = ids.len(), "Published synthetic events on request.");
+            (StatusCode::OK, Json(serde_json::json!({ "event_ids": ids }))).into_response()
+        }
+        Err(response) => response,
+    }
+}
+
+/// Publishes `events` and waits until each is acknowledged or spooled; their ids, or the answer
+/// to give when that failed.
+async fn publish(sink: &Sink, events: &[HealthEvent]) -> Result<Vec<String>, Response> {
     let mut pending = Vec::with_capacity(events.len());
-    for e in &events {
-        match endpoint.sink.submit(e).await {
+    for e in events {
+        match sink.submit(e).await {
             Ok(outcome) => pending.push((e.event_id, outcome)),
-            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            Err(e) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())),
         }
     }
     let mut ids = Vec::with_capacity(pending.len());
@@ -152,32 +266,97 @@ async fn inject(State(endpoint): State<Endpoint>, body: axum::body::Bytes) -> Re
         match outcome.await {
             Ok(Outcome::Published | Outcome::Spooled) => ids.push(id.to_string()),
             Ok(Outcome::Dropped) => {
-                return error(
+                return Err(error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the spool is full of faults; healthy evidence was dropped",
-                );
+                ));
             }
-            Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the collector is shutting down"),
+            Err(_) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, "the collector is shutting down")),
         }
     }
-    metrics::counter!("gpumedic_collector_synthetic_events_total").increment(ids.len() as u64);
-    tracing::info!(events = ids.len(), "Published synthetic events on request.");
-    (StatusCode::OK, Json(serde_json::json!({ "event_ids": ids }))).into_response()
+    Ok(ids)
 }
 
-/// The endpoint's routes, for tests and [`serve`].
-pub fn router(node: String, sink: Sink) -> axum::Router {
-    axum::Router::new().route("/v1/inject", axum::routing::post(inject)).with_state(Endpoint { node, sink })
+/// Carries out a fall-off-bus or a reboot on the simulated node.
+async fn simulate(endpoint: &Endpoint, action: Simulation) -> Response {
+    let Some(sim) = &endpoint.simulated else {
+        return error(
+            StatusCode::CONFLICT,
+            "fall_off_bus and reboot act on the simulated GPU backend only (--gpu-backend simulated): \
+             on a real node a GPU falls off the bus on its own, and a reboot is a real reboot",
+        );
+    };
+    match action {
+        Simulation::FallOffBus(index) => {
+            // One simulated action at a time: two requests must not both see the GPU present.
+            let one_at_a_time = endpoint.simulating.lock().await;
+            let gpu = match sim.control.gpu(index) {
+                Some(gpu) if !gpu.lost => gpu,
+                Some(_) => {
+                    let message =
+                        format!("GPU {index} has already fallen off the bus; inject a reboot to bring it back");
+                    return error(StatusCode::CONFLICT, message);
+                }
+                None => return error(StatusCode::CONFLICT, format!("the simulated node has no GPU {index}")),
+            };
+            let event = xid79_event(&endpoint.node, &gpu.pci_bus_id);
+            // The driver logs the Xid as the GPU drops and NVML notices at its next poll: the Xid
+            // is queued before the GPU goes silent, so it reaches the pipeline first.
+            let outcome = match endpoint.sink.submit(&event).await {
+                Ok(outcome) => outcome,
+                Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            };
+            if let Err(message) = sim.control.fall_off_bus(index) {
+                return error(StatusCode::CONFLICT, message);
+            }
+            drop(one_at_a_time);
+            match outcome.await {
+                Ok(Outcome::Published | Outcome::Spooled) => {}
+                Ok(Outcome::Dropped) | Err(_) => {
+                    return error(StatusCode::SERVICE_UNAVAILABLE, "the Xid 79 event could not be published");
+                }
+            }
+            metrics::counter!("gpumedic_collector_synthetic_events_total").increment(1);
+            tracing::warn!(gpu = index, pci_bus_id = %gpu.pci_bus_id, "Simulated GPU fell off the bus on request.");
+            let body = serde_json::json!({ "event_ids": [event.event_id.to_string()], "pci_bus_id": gpu.pci_bus_id });
+            (StatusCode::OK, Json(body)).into_response()
+        }
+        Simulation::Reboot => {
+            let _one_at_a_time = endpoint.simulating.lock().await;
+            let boot_id = sim.control.reboot(endpoint.sink.identity());
+            if let Err(e) = crate::identity::save_simulated_boot(&sim.state_dir, &sim.host_boot_id, &boot_id) {
+                tracing::warn!(error = %e, "Cannot save the simulated boot id; a collector restart would go back to the host's.");
+            }
+            tracing::warn!(%boot_id, "Simulated node rebooted on request.");
+            (StatusCode::OK, Json(serde_json::json!({ "event_ids": [], "boot_id": boot_id }))).into_response()
+        }
+    }
+}
+
+/// The endpoint's routes, for tests and [`serve`]; `simulated` when the backend is simulated.
+pub fn router(node: String, sink: Sink, simulated: Option<SimulatedNode>) -> axum::Router {
+    axum::Router::new().route("/v1/inject", axum::routing::post(inject)).with_state(Endpoint {
+        node,
+        sink,
+        simulated,
+        simulating: Default::default(),
+    })
 }
 
 /// Serves the endpoint on `addr` (loopback, checked by the config) until `token` is cancelled.
 ///
 /// # Errors
 /// When the address cannot be bound or serving fails.
-pub async fn serve(addr: SocketAddr, node: String, sink: Sink, token: CancellationToken) -> std::io::Result<()> {
+pub async fn serve(
+    addr: SocketAddr,
+    node: String,
+    sink: Sink,
+    simulated: Option<SimulatedNode>,
+    token: CancellationToken,
+) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::warn!(%addr, "Fault injection is enabled: POST /v1/inject publishes synthetic events for this node.");
-    axum::serve(listener, router(node, sink)).with_graceful_shutdown(token.cancelled_owned()).await
+    axum::serve(listener, router(node, sink, simulated)).with_graceful_shutdown(token.cancelled_owned()).await
 }
 
 #[cfg(test)]
@@ -211,6 +390,54 @@ mod tests {
         assert_eq!(e[0].kind, Kind::RowRemap);
         assert_eq!(e[0].component, Component::Memory);
         assert_eq!(e[0].entity.gpu_uuid.as_deref(), Some("GPU-1"));
+    }
+
+    fn request(json: &str) -> InjectRequest {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn fall_off_bus_and_reboot_are_simulated_node_actions() {
+        assert_eq!(simulation(&request(r#"{"xid": 79}"#)), Ok(None), "events, not an action");
+        assert_eq!(
+            simulation(&request(r#"{"fall_off_bus": true, "gpu_index": 3}"#)),
+            Ok(Some(Simulation::FallOffBus(3)))
+        );
+        assert_eq!(simulation(&request(r#"{"reboot": true}"#)), Ok(Some(Simulation::Reboot)));
+        for (body, want) in [
+            (r#"{"fall_off_bus": true}"#, "gpu_index"),
+            (r#"{"fall_off_bus": true, "gpu_index": -1}"#, "negative"),
+            (r#"{"fall_off_bus": true, "reboot": true}"#, "one of"),
+            (r#"{"fall_off_bus": true, "gpu_index": 1, "xid": 79}"#, "alone"),
+            (r#"{"reboot": true, "gpu_index": 1}"#, "whole node"),
+            (r#"{"reboot": true, "count": 2}"#, "nothing else"),
+        ] {
+            let err = simulation(&request(body)).expect_err(body);
+            assert!(err.contains(want), "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_fall_off_bus_xid_is_shaped_like_the_kernel_logs() {
+        let e = xid79_event("node-1", "0000:48:00.0");
+        assert_eq!(xid79_line("0000:48:00.0"), e.raw.clone().unwrap());
+        assert!(e.raw.as_deref().unwrap().starts_with("NVRM: Xid (PCI:0000:48:00): 79,"));
+        assert!(e.synthetic && e.source == Source::Synthetic && e.kind == Kind::Xid);
+        assert!(matches!(&e.detail, Detail::Xid(x) if x.code == 79));
+        assert_eq!(e.entity.pci_bus_id.as_deref(), Some("0000:48:00.0"), "named by PCI alone");
+        assert_eq!((e.entity.gpu_uuid.as_deref(), e.entity.gpu_index), (None, None));
+        // Through the sink's stamp, the collector's inventory names the GPU fully.
+        let identity = crate::identity::NodeIdentity::new("boot-1");
+        let gpu = gpumedic_schemas::health::GpuIdentity {
+            index: Some(3),
+            uuid: Some("GPU-3".into()),
+            pci_bus_id: Some("0000:48:00.0".into()),
+            ..Default::default()
+        };
+        identity.remember([&gpu]);
+        let stamped = identity.stamp(&e);
+        assert_eq!((stamped.entity.gpu_uuid.as_deref(), stamped.entity.gpu_index), (Some("GPU-3"), Some(3)));
+        gpumedic_schemas::encode(&stamped).expect("encodes");
     }
 
     #[test]

@@ -17,6 +17,9 @@ use pb::health_event_ingest_client::HealthEventIngestClient;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+/// The boot id the in-process collector stamps on every event.
+const BOOT_ID: &str = "7d9c1e2a-ingest-test-boot";
+
 /// A publisher and an ingest server in this process, on a unique topic and socket.
 struct Collector {
     node: String,
@@ -44,6 +47,7 @@ impl Collector {
             },
             producer,
             std::sync::Arc::new(gpumedic_schemas::Codec::embedded()),
+            gpumedic_collector::identity::NodeIdentity::new(BOOT_ID),
         )
         .expect("spool opens");
         let token = CancellationToken::new();
@@ -166,6 +170,7 @@ async fn batches_and_streams_are_published_for_the_collectors_node() {
         assert_eq!(e.node, collector.node, "the collector stamps its own node");
         assert_eq!(e.source, Source::Ingest);
         assert_eq!(e.collector_version, "ingest-test/1");
+        assert_eq!(e.boot_id.as_deref(), Some(BOOT_ID), "the collector stamps its node's boot id");
     }
 }
 

@@ -84,6 +84,12 @@ async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
     let (code, body) = post(addr, "/v1/inject", r#"{"xid": 79, "node": "another-node"}"#).await.expect("answers");
     assert_eq!(code, 400, "a caller cannot name a node: {body}");
     assert!(body.contains("error"), "{body}");
+    // Without the simulated backend there is no simulated node to reboot or to lose a GPU.
+    for body in [r#"{"reboot": true}"#, r#"{"fall_off_bus": true, "gpu_index": 0}"#] {
+        let (code, answer) = post(addr, "/v1/inject", body).await.expect("answers");
+        assert_eq!(code, 409, "{body}: {answer}");
+        assert!(answer.contains("simulated GPU backend only"), "{answer}");
+    }
 
     let record = testbed::wait_for_record(
         topics::HEALTH_RAW,
@@ -99,6 +105,8 @@ async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
     assert_eq!(event.kind, Kind::Xid);
     assert_eq!(event.node, node);
     assert_eq!(event.entity.gpu_index, Some(1));
+    let host_boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").expect("boot id");
+    assert_eq!(event.boot_id.as_deref(), Some(host_boot.trim()), "stamped with the node's boot id");
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
     std::fs::remove_dir_all(&state).ok();
 }

@@ -51,6 +51,7 @@ fn print_text(s: &GpuSample) {
         println!("  LOST: NVML reports GPU_IS_LOST (fallen off the bus)");
         return;
     }
+    println!("  product          {} (serial {})", opt(s.product.as_deref()), opt(s.serial.as_deref()));
     println!(
         "  temperature      {} C (slowdown {} C, shutdown {} C)",
         opt(s.temperature_c),
@@ -104,6 +105,8 @@ fn to_json(s: &GpuSample) -> serde_json::Value {
         "uuid": s.uuid,
         "pci_bus_id": s.pci_bus_id,
         "lost": s.lost,
+        "serial": s.serial,
+        "product": s.product,
         "temperature_c": s.temperature_c,
         "slowdown_c": s.slowdown_c,
         "shutdown_c": s.shutdown_c,
