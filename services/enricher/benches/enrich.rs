@@ -4,9 +4,11 @@
 //! The issue's goal is at least 50,000 events per second per core.
 //!
 //! The cache holds 1,000 nodes with 8 GPU pods each (one pod per GPU, tied to it by the
-//! `gpumedic.io/gpu-uuids` annotation), as the watchers would fill it. Events are a realistic mix:
-//! mostly per-GPU telemetry (temperature heartbeats), some Xids (with catalog context), and a few
-//! for nodes the cache does not know.
+//! `gpumedic.io/gpu-uuids` annotation), as the watchers would fill it, and each node's GPU
+//! inventory, as the `gpu_inventory` events would; every event's GPU is resolved against it.
+//! Events are a realistic mix: mostly per-GPU telemetry (temperature heartbeats, named by UUID),
+//! some Xids (with catalog context, named by PCI bus id as the kernel log does), and a few for
+//! nodes the cache does not know.
 //!
 //! ```sh
 //! cargo bench -p gpumedic-enricher --bench enrich -- --warm-up-time 1 --measurement-time 5
@@ -20,7 +22,10 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumedic_enricher::cache::{ClusterCache, ContextSettings};
 use gpumedic_enricher::catalog::XidCatalog;
 use gpumedic_enricher::enrich;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, TemperatureDetail, XidDetail};
+use gpumedic_enricher::inventory::InventoryCache;
+use gpumedic_schemas::health::{
+    Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source, TemperatureDetail, XidDetail,
+};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -33,6 +38,30 @@ fn gpu_uuid(node: usize, gpu: usize) -> String {
 
 fn node_name(node: usize) -> String {
     format!("gpu-node-{node:04}")
+}
+
+fn pci(gpu: usize) -> String {
+    format!("00000000:{:02X}:00.0", 0x18 + gpu * 0x10)
+}
+
+/// Every node's inventory, PCI ids as NVML writes them (8-digit domain, upper case).
+fn filled_inventory() -> InventoryCache {
+    let mut inventory = InventoryCache::default();
+    for n in 0..NODES {
+        let gpus = (0..GPUS)
+            .map(|g| GpuIdentity {
+                index: Some(g as i32),
+                uuid: Some(gpu_uuid(n, g)),
+                pci_bus_id: Some(pci(g)),
+                serial: Some(format!("1650{n:04}{g:04}")),
+                product: Some("NVIDIA H100 80GB HBM3".into()),
+                nvlink_domain: None,
+            })
+            .collect();
+        let detail = GpuInventoryDetail { gpus, reason: GpuInventoryDetail::START.into(), expected: Some(GPUS as i32) };
+        inventory.apply(&node_name(n), &detail, Utc::now());
+    }
+    inventory
 }
 
 fn filled_cache() -> ClusterCache {
@@ -80,26 +109,31 @@ fn filled_cache() -> ClusterCache {
     cache
 }
 
-/// 1,000 framed raw events: 94% telemetry, 5% Xids, 1% for nodes the cache does not know.
+/// 1,000 framed raw events: 94% telemetry (by UUID and index, as NVML names GPUs), 5% Xids (by
+/// PCI bus id only, as the kernel log names them), 1% for nodes the cache does not know.
 fn raw_events() -> Vec<Vec<u8>> {
     (0..1_000)
         .map(|i| {
             let n = (i * 7) % NODES;
             let g = i % GPUS;
-            let entity = Entity { gpu_uuid: Some(gpu_uuid(n, g)), gpu_index: Some(g as i32), ..Entity::default() };
+            let mut entity = Entity { gpu_uuid: Some(gpu_uuid(n, g)), gpu_index: Some(g as i32), ..Entity::default() };
             let (node, component, detail) = match i % 100 {
-                0..5 => (
-                    node_name(n),
-                    Component::Gpu,
-                    Detail::Xid(XidDetail {
-                        code: [79, 48, 13, 94, 63][i % 5],
-                        text: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.".into(),
-                        pid: Some(1234),
-                        process: Some("python".into()),
-                        nvlink5: None,
-                        recovery_action: None,
-                    }),
-                ),
+                0..5 => {
+                    entity =
+                        Entity { pci_bus_id: Some(pci(g).replacen("0000", "", 1).to_lowercase()), ..Entity::default() };
+                    (
+                        node_name(n),
+                        Component::Gpu,
+                        Detail::Xid(XidDetail {
+                            code: [79, 48, 13, 94, 63][i % 5],
+                            text: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.".into(),
+                            pid: Some(1234),
+                            process: Some("python".into()),
+                            nvlink5: None,
+                            recovery_action: None,
+                        }),
+                    )
+                }
                 5 => (format!("unknown-{n}"), Component::Gpu, Detail::Temperature(temperature())),
                 _ => (node_name(n), Component::Gpu, Detail::Temperature(temperature())),
             };
@@ -114,33 +148,45 @@ fn temperature() -> TemperatureDetail {
 }
 
 /// The handler's work for one record, without Kafka.
-fn enrich_step(cache: &ClusterCache, catalog: &XidCatalog, payload: &[u8], out: &mut Vec<u8>) {
+fn enrich_step(
+    cache: &ClusterCache,
+    inventory: &InventoryCache,
+    catalog: &XidCatalog,
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) {
     let event: HealthEvent = gpumedic_schemas::decode(payload).expect("decodes");
     let node = cache.node(&event.node);
-    let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_ref(), catalog, Utc::now());
+    let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
+    let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_ref(), gpu, catalog, Utc::now());
     out.clear();
     gpumedic_schemas::codec::encode_into(&enriched, out).expect("encodes");
 }
 
 fn bench(c: &mut Criterion) {
     let cache = filled_cache();
+    let inventory = filled_inventory();
     let catalog = XidCatalog::embedded();
     let events = raw_events();
     let mut out = Vec::with_capacity(1024);
 
     // Check the step does what the service does before timing it.
-    enrich_step(&cache, &catalog, &events[0], &mut out);
+    enrich_step(&cache, &inventory, &catalog, &events[0], &mut out);
     let enriched: EnrichedHealthEvent = gpumedic_schemas::decode(&out).expect("round trip");
     assert!(!enriched.node_unknown);
     assert!(enriched.xid_catalog.is_some(), "the first event is an Xid 79 with catalog context");
+    assert_eq!(enriched.gpu.as_ref().and_then(|g| g.uuid.as_deref()), Some(gpu_uuid(0, 0).as_str()), "by PCI id");
     assert_eq!(enriched.workloads.len(), 1, "narrowed to the pod on the faulty GPU");
+    enrich_step(&cache, &inventory, &catalog, &events[10], &mut out);
+    let enriched: EnrichedHealthEvent = gpumedic_schemas::decode(&out).expect("round trip");
+    assert!(enriched.gpu.is_some() && !enriched.gpu_unresolved, "telemetry resolved by UUID");
 
     let mut group = c.benchmark_group("enrich");
     group.throughput(Throughput::Elements(events.len() as u64));
     group.bench_function("decode_enrich_encode_1000_mixed", |b| {
         b.iter(|| {
             for payload in &events {
-                enrich_step(&cache, &catalog, black_box(payload), &mut out);
+                enrich_step(&cache, &inventory, &catalog, black_box(payload), &mut out);
             }
         })
     });

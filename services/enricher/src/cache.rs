@@ -60,7 +60,8 @@ impl ClusterCache {
     /// and tests fill the cache without a cluster).
     pub fn apply_node(&self, node: &Node, settings: &ContextSettings) {
         let labels: BTreeMap<String, String> = node.labels().clone();
-        let context = node_context(&labels, &settings.selected_labels, settings.cluster.as_deref());
+        let mut context = node_context(&labels, &settings.selected_labels, settings.cluster.as_deref());
+        context.expected_gpus = expected_gpus(node);
         let mut index = self.inner.write().expect("cache lock");
         let name = node.name_any();
         let workloads: Vec<Workload> =
@@ -101,6 +102,20 @@ impl ClusterCache {
             info.workloads.retain(|x| !(x.namespace == w.namespace && x.pod == w.pod));
         }
     }
+}
+
+/// How many GPUs `node` should have: its `nvidia.com/gpu` capacity, else its allocatable count;
+/// `None` when it reports neither (or a value that is not a whole count).
+///
+/// Capacity comes first because the device plugin keeps a GPU that went unhealthy in capacity and
+/// takes it out of allocatable: capacity is what the node was built with, which is what a missing
+/// GPU is measured against.
+pub fn expected_gpus(node: &Node) -> Option<i32> {
+    let status = node.status.as_ref()?;
+    let count = |resources: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+        resources.and_then(|r| r.get(GPU_RESOURCE)).and_then(|q| q.0.trim().parse::<i32>().ok()).filter(|n| *n >= 0)
+    };
+    count(status.capacity.as_ref()).or_else(|| count(status.allocatable.as_ref()))
 }
 
 fn pod_key(pod: &Pod) -> String {
@@ -232,6 +247,32 @@ mod tests {
             "spec": { "nodeName": "n", "containers": [{ "name": "c", "resources": { "requests": { "nvidia.com/gpu": "1" } } }] },
             "status": { "phase": "Succeeded" } }));
         assert!(gpu_workload(&done).is_none());
+    }
+
+    fn node(json: serde_json::Value) -> Node {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn expected_gpus_is_capacity_else_allocatable() {
+        let both = node(serde_json::json!({ "metadata": { "name": "a" }, "status": {
+            "capacity": { "nvidia.com/gpu": "8", "cpu": "96" }, "allocatable": { "nvidia.com/gpu": "7" } } }));
+        assert_eq!(expected_gpus(&both), Some(8), "capacity keeps an unhealthy GPU; allocatable does not");
+        let allocatable = node(serde_json::json!({ "metadata": { "name": "a" }, "status": {
+            "capacity": { "cpu": "96" }, "allocatable": { "nvidia.com/gpu": "4" } } }));
+        assert_eq!(expected_gpus(&allocatable), Some(4));
+        let cpu_only =
+            node(serde_json::json!({ "metadata": { "name": "a" }, "status": { "capacity": { "cpu": "96" } } }));
+        assert_eq!(expected_gpus(&cpu_only), None);
+        assert_eq!(expected_gpus(&node(serde_json::json!({ "metadata": { "name": "a" } }))), None);
+        let odd = node(
+            serde_json::json!({ "metadata": { "name": "a" }, "status": { "capacity": { "nvidia.com/gpu": "1k" } } }),
+        );
+        assert_eq!(expected_gpus(&odd), None, "not a whole count");
+
+        let cache = ClusterCache::default();
+        cache.apply_node(&both, &ContextSettings::default());
+        assert_eq!(cache.node("a").unwrap().context.expected_gpus, Some(8));
     }
 
     #[test]

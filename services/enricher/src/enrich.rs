@@ -9,6 +9,7 @@ use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 
 use crate::catalog::XidCatalog;
+use crate::inventory::Resolution;
 
 /// What the enricher's cache knows about one node.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -56,15 +57,22 @@ pub fn node_context(all: &BTreeMap<String, String>, selected: &[String], cluster
         gpu_product: get(labels::GPU_PRODUCT),
         driver_version,
         labels: selected.iter().filter_map(|k| all.get(k).map(|v| (k.clone(), v.clone()))).collect(),
+        // Not a label: the cache sets it from the Node's resources.
+        expected_gpus: None,
     }
 }
 
-/// Joins `event` with the node's cached info (`None`: the cache does not know the node) and the
-/// Xid catalog. Workloads are narrowed to the affected GPU when the event names one and a pod's
-/// GPUs are known; otherwise every GPU pod on the node is listed.
+/// Joins `event` with the node's cached info (`None`: the cache does not know the node), the GPU
+/// the event names as resolved from the node's inventory (`gpu`), and the Xid catalog.
+///
+/// Workloads are narrowed to the affected GPU when the event names one (by the resolved UUID, so
+/// a kernel-log fault that knows only the PCI bus id is narrowed too): the pods whose GPUs include
+/// it, plus the pods whose GPUs are unknown (they may be on it). Otherwise every GPU pod on the node
+/// is listed.
 pub fn enrich(
     event: HealthEvent,
     node: Option<&NodeInfo>,
+    gpu: Resolution<'_>,
     catalog: &XidCatalog,
     now: DateTime<Utc>,
 ) -> EnrichedHealthEvent {
@@ -77,13 +85,22 @@ pub fn enrich(
         }),
         _ => None,
     };
-    let workloads = match (node, event.entity.gpu_uuid.as_deref()) {
+    let (gpu, gpu_unresolved) = match gpu {
+        Resolution::Resolved(g) => (Some(g.clone()), false),
+        Resolution::Unresolved(_) => (None, true),
+        Resolution::NoGpu => (None, false),
+    };
+    // An unresolved event may still carry a UUID of its own (no inventory yet): pods are tied to
+    // GPUs by UUID, so it narrows as well as a resolved one would.
+    let uuid = gpu.as_ref().and_then(|g| g.uuid.as_deref()).or(event.entity.gpu_uuid.as_deref());
+    let workloads = match (node, uuid) {
         (None, _) => Vec::new(),
-        (Some(n), Some(uuid)) => {
-            let on_gpu: Vec<Workload> =
-                n.workloads.iter().filter(|w| w.gpu_uuids.iter().any(|g| g == uuid)).cloned().collect();
-            if on_gpu.is_empty() { n.workloads.clone() } else { on_gpu }
-        }
+        (Some(n), Some(uuid)) => n
+            .workloads
+            .iter()
+            .filter(|w| w.gpu_uuids.is_empty() || w.gpu_uuids.iter().any(|g| g.eq_ignore_ascii_case(uuid)))
+            .cloned()
+            .collect(),
         (Some(n), None) => n.workloads.clone(),
     };
     EnrichedHealthEvent {
@@ -93,5 +110,117 @@ pub fn enrich(
         workloads,
         enriched_at: now,
         event,
+        gpu,
+        gpu_unresolved,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gpumedic_schemas::health::{Component, Entity, GpuIdentity, GpuInventoryDetail, Source, XidDetail};
+
+    use super::*;
+    use crate::inventory::{InventoryCache, Unresolved};
+
+    const A: &str = "GPU-aaaaaaaa-0000-0000-0000-000000000000";
+    const B: &str = "GPU-bbbbbbbb-0000-0000-0000-000000000000";
+
+    fn workload(pod: &str, gpus: &[&str]) -> Workload {
+        Workload {
+            namespace: "ml".into(),
+            pod: pod.into(),
+            owner_kind: None,
+            owner_name: None,
+            gpu_uuids: gpus.iter().map(|g| (*g).to_owned()).collect(),
+        }
+    }
+
+    fn node() -> NodeInfo {
+        NodeInfo {
+            context: NodeContext { expected_gpus: Some(2), ..NodeContext::default() },
+            workloads: vec![workload("on-a", &[A]), workload("on-b", &[B]), workload("unknown", &[])],
+        }
+    }
+
+    /// A kernel-log Xid: the PCI bus id only, as the kernel writes it.
+    fn kernel_xid(pci: &str) -> HealthEvent {
+        let detail = Detail::Xid(XidDetail {
+            code: 79,
+            text: "GPU has fallen off the bus.".into(),
+            pid: None,
+            process: None,
+            nvlink5: None,
+            recovery_action: None,
+        });
+        let entity = Entity { pci_bus_id: Some(pci.into()), ..Entity::default() };
+        HealthEvent::new("n", Source::KernelLog, Component::Gpu, entity, detail)
+    }
+
+    fn inventory() -> InventoryCache {
+        let gpu = |index, uuid: &str, pci: &str| GpuIdentity {
+            index: Some(index),
+            uuid: Some(uuid.into()),
+            pci_bus_id: Some(pci.into()),
+            ..GpuIdentity::default()
+        };
+        let mut c = InventoryCache::default();
+        let detail = GpuInventoryDetail {
+            gpus: vec![gpu(0, A, "00000000:1B:00.0"), gpu(1, B, "00000000:2A:00.0")],
+            reason: "start".into(),
+            expected: Some(2),
+        };
+        c.apply("n", &detail, Utc::now());
+        c
+    }
+
+    fn pods(e: &EnrichedHealthEvent) -> Vec<&str> {
+        e.workloads.iter().map(|w| w.pod.as_str()).collect()
+    }
+
+    #[test]
+    fn a_kernel_log_fault_gets_the_canonical_gpu_and_only_its_pods() {
+        let inv = inventory();
+        let event = kernel_xid("0000:2a:00.0");
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event.clone(), Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        let g = e.gpu.as_ref().expect("resolved");
+        assert_eq!((g.index, g.uuid.as_deref()), (Some(1), Some(B)));
+        assert!(!e.gpu_unresolved);
+        assert_eq!(e.event, event, "the raw event is carried unchanged");
+        assert_eq!(pods(&e), ["on-b", "unknown"], "the pods on that GPU, and those whose GPUs are unknown");
+        assert_eq!(e.node_context.expected_gpus, Some(2));
+    }
+
+    #[test]
+    fn an_unresolved_reference_is_passed_on_marked_with_every_pod() {
+        let inv = inventory();
+        let event = kernel_xid("0000:99:00.0");
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        assert_eq!(gpu, Resolution::Unresolved(Unresolved::Unknown));
+        let e = enrich(event.clone(), Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        assert!(e.gpu.is_none() && e.gpu_unresolved);
+        assert_eq!(e.event, event);
+        assert_eq!(pods(&e), ["on-a", "on-b", "unknown"], "which GPU is unknown, so every pod may be hit");
+
+        // No inventory yet, but the event carries its own UUID: pods are still narrowed by it.
+        let mut nvml = kernel_xid("0000:1b:00.0");
+        nvml.entity = Entity { gpu_uuid: Some(A.into()), ..Entity::default() };
+        let empty = InventoryCache::default();
+        let gpu = empty.resolve("n", &nvml.entity, nvml.component, nvml.observed_at);
+        let e = enrich(nvml, Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        assert!(e.gpu_unresolved);
+        assert_eq!(pods(&e), ["on-a", "unknown"]);
+    }
+
+    #[test]
+    fn an_event_naming_no_gpu_is_neither_resolved_nor_unresolved() {
+        let mut event = kernel_xid("0000:1b:00.0");
+        event.entity = Entity::default();
+        event.component = Component::Node;
+        let inv = inventory();
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event, Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        assert!(e.gpu.is_none() && !e.gpu_unresolved);
+        assert_eq!(e.workloads.len(), 3);
     }
 }

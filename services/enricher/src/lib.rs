@@ -4,11 +4,15 @@
 //!
 //! Cluster knowledge comes from watch caches ([`cache`]), never from an API call per event. An
 //! event for a node the cache does not know is still passed on, marked `node_unknown`, and
-//! counted. A record that cannot be decoded goes to `gpumedic.health.raw.v1.dlq` with the reason.
+//! counted. The GPU an event names (by UUID, PCI bus id or index) is resolved to one canonical
+//! identity from the node's latest `gpu_inventory` event ([`inventory`]); one that cannot be is
+//! passed on marked `gpu_unresolved`, and counted. A record that cannot be decoded goes to
+//! `gpumedic.health.raw.v1.dlq` with the reason.
 
 pub mod cache;
 pub mod catalog;
 pub mod enrich;
+pub mod inventory;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,10 +26,12 @@ use gpumedic_runtime::kafka::{
 };
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
+use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
 
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
+use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "enricher";
@@ -67,6 +73,17 @@ pub struct Args {
     /// How long a batch waits for more records after its first one (a latency cap when quiet).
     #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "2ms")]
     batch_linger: String,
+    /// Most nodes whose GPU inventory is kept; past it the least recently updated is forgotten
+    /// (its events pass marked unresolved until its next inventory).
+    #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_NODES", default_value_t = 200_000)]
+    inventory_max_nodes: usize,
+    /// Most GPUs kept from one node's inventory.
+    #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_GPUS", default_value_t = 64)]
+    inventory_max_gpus: usize,
+    /// An inventory observed longer than this before an event is not trusted to resolve it (the
+    /// collector refreshes every 5 minutes).
+    #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_AGE", default_value = "15m")]
+    inventory_max_age: String,
 }
 
 /// The validated configuration.
@@ -88,6 +105,8 @@ pub struct Config {
     pub catalog: XidCatalog,
     /// How records are batched.
     pub batch: BatchSettings,
+    /// Bounds of the GPU inventory cache.
+    pub inventory: InventoryLimits,
 }
 
 impl Validate for Args {
@@ -115,6 +134,22 @@ impl Validate for Args {
         if linger.is_some_and(|l| l > std::time::Duration::from_secs(1)) {
             p.push("--batch-linger", "must be at most 1s (it delays every event)");
         }
+        if !(1..=10_000_000).contains(&self.inventory_max_nodes) {
+            p.push("--inventory-max-nodes", format!("{} is not from 1 to 10000000", self.inventory_max_nodes));
+        }
+        if !(1..=1024).contains(&self.inventory_max_gpus) {
+            p.push("--inventory-max-gpus", format!("{} is not from 1 to 1024", self.inventory_max_gpus));
+        }
+        let max_age = p
+            .check("--inventory-max-age", gpumedic_runtime::config::parse_duration(&self.inventory_max_age))
+            .and_then(|d| match chrono::TimeDelta::from_std(d) {
+                Ok(d) if d >= chrono::TimeDelta::minutes(5) => Some(d),
+                _ => {
+                    // Shorter than the collector's refresh would leave healthy nodes unresolved.
+                    p.push("--inventory-max-age", "must be at least 5m (the collector refreshes every 5 minutes)");
+                    None
+                }
+            });
         let catalog = match &self.xid_catalog {
             None => Some(XidCatalog::embedded()),
             Some(path) => p.check("--xid-catalog", XidCatalog::load(path).map_err(|e| e.to_string())),
@@ -131,6 +166,11 @@ impl Validate for Args {
             },
             catalog: catalog.expect("checked"),
             batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked") },
+            inventory: InventoryLimits {
+                max_nodes: self.inventory_max_nodes,
+                max_gpus: self.inventory_max_gpus,
+                max_age: max_age.expect("checked"),
+            },
         })
     }
 }
@@ -163,8 +203,14 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
         }
     };
-    let handler =
-        Enrich { cache, catalog: config.catalog, producer, codec, enriched_topic: config.enriched_topic.clone() };
+    let handler = Enrich {
+        cache,
+        inventory: InventoryCache::new(config.inventory),
+        catalog: config.catalog,
+        producer,
+        codec,
+        enriched_topic: config.enriched_topic.clone(),
+    };
     let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();
     let Config { kafka: settings, group, batch, raw_topic, enriched_topic, .. } = config;
@@ -187,6 +233,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
 /// (consumers deduplicate by event id).
 pub struct Enrich {
     cache: ClusterCache,
+    /// Owned by the handler, which is one task: no lock on the hot path.
+    inventory: InventoryCache,
     catalog: XidCatalog,
     producer: Producer,
     codec: Arc<Codec>,
@@ -198,6 +246,9 @@ impl BatchHandler for Enrich {
         let mut dispositions = vec![Disposition::Done; records.len()];
         let mut out: Vec<(usize, String, String, Vec<u8>)> = Vec::with_capacity(records.len());
         let now = chrono::Utc::now();
+        // Counted once per batch rather than per event: a metrics lookup per event costs more
+        // than the resolution itself.
+        let mut unresolved = [0u64; Unresolved::ALL.len()];
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
                 dispositions[i] = Disposition::DeadLetter("empty record".into());
@@ -216,9 +267,18 @@ impl BatchHandler for Enrich {
                 metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
                 tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
             }
+            if let Detail::GpuInventory(detail) = &event.detail {
+                // Applied before the event is resolved and in partition order, so the node's events
+                // after it resolve against it. A retried batch applies it again: the same result.
+                inventory::report(&event.node, &self.inventory.apply(&event.node, detail, event.observed_at));
+            }
+            let gpu = self.inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
+            if let Resolution::Unresolved(reason) = gpu {
+                unresolved[reason as usize] += 1;
+            }
             let event_id = event.event_id.to_string();
             let key = event.node.clone();
-            let enriched = enrich::enrich(event, node.as_ref(), &self.catalog, now);
+            let enriched = enrich::enrich(event, node.as_ref(), gpu, &self.catalog, now);
             match self.codec.encode(&enriched) {
                 Ok(bytes) => out.push((i, key, event_id, bytes)),
                 Err(e) => dispositions[i] = Disposition::DeadLetter(e.to_string()),
@@ -240,6 +300,12 @@ impl BatchHandler for Enrich {
             result?;
         }
         metrics::counter!("gpumedic_enricher_events_total").increment(out.len() as u64);
+        for (reason, n) in Unresolved::ALL.iter().zip(unresolved) {
+            if n > 0 {
+                metrics::counter!("gpumedic_enricher_gpu_unresolved_total", "reason" => reason.as_str()).increment(n);
+            }
+        }
+        metrics::gauge!("gpumedic_enricher_inventory_nodes").set(self.inventory.len() as f64);
         Ok(dispositions)
     }
 }

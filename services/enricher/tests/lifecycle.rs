@@ -40,10 +40,21 @@ fn invalid_config_lists_every_problem_and_exits_64() {
             "t",
             "--enriched-topic",
             "t",
+            "--inventory-max-gpus",
+            "0",
+            "--inventory-max-age",
+            "1m",
         ],
     );
     assert_eq!(code, Some(64), "{stderr}");
-    for field in ["--kafka-bootstrap", "--kafka-option", "--group", "--enriched-topic"] {
+    for field in [
+        "--kafka-bootstrap",
+        "--kafka-option",
+        "--group",
+        "--enriched-topic",
+        "--inventory-max-gpus",
+        "--inventory-max-age",
+    ] {
         assert!(stderr.contains(field), "{field} missing from: {stderr}");
     }
 }
