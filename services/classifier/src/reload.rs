@@ -108,7 +108,7 @@ pub(crate) async fn watch(
 mod tests {
     use super::*;
 
-    const RULE: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: fallen off the bus\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, quiet: 30m}\n";
+    const RULE: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: fallen off the bus\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 30m}\n";
 
     #[test]
     fn a_change_is_seen_once_and_a_bad_file_is_refused_with_its_problems() {

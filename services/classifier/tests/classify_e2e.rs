@@ -1,4 +1,4 @@
-//! The classifier as a process against the real Kafka and PostgreSQL: an enriched Xid 79 becomes a
+//! The classifier as a process against the real Kafka and PostgreSQL, on topics of its own: an enriched Xid 79 becomes a
 //! critical reboot verdict and an open incident; healthy evidence held for the quiet period
 //! becomes a recovery verdict and a resolved incident; garbage goes to the dead-letter topic.
 
@@ -9,7 +9,7 @@ use gpumedic_runtime::testbed;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::verdict::{RecommendedAction, Severity};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict, topics};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
@@ -22,6 +22,8 @@ fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
         xid_catalog: None,
         workloads: vec![],
         enriched_at: chrono::Utc::now(),
+        gpu: None,
+        gpu_unresolved: false,
     }
 }
 
@@ -35,7 +37,9 @@ fn xid79(node: &str) -> HealthEvent {
         nvlink5: None,
         recovery_action: None,
     });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
+    e.boot_id = Some("boot-before".into());
+    e
 }
 
 fn healthy(node: &str) -> HealthEvent {
@@ -44,6 +48,8 @@ fn healthy(node: &str) -> HealthEvent {
         Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
     let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
     e.healthy = true;
+    // After the reboot: a new boot id is the proof the rule waits for.
+    e.boot_id = Some("boot-after".into());
     e
 }
 
@@ -61,9 +67,12 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
     let db = testbed::unique_name("classify").replace('-', "_");
     let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let enriched_topic = testbed::unique_name("classify-enriched");
+    let verdicts_topic = testbed::unique_name("classify-verdicts");
+    let actions_topic = testbed::unique_name("classify-actions");
     let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
     settings
-        .ensure_topics(&stage_topics(&[topics::HEALTH_ENRICHED, topics::ACTIONS], &[topics::VERDICTS], 12))
+        .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await
         .expect("topics");
 
@@ -72,7 +81,7 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     std::fs::create_dir_all(&rules).unwrap();
     std::fs::write(
         rules.join("79.yaml"),
-        "rules:\n  - id: xid-79-fallen-off-the-bus\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n      - {kind: gpu_lost}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, quiet: 3s}\n",
+        "rules:\n  - id: xid-79-fallen-off-the-bus\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n      - {kind: gpu_lost}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 3s}\n",
     )
     .unwrap();
 
@@ -81,11 +90,11 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            // At the end of the shared topics: not behind every record earlier runs left there.
-            (
-                "GPUMEDIC_GROUP",
-                testbed::group_at_end("classifier", &[topics::HEALTH_ENRICHED, topics::ACTIONS]).await.expect("group"),
-            ),
+            // Topics of its own: not behind the traffic other tests put on the shared ones.
+            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", verdicts_topic.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", actions_topic.clone()),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
             ("GPUMEDIC_TICK", "500ms".into()),
@@ -97,27 +106,15 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     let node = testbed::unique_name("cls-node");
     let producer = settings.producer("classifier-test").unwrap();
     let fault = xid79(&node);
-    publish(
-        &producer,
-        topics::HEALTH_ENRICHED,
-        &node,
-        &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(),
-        &[],
-    )
-    .await
-    .unwrap();
+    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
+        .await
+        .unwrap();
     // The same event again (a redelivery) must not produce a second verdict.
-    publish(
-        &producer,
-        topics::HEALTH_ENRICHED,
-        &node,
-        &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(),
-        &[],
-    )
-    .await
-    .unwrap();
+    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
+        .await
+        .unwrap();
 
-    let opened = testbed::wait_for_record(topics::VERDICTS, verdict_for(&node, false), Duration::from_secs(60))
+    let opened = testbed::wait_for_record(&verdicts_topic, verdict_for(&node, false), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let v: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
@@ -126,16 +123,10 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     assert_eq!(v.evidence, vec![fault.event_id]);
 
     // Healthy evidence, then the quiet period passes with no fault: a recovery verdict.
-    publish(
-        &producer,
-        topics::HEALTH_ENRICHED,
-        &node,
-        &gpumedic_schemas::encode(&enriched(healthy(&node))).unwrap(),
-        &[],
-    )
-    .await
-    .unwrap();
-    let recovered = testbed::wait_for_record(topics::VERDICTS, verdict_for(&node, true), Duration::from_secs(60))
+    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(healthy(&node))).unwrap(), &[])
+        .await
+        .unwrap();
+    let recovered = testbed::wait_for_record(&verdicts_topic, verdict_for(&node, true), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let r: Verdict = gpumedic_schemas::decode(recovered.payload.as_deref().unwrap()).unwrap();
@@ -193,9 +184,9 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
 
     // Garbage on the enriched topic goes to its dead-letter topic; the classifier carries on.
     let garbage_key = format!("{node}-garbage");
-    publish(&producer, topics::HEALTH_ENRICHED, &garbage_key, b"garbage", &[]).await.unwrap();
+    publish(&producer, &enriched_topic, &garbage_key, b"garbage", &[]).await.unwrap();
     let dead = testbed::wait_for_record(
-        &dead_letter_topic(topics::HEALTH_ENRICHED),
+        &dead_letter_topic(&enriched_topic),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(60),
     )

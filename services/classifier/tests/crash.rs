@@ -55,6 +55,8 @@ fn event(k: usize, prefix: &str, base: chrono::DateTime<chrono::Utc>) -> Enriche
         xid_catalog: None,
         workloads: vec![],
         enriched_at: base,
+        gpu: None,
+        gpu_unresolved: false,
     }
 }
 

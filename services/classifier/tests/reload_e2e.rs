@@ -12,7 +12,7 @@ use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
-const XID_79: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, quiet: 30m}\n";
+const XID_79: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 30m}\n";
 
 fn xid(node: &str, code: i32) -> Vec<u8> {
     let detail = Detail::Xid(XidDetail {
@@ -32,6 +32,8 @@ fn xid(node: &str, code: i32) -> Vec<u8> {
         xid_catalog: None,
         workloads: vec![],
         enriched_at: chrono::Utc::now(),
+        gpu: None,
+        gpu_unresolved: false,
     };
     gpumedic_schemas::encode(&enriched).expect("encodes")
 }
@@ -100,14 +102,14 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
     std::fs::write(rules.join("20-bad.yaml"), "rules:\n  - id: Not An Id\n    severity: fatal\n").unwrap();
     wait_for_metric(addr, "gpumedic_classifier_rule_reloads_total{result=\"refused\"} 1").await;
 
-    // Fixed: a new rule for Xid 13 is taken up; the Xid 79 rule is unchanged, so its open
+    // Fixed: a new rule for Xid 62 is taken up; the Xid 79 rule is unchanged, so its open
     // incident's state is kept (a second Xid 79 opens nothing new).
     std::fs::remove_file(rules.join("20-bad.yaml")).unwrap();
-    std::fs::write(rules.join("20-xid-13.yaml"), XID_79.replace("xid-79", "xid-13").replace("[79]", "[13]")).unwrap();
+    std::fs::write(rules.join("20-xid-62.yaml"), XID_79.replace("xid-79", "xid-62").replace("[79]", "[62]")).unwrap();
     wait_for_metric(addr, "gpumedic_classifier_rule_reloads_total{result=\"ok\"} 1").await;
     publish(&producer, &enriched, &node, &xid(&node, 79), &[]).await.unwrap();
-    publish(&producer, &enriched, &node, &xid(&node, 13), &[]).await.unwrap();
-    testbed::wait_for_record(&verdicts, verdict_with_rule("xid-13"), Duration::from_secs(60))
+    publish(&producer, &enriched, &node, &xid(&node, 62), &[]).await.unwrap();
+    testbed::wait_for_record(&verdicts, verdict_with_rule("xid-62"), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("the reloaded rule did not fire: {e}"));
     let mut xid79 = 0;
@@ -121,7 +123,7 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
                 assert_eq!(v.incident_id, opened.incident_id, "the open incident was kept");
                 xid79 += 1;
             }
-            v_is_xid13(r, &node)
+            v_is_xid62(r, &node)
         },
         Duration::from_secs(30),
     )
@@ -134,8 +136,8 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db}\" WITH (FORCE)"))).execute(&admin).await.ok();
 }
 
-/// Whether `r` is the Xid 13 verdict for `node` (the last record the test expects).
-fn v_is_xid13(r: &gpumedic_runtime::kafka::Record, node: &str) -> bool {
+/// Whether `r` is the Xid 62 verdict for `node` (the last record the test expects).
+fn v_is_xid62(r: &gpumedic_runtime::kafka::Record, node: &str) -> bool {
     gpumedic_schemas::decode::<Verdict>(r.payload.as_deref().unwrap_or_default())
-        .is_ok_and(|v| v.rule_id == "xid-13" && v.node == node)
+        .is_ok_and(|v| v.rule_id == "xid-62" && v.node == node)
 }

@@ -36,7 +36,7 @@ rules:
     match: {kind: xid, xid: [79]}
     severity: critical
     action: reboot_node
-    clear: {quiet: 15m}
+    clear: {proof: reboot, quiet: 15m}
 ";
 
 const SEMANTIC: &str = "\
@@ -123,7 +123,7 @@ fn a_bad_reload_keeps_the_running_rules() {
     assert_eq!(
         lines(&errors),
         [format!(
-            "{}:7: invalid action `reboot_nod` (expected one of: none, monitor, custom, cordon, drain, reset_gpu, reboot_node, contact_support, replace_node)",
+            "{}:7: invalid action `reboot_nod` (expected one of: none, monitor, run_diagnostics, custom, cordon, drain, reset_gpu, reboot_node, contact_support, replace_node)",
             path.display()
         )]
     );

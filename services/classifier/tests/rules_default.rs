@@ -75,14 +75,25 @@ fn xid_13_once_is_info_and_takes_no_cordon_level_action() {
 #[test]
 fn xid_13_repeated_on_the_same_gpu_escalates_and_on_different_gpus_does_not() {
     let mut e = engine();
-    e.observe(&xid("e1", T0, "GPU-0", 13));
-    assert!(e.observe(&xid("e2", T0 + H, "GPU-0", 13)).is_empty(), "the open info incident is not re-fired");
-    let d = only(e.observe(&xid("e3", T0 + 2 * H, "GPU-0", 13)));
+    let by = |o: Observation, pid: i64| o.field("pid", pid).field("process", "python");
+    e.observe(&by(xid("e1", T0, "GPU-0", 13), 100));
+    assert!(e.observe(&by(xid("e2", T0 + H, "GPU-0", 13), 200)).is_empty(), "the open info incident is not re-fired");
+    // The same process failing again is not another occurrence.
+    assert!(e.observe(&by(xid("e2b", T0 + H + MIN, "GPU-0", 13), 200)).is_empty());
+    let d = only(e.observe(&by(xid("e3", T0 + 2 * H, "GPU-0", 13), 300)));
     assert_eq!(
         (d.rule_id.as_str(), d.severity, d.action),
-        ("xid-application-repeated", Severity::Warning, Action::Cordon)
+        ("xid-application-repeated", Severity::Warning, Action::RunDiagnostics)
     );
-    assert_eq!(d.evidence, ["e1", "e2", "e3"]);
+    assert!(!d.action.quarantines(), "an application Xid never takes the GPU out of service by count");
+    assert_eq!(d.evidence, ["e1", "e2b", "e3"]);
+
+    // One exception logged as three lines in the same millisecond counts once, whatever the window.
+    let mut e = engine();
+    only(e.observe(&by(xid("l1", T0, "GPU-0", 13), 7)));
+    assert!(e.observe(&by(xid("l2", T0 + 200, "GPU-0", 13), 7)).is_empty());
+    assert!(e.observe(&by(xid("l3", T0 + 400, "GPU-0", 13), 7)).is_empty());
+    assert_eq!(e.open_incidents().len(), 1);
 
     let mut e = engine();
     for (i, gpu) in ["GPU-0", "GPU-1", "GPU-2"].iter().enumerate() {
@@ -160,11 +171,11 @@ fn xid_154_recovery_action_overrides_the_guess_from_other_xids() {
 
     // 154 first: a later guess on the same GPU takes 154's action, even a milder one.
     let mut e = engine();
-    let o = xid("e1", T0, "GPU-0", 154).field("recovery_action", "none");
+    let o = xid("e1", T0, "GPU-0", 154).field("recovery_action", "Drain P2P");
     let d = only(e.observe(&o));
-    assert_eq!((d.severity, d.action), (Severity::Info, Action::None));
+    assert_eq!((d.severity, d.action), (Severity::Warning, Action::Drain));
     let d = only(e.observe(&xid("e2", T0 + S, "GPU-0", 62)));
-    assert_eq!((d.rule_id.as_str(), d.action), ("xid-reset-gpu", Action::None));
+    assert_eq!((d.rule_id.as_str(), d.action), ("xid-reset-gpu", Action::Drain));
     assert!(d.reason.contains("overrides"), "{}", d.reason);
     // Another GPU is not governed by GPU-0's override.
     let d = only(e.observe(&xid("e3", T0 + S, "GPU-1", 62)));
@@ -231,8 +242,10 @@ fn temperature_tiers_info_warning_critical() {
     );
     assert_eq!(d.evidence, ["t2"], "held from t2 for a minute: due before t3 is taken");
     assert_eq!(d.decided_at_micros, T0 + 70 * S);
-    let d = only(e.observe(&temperature("t4", T0 + 80 * S, 96, false)));
+    assert!(e.observe(&temperature("t4", T0 + 80 * S, 96, false)).is_empty(), "one reading at shutdown is not enough");
+    let d = only(e.observe(&temperature("t4b", T0 + 85 * S, 97, false)));
     assert_eq!((d.rule_id.as_str(), d.severity, d.action), ("temperature-shutdown", Severity::Critical, Action::Drain));
+    assert_eq!(d.evidence, ["t4", "t4b"], "two readings in a row");
     // Cooling down: both hot incidents recover only after their quiet periods of cool readings.
     assert!(e.observe(&temperature("t5", T0 + 2 * MIN, 70, true)).is_empty());
     let recovered = e.tick(T0 + 2 * MIN + 30 * MIN);
@@ -244,15 +257,21 @@ fn temperature_tiers_info_warning_critical() {
 #[test]
 fn recovery_only_on_healthy_evidence_held_for_the_quiet_period() {
     let mut e = engine();
-    let opened = only(e.observe(&xid("e1", T0, "GPU-0", 79)));
+    let opened = only(e.observe(&xid("e1", T0, "GPU-0", 79).boot("boot-1")));
     assert!(e.tick(T0 + 48 * H).is_empty(), "time alone never closes an incident");
-    // Healthy evidence starts the 15-minute quiet period...
-    assert!(e.observe(&healthy("h1", T0 + 48 * H + MIN, "GPU-0")).is_empty());
+    // The other GPUs answering proves nothing about the lost one...
+    assert!(e.observe(&healthy("o1", T0 + 47 * H, "GPU-1").boot("boot-1")).is_empty());
+    // ...nor does the lost GPU answering before the node rebooted.
+    assert!(e.observe(&healthy("h0", T0 + 48 * H, "GPU-0").boot("boot-1")).is_empty());
+    assert!(e.tick(T0 + 48 * H + 30 * MIN).is_empty());
+    // After a reboot its healthy evidence starts the 15-minute quiet period...
+    assert!(e.observe(&healthy("h1", T0 + 48 * H + 31 * MIN, "GPU-0").boot("boot-2")).is_empty());
     // ...new fault evidence cancels it...
-    assert!(e.observe(&Observation::new("e2", "node-a", T0 + 48 * H + 5 * MIN, "gpu_lost")).is_empty());
-    assert!(e.tick(T0 + 48 * H + 20 * MIN).is_empty());
-    // ...and fresh healthy evidence must stand the whole period again.
-    assert!(e.observe(&healthy("h2", T0 + 49 * H, "GPU-0")).is_empty());
+    assert!(e.observe(&Observation::new("e2", "node-a", T0 + 48 * H + 35 * MIN, "gpu_lost").boot("boot-2")).is_empty());
+    assert!(e.tick(T0 + 48 * H + 50 * MIN).is_empty());
+    // ...and fresh healthy evidence must stand the whole period again (after a reboot: the
+    // incident's boot was boot-1, and boot-2 is still newer than it).
+    assert!(e.observe(&healthy("h2", T0 + 49 * H, "GPU-0").boot("boot-2")).is_empty());
     assert!(e.tick(T0 + 49 * H + 15 * MIN - 1).is_empty());
     let d = only(e.tick(T0 + 49 * H + 15 * MIN));
     assert_eq!((d.kind, d.recovery, d.incident_id, d.step), (DecisionKind::Recover, true, opened.incident_id, 1));
@@ -271,7 +290,6 @@ fn recovery_only_on_healthy_evidence_held_for_the_quiet_period() {
 fn other_default_rules_fire_on_their_evidence() {
     let gpu = |id: &str, kind: &str| Observation::new(id, "node-a", T0, kind).gpu("GPU-0");
     let cases: Vec<(Observation, &str, Severity, Action)> = vec![
-        (gpu("a", "ecc").field("double_bit_volatile", 2), "ecc-double-bit", Severity::Critical, Action::ResetGpu),
         (gpu("b", "row_remap").field("failure", true), "row-remap-failure", Severity::Critical, Action::Drain),
         (
             gpu("c", "row_remap").field("pending", true).healthy(),
@@ -297,6 +315,11 @@ fn other_default_rules_fire_on_their_evidence() {
         let d = only(out);
         assert_eq!((d.rule_id.as_str(), d.severity, d.action), (rule, severity, action), "{o:?}");
     }
+    // Double-bit errors held for 30 s (the Xid of the same error gets there first).
+    let mut e = engine();
+    assert!(e.observe(&gpu("a", "ecc").field("double_bit_volatile", 2)).is_empty());
+    let d = only(e.tick(T0 + 30 * S));
+    assert_eq!((d.rule_id.as_str(), d.severity, d.action), ("ecc-double-bit", Severity::Critical, Action::ResetGpu));
     // Counters: NVLink CRC errors growing faster than 100 an hour.
     let mut e = engine();
     let crc = |id: &str, t: i64, v: i64| at(gpu(id, "nvlink"), t).field("crc_errors", v).field("link_state", "up");
@@ -378,6 +401,7 @@ fn stream() -> Vec<Step> {
 }
 
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // a test stream, built once
 enum Step {
     Observe(Observation),
     Tick(i64),
@@ -434,4 +458,158 @@ fn a_restart_from_a_snapshot_or_a_rebuild_changes_no_verdict() {
         got.extend(run(&mut rebuilt, after));
         assert_eq!(got, whole, "rebuild at step {cut}");
     }
+}
+
+fn inventory(id: &str, t: i64, boot: &str, gpus: &[&str], missing: i64) -> Observation {
+    let mut o = Observation::new(id, "node-a", t, "gpu_inventory").boot(boot).field("missing", missing);
+    o.healthy = missing == 0;
+    o.inventory = gpus.iter().map(|g| g.to_string()).collect();
+    o
+}
+
+#[test]
+fn a_gpu_missing_from_the_inventory_is_a_fault_that_only_a_reboot_with_every_gpu_clears() {
+    let mut e = engine();
+    let all: Vec<String> = (0..8).map(|i| format!("GPU-{i}")).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    assert!(e.observe(&inventory("i0", T0, "boot-1", &all, 0)).is_empty());
+    let d = only(e.observe(&inventory("i1", T0 + MIN, "boot-1", &all[1..], 1)));
+    assert_eq!(
+        (d.rule_id.as_str(), d.action, d.severity),
+        ("xid-79-fallen-off-the-bus", Action::RebootNode, Severity::Critical)
+    );
+    // The seven others keep answering for hours: the node stays out.
+    for (i, t) in (1..=12).map(|k| (k, T0 + k * 10 * MIN)) {
+        for g in &all[1..] {
+            assert!(e.observe(&healthy(&format!("h{i}-{g}"), t, g).boot("boot-1")).is_empty());
+        }
+    }
+    assert!(e.tick(T0 + 3 * H).is_empty());
+    // A reboot that does not bring the GPU back changes nothing.
+    assert!(e.observe(&inventory("i2", T0 + 4 * H, "boot-2", &all[1..], 1)).is_empty());
+    assert!(e.tick(T0 + 5 * H).is_empty());
+    // The next reboot brings every GPU back: the complete inventory starts the quiet period.
+    assert!(e.observe(&inventory("i3", T0 + 6 * H, "boot-3", &all, 0)).is_empty());
+    let back = only(e.tick(T0 + 6 * H + 15 * MIN));
+    assert!(back.recovery && back.incident_id == d.incident_id);
+}
+
+#[test]
+fn the_lost_gpus_own_heartbeat_after_a_reboot_releases_the_node_and_others_never_do() {
+    let mut e = engine();
+    let d = only(e.observe(&xid("x", T0, "GPU-3", 79).boot("boot-1")));
+    assert!(d.gpu.is_none() && d.reason.contains("GPU-3"), "a node-wide verdict names the failed GPU in its reason");
+    assert!(e.observe(&healthy("h1", T0 + H, "GPU-4").boot("boot-2")).is_empty());
+    assert!(e.tick(T0 + 3 * H).is_empty(), "another GPU's heartbeat after the reboot is not the lost GPU's");
+    assert!(e.observe(&healthy("h2", T0 + 3 * H, "GPU-3").boot("boot-2")).is_empty());
+    let back = only(e.tick(T0 + 3 * H + 15 * MIN));
+    assert!(back.recovery);
+}
+
+#[test]
+fn the_kernel_logs_pci_id_and_nvmls_uuid_are_one_gpu_and_one_incident() {
+    let mut e = engine();
+    // NVML's heartbeat ties the PCI bus id to the UUID.
+    let mut hb = healthy("hb", T0, "GPU-aaaa");
+    hb.gpu_pci = Some("0000:1b:00.0".into());
+    hb.gpu_index = Some(2);
+    e.observe(&hb);
+    // The kernel log names the GPU by PCI only; the ECC counter by UUID.
+    assert!(e.observe(&xid("x48", T0 + S, "0000:1b:00.0", 48)).is_empty());
+    assert!(
+        e.observe(
+            &Observation::new("ecc", "node-a", T0 + 5 * S, "ecc").gpu("GPU-aaaa").field("double_bit_volatile", 1)
+        )
+        .is_empty()
+    );
+    let d = only(e.tick(T0 + 40 * S));
+    assert_eq!(
+        (d.rule_id.as_str(), d.gpu.as_deref(), d.gpu_index, d.gpu_pci.as_deref()),
+        ("ecc-double-bit", Some("GPU-aaaa"), Some(2), Some("0000:1b:00.0"))
+    );
+    assert!(e.tick(T0 + 10 * MIN).is_empty(), "the Xid 48 burst joins the counter's incident");
+    assert_eq!(e.open_incidents().len(), 1);
+    // A reset (the volatile counter back at 0) clears it after the quiet period.
+    assert!(
+        e.observe(
+            &Observation::new("ecc0", "node-a", T0 + H, "ecc")
+                .gpu("GPU-aaaa")
+                .field("double_bit_volatile", 0)
+                .healthy()
+        )
+        .is_empty()
+    );
+    let back = only(e.tick(T0 + H + 10 * MIN));
+    assert!(back.recovery && back.incident_id == d.incident_id);
+}
+
+#[test]
+fn a_contained_memory_error_defers_its_reset_and_absorbs_the_counter() {
+    let mut e = engine();
+    let d = only(e.observe(&xid("x94", T0, "GPU-0", 94)));
+    assert_eq!(
+        (d.rule_id.as_str(), d.action, d.severity, d.deferrable),
+        ("xid-94-contained-memory-error", Action::ResetGpu, Severity::Warning, true)
+    );
+    e.observe(&Observation::new("ecc", "node-a", T0 + 5 * S, "ecc").gpu("GPU-0").field("double_bit_volatile", 1));
+    assert!(e.tick(T0 + 10 * MIN).is_empty(), "no urgent reset for a contained error's counter");
+    // 95 is uncontained: urgent, not deferrable.
+    let d = only(e.observe(&xid("x95", T0 + H, "GPU-1", 95)));
+    assert_eq!((d.action, d.severity, d.deferrable), (Action::ResetGpu, Severity::Critical, false));
+}
+
+#[test]
+fn sxid_fatal_takes_the_node_out_and_non_fatal_does_not() {
+    let sxid = |id: &str, fatal: Option<bool>| {
+        let o = Observation::new(id, "node-a", T0, "sxid").source("kernel_log").component("nvswitch").xid(12028);
+        match fatal {
+            Some(true) => o.field("severity", "fatal"),
+            Some(false) => o.field("severity", "non_fatal"),
+            None => o,
+        }
+    };
+    let d = only(engine().observe(&sxid("f", Some(true))));
+    assert_eq!(
+        (d.rule_id.as_str(), d.action, d.then.as_slice(), d.severity),
+        ("sxid-nvswitch-fatal", Action::Drain, &[Action::RebootNode][..], Severity::Critical)
+    );
+    for fatal in [Some(false), None] {
+        let d = only(engine().observe(&sxid("n", fatal)));
+        assert_eq!((d.rule_id.as_str(), d.action), ("sxid-nvswitch", Action::Monitor));
+    }
+}
+
+#[test]
+fn maintenance_acts_before_its_window_and_never_on_one_that_is_over() {
+    let notice = |id: &str, t: i64, start: i64, end: i64| {
+        Observation::new(id, "node-a", t, "cloud_maintenance")
+            .source("cloud")
+            .field("starts_at_micros", start)
+            .field("ends_at_micros", end)
+    };
+    let d = only(engine().observe(&notice("m", T0, T0 + 48 * H, T0 + 50 * H)));
+    assert_eq!((d.action, d.not_before_micros), (Action::Drain, Some(T0 + 47 * H)));
+    let mut short = Engine::new(rules().with_lead(gpumedic_classifier::rules::Interval::from_secs(60)));
+    assert_eq!(only(short.observe(&notice("m", T0, T0 + 2 * MIN, T0 + H))).not_before_micros, Some(T0 + MIN));
+    let mut e = engine();
+    assert!(e.observe(&notice("old", T0, 0, 1)).is_empty(), "a window that ended in 1970");
+    let refused = e.take_refused();
+    assert_eq!(refused.len(), 1);
+    assert_eq!(refused[0].reason.as_str(), "maintenance_window_over");
+}
+
+#[test]
+fn impossible_readings_are_refused_before_any_rule() {
+    let mut e = engine();
+    assert!(e.observe(&temperature("hot", T0, 2_147_483_647, false)).is_empty());
+    let bad_threshold = Observation::new("th", "node-a", T0 + S, "temperature")
+        .gpu("GPU-0")
+        .field("value", 60)
+        .field("slowdown_threshold", 0)
+        .field("shutdown_threshold", -1);
+    assert!(e.observe(&bad_threshold).is_empty());
+    assert!(e.tick(T0 + H).is_empty());
+    let reasons: Vec<&str> = e.take_refused().iter().map(|r| r.reason.as_str()).collect();
+    assert_eq!(reasons, ["temperature_out_of_range", "threshold_out_of_range"]);
+    assert!(e.open_incidents().is_empty());
 }

@@ -19,6 +19,8 @@ fn event(node: &str, celsius: i32) -> EnrichedHealthEvent {
         xid_catalog: None,
         workloads: vec![],
         enriched_at: chrono::Utc::now(),
+        gpu: None,
+        gpu_unresolved: false,
     }
 }
 

@@ -8,14 +8,31 @@
 //! or an explicit [`Engine::tick`], never the wall clock, so replaying the same input gives the
 //! same decisions with the same ids.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::model::{Action, Rule, RuleSet, Scope, Severity, SyntheticPolicy, normalise_key};
+use super::facts::{MAX_GPUS, NodeFacts};
+use super::model::{Action, Proof, Rule, RuleSet, Scope, Severity, SyntheticPolicy, codes_contain, normalise_key};
 use super::observation::{FieldValue, Observation};
+use super::sanity::{self, Invalid};
 use super::state::{CondState, Firing, MAX_EVIDENCE};
+
+/// How many refused observations wait for [`Engine::take_refused`] before the oldest give way.
+const MAX_REFUSED: usize = 10_000;
+
+/// An observation the engine refused before any rule saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// The node.
+    pub node: String,
+    /// The event.
+    pub event_id: String,
+    /// Why.
+    pub reason: Invalid,
+}
 
 /// The namespace of every incident and verdict id (UUIDv5), fixed forever so ids stay stable
 /// across releases.
@@ -65,8 +82,21 @@ pub struct Decision {
     pub rule_version: u32,
     /// The node.
     pub node: String,
-    /// The GPU, for GPU-scoped rules whose evidence names one.
+    /// The GPU, for GPU-scoped rules whose evidence names one (its canonical identity).
     pub gpu: Option<String>,
+    /// The GPU's NVML index, when the evidence named it.
+    #[serde(default)]
+    pub gpu_index: Option<i32>,
+    /// The GPU's PCI bus id, when the evidence named it.
+    #[serde(default)]
+    pub gpu_pci: Option<String>,
+    /// The action must not be taken before this time (a cloud maintenance window, less the lead).
+    #[serde(default)]
+    pub not_before_micros: Option<i64>,
+    /// The action may wait until the GPU has no workload or a maintenance window opens (a
+    /// contained error: the GPU keeps serving other work safely).
+    #[serde(default)]
+    pub deferrable: bool,
     /// The incident's severity (for a recovery, the severity that was cleared).
     pub severity: Severity,
     /// The recommended action (`none` for a recovery).
@@ -114,6 +144,16 @@ pub struct Incident {
     pub clear_since: Option<(i64, String)>,
     /// The override incident that replaced this incident's action.
     pub overridden_by: Option<Uuid>,
+    /// The node's boot id when the incident opened.
+    #[serde(default)]
+    pub boot: Option<String>,
+    /// The GPUs a node-wide incident's fault evidence named: its healthy evidence must come from
+    /// each of them.
+    #[serde(default)]
+    pub gpus: BTreeSet<String>,
+    /// The failed GPUs that have shown healthy evidence since the proof of repair.
+    #[serde(default)]
+    pub cleared: BTreeSet<String>,
 }
 
 /// The state of one rule for one node or GPU.
@@ -136,6 +176,7 @@ struct NodeState {
     recent_set: HashSet<u64>,
     keys: BTreeMap<Key, KeyState>,
     next_deadline: Option<i64>,
+    facts: NodeFacts,
 }
 
 /// An open incident, as [`Engine::open_incidents`] lists them.
@@ -175,6 +216,9 @@ pub struct NodeSnapshot {
     pub recent: Vec<u64>,
     /// Per rule and GPU.
     pub keys: Vec<KeySnapshot>,
+    /// The node's boot, GPUs, resets and counters.
+    #[serde(default)]
+    pub facts: NodeFacts,
 }
 
 /// One rule's state for one node or GPU in a [`Snapshot`].
@@ -204,6 +248,7 @@ pub enum RestoreError {
 pub struct Engine {
     rules: RuleSet,
     nodes: BTreeMap<String, NodeState>,
+    refused: VecDeque<Refused>,
 }
 
 fn incident_id(rule: &Rule, node: &str, gpu: Option<&str>, first: &str) -> Uuid {
@@ -227,12 +272,20 @@ struct Outcome {
     action: Action,
     then: Vec<Action>,
     note: Option<String>,
+    deferrable: bool,
+    not_before: Option<i64>,
 }
 
 impl Engine {
     /// An engine with no state.
     pub fn new(rules: RuleSet) -> Engine {
-        Engine { rules, nodes: BTreeMap::new() }
+        Engine { rules, nodes: BTreeMap::new(), refused: VecDeque::new() }
+    }
+
+    /// The observations refused since the last call, oldest first (at most 10,000 are kept), for
+    /// the service to count and log.
+    pub fn take_refused(&mut self) -> Vec<Refused> {
+        self.refused.drain(..).collect()
     }
 
     /// An engine whose state is what feeding `observations` (in order) leaves, for a restart
@@ -281,11 +334,34 @@ impl Engine {
         {
             node.recent_set.remove(&old);
         }
+        if let Err(reason) = sanity::check(o, &node.facts) {
+            if self.refused.len() >= MAX_REFUSED {
+                self.refused.pop_front();
+            }
+            self.refused.push_back(Refused { node: o.node.clone(), event_id: o.event_id.clone(), reason });
+            return Vec::new();
+        }
+        // A PCI bus id this node's evidence has tied to a UUID names that GPU (the enricher
+        // resolves references; this catches what it could not, e.g. before an inventory).
+        let o: Cow<'_, Observation> = match o.gpu.as_deref().and_then(|g| node.facts.canonical(g)) {
+            Some(uuid) => {
+                let mut c = o.clone();
+                c.gpu_pci = c.gpu.take();
+                c.gpu = Some(uuid);
+                Cow::Owned(c)
+            }
+            None => Cow::Borrowed(o),
+        };
+        let o = o.as_ref();
+        if node.facts.repeats_line(o) {
+            return Vec::new();
+        }
         // Late observations count at the node's current time, so state only moves forward.
         let now = node.clock.max(o.observed_at_micros);
         node.clock = now;
         let mut out = Vec::new();
         advance(&self.rules, &o.node, node, now, &mut out);
+        node.facts.learn(o, now);
         // Rules with an open incident on this node see every observation (it may be healthy
         // evidence); the others only what they match. Computed once, allocation-free when the
         // node is healthy, which is the common case.
@@ -313,15 +389,26 @@ impl Engine {
             if let Some(inc) = st.incident.as_mut() {
                 if update.adverse {
                     inc.clear_since = None;
+                    inc.cleared.clear();
+                    if rule.scope == Scope::Node
+                        && let Some(g) = &o.gpu
+                        && inc.gpus.len() < MAX_GPUS
+                    {
+                        inc.gpus.insert(g.clone());
+                    }
                 } else if inc.clear_since.is_none() && rule.clear.evidence.matches(o) {
-                    inc.clear_since = Some((now, o.event_id.clone()));
+                    clear_evidence(rule, &key, inc, o, &node.facts, now);
                 }
             }
             if let Some(firing) = update.firing {
-                let outcome = outcome(&self.rules, rule, Some(o), &node.keys, &key);
-                fire(&self.rules, rule, &o.node, &mut node.keys, &key, firing, outcome, &mut out);
+                if let Some(root) = sympathetic_root(rule, o, &node.keys, now) {
+                    absorb(&mut node.keys, &root, &firing);
+                } else {
+                    let outcome = outcome(&self.rules, rule, Some(o), &node.keys, &key);
+                    fire(&self.rules, rule, &o.node, &node.facts, &mut node.keys, &key, firing, outcome, &mut out);
+                }
             }
-            fold_deadline(rule, node, &key);
+            fold_deadline(&self.rules, rule, node, &key);
             prune(node, &key);
         }
         // A quiet period of zero, or a threshold held for zero, is due at once.
@@ -373,6 +460,7 @@ impl Engine {
                     node: name.clone(),
                     clock: n.clock,
                     recent: n.recent.iter().cloned().collect(),
+                    facts: n.facts.clone(),
                     keys: n
                         .keys
                         .iter()
@@ -398,19 +486,24 @@ impl Engine {
             let recent: VecDeque<u64> = n.recent.into_iter().collect();
             let recent_set = recent.iter().cloned().collect();
             let keys = n.keys.into_iter().map(|k| ((k.rule, k.gpu), k.state)).collect();
-            nodes.insert(n.node, NodeState { clock: n.clock, recent, recent_set, keys, next_deadline: None });
+            let state = NodeState { clock: n.clock, recent, recent_set, keys, next_deadline: None, facts: n.facts };
+            nodes.insert(n.node, state);
         }
-        let mut engine = Engine { rules: RuleSet::default(), nodes };
+        let mut engine = Engine { rules: RuleSet::default(), nodes, refused: VecDeque::new() };
         engine.replace_rules(rules);
         Ok(engine)
     }
 }
 
 /// Notes when `key`'s state next needs time to pass.
-fn fold_deadline(rule: &Rule, node: &mut NodeState, key: &Key) {
+fn fold_deadline(rules: &RuleSet, rule: &Rule, node: &mut NodeState, key: &Key) {
     let Some(st) = node.keys.get(key) else { return };
     let cond = st.cond.deadline(&rule.condition);
-    let clear = st.incident.as_ref().and_then(|i| i.clear_since.as_ref()).map(|(t, _)| t + rule.clear.quiet.micros());
+    let clear = st
+        .incident
+        .as_ref()
+        .and_then(|i| i.clear_since.as_ref())
+        .map(|(t, _)| t.saturating_add(rules.quiet(rule).micros()));
     for d in [cond, clear].into_iter().flatten() {
         node.next_deadline = Some(node.next_deadline.map_or(d, |n| n.min(d)));
     }
@@ -437,7 +530,7 @@ fn advance(rules: &RuleSet, name: &str, node: &mut NodeState, now: i64, out: &mu
                 .incident
                 .as_ref()
                 .and_then(|i| i.clear_since.as_ref())
-                .map(|(t, _)| (t + rule.clear.quiet.micros(), true));
+                .map(|(t, _)| (t.saturating_add(rules.quiet(rule).micros()), true));
             for (d, is_clear) in [cond, clear].into_iter().flatten() {
                 if d <= now && due.as_ref().is_none_or(|(bd, bi, bk, _)| (d, ri, key) < (*bd, *bi, bk)) {
                     due = Some((d, ri, key.clone(), is_clear));
@@ -447,10 +540,10 @@ fn advance(rules: &RuleSet, name: &str, node: &mut NodeState, now: i64, out: &mu
         let Some((_, ri, key, is_clear)) = due else { break };
         let rule = &rules.rules[ri];
         if is_clear {
-            recover(rule, name, node, &key, out);
+            recover(rules, rule, name, node, &key, out);
         } else if let Some(firing) = node.keys.get_mut(&key).and_then(|st| st.cond.expire(&rule.condition, now)) {
             let outcome = outcome(rules, rule, None, &node.keys, &key);
-            fire(rules, rule, name, &mut node.keys, &key, firing, outcome, out);
+            fire(rules, rule, name, &node.facts, &mut node.keys, &key, firing, outcome, out);
         }
         prune(node, &key);
     }
@@ -459,7 +552,7 @@ fn advance(rules: &RuleSet, name: &str, node: &mut NodeState, now: i64, out: &mu
     let keys: Vec<Key> = node.keys.keys().cloned().collect();
     for key in keys {
         if let Some(rule) = rules.get(&key.0) {
-            fold_deadline(rule, node, &key);
+            fold_deadline(rules, rule, node, &key);
         }
     }
 }
@@ -472,7 +565,19 @@ fn outcome(
     keys: &BTreeMap<Key, KeyState>,
     key: &Key,
 ) -> Outcome {
-    let base = Outcome { severity: rule.severity, action: rule.action, then: rule.then.clone(), note: None };
+    let lead = rules.lead.or(rule.not_before.as_ref().map(|s| s.lead));
+    let not_before = rule.not_before.as_ref().zip(o).zip(lead).and_then(|((s, o), lead)| {
+        let start = o.fields.get(&s.field).and_then(FieldValue::as_f64)?;
+        Some((start as i64).saturating_sub(lead.micros()))
+    });
+    let base = Outcome {
+        severity: rule.severity,
+        action: rule.action,
+        then: rule.then.clone(),
+        note: None,
+        deferrable: rule.deferrable,
+        not_before,
+    };
     if let Some(ov) = &rule.override_ {
         let named = o.and_then(|o| o.fields.get(&ov.field)).map(|v| match v {
             FieldValue::Text(t) => normalise_key(t),
@@ -484,6 +589,8 @@ fn outcome(
                 action: a.action,
                 then: a.then.clone(),
                 note: Some(format!("{} is `{n}`", ov.field)),
+                deferrable: false,
+                not_before: None,
             },
             // An unknown or missing value falls back to the rule's own action.
             None => base,
@@ -498,6 +605,8 @@ fn outcome(
             action: inc.action,
             then: inc.then.clone(),
             note: Some(format!("action from `{by}`, which overrides this rule's guess ({})", rule.action)),
+            deferrable: false,
+            not_before: None,
         },
         None => base,
     }
@@ -549,9 +658,11 @@ fn apply_override(rules: &RuleSet, keys: &mut BTreeMap<Key, KeyState>, key: &Key
     superseded
 }
 
+#[allow(clippy::too_many_arguments)]
 fn decision(
     rule: &Rule,
     node: &str,
+    facts: &NodeFacts,
     key: &Key,
     inc: &Incident,
     kind: DecisionKind,
@@ -561,6 +672,15 @@ fn decision(
     let recovery = kind == DecisionKind::Recover;
     let (action, then) = if recovery { (Action::None, Vec::new()) } else { (inc.action, inc.then.clone()) };
     let custom = (action == Action::Custom || then.contains(&Action::Custom)).then(|| rule.custom.clone()).flatten();
+    // A node-wide verdict names no GPU (its entity is empty by contract, and the remediator acts
+    // on the whole node); its reason names the GPUs that failed.
+    let gpu = key.1.clone();
+    let names = gpu.as_ref().and_then(|g| facts.names.get(g)).cloned().unwrap_or_default();
+    let mut reason = reason;
+    if gpu.is_none() && !inc.gpus.is_empty() && kind != DecisionKind::Recover {
+        let list: Vec<&str> = inc.gpus.iter().map(String::as_str).collect();
+        reason.push_str(&format!(" (GPUs: {})", list.join(", ")));
+    }
     Decision {
         verdict_id: verdict_id(inc.id, inc.step),
         incident_id: inc.id,
@@ -569,7 +689,11 @@ fn decision(
         rule_id: rule.id.clone(),
         rule_version: rule.version,
         node: node.to_owned(),
-        gpu: key.1.clone(),
+        gpu,
+        gpu_index: names.index,
+        gpu_pci: names.pci,
+        not_before_micros: None,
+        deferrable: false,
         severity: inc.severity,
         action,
         then,
@@ -583,21 +707,85 @@ fn decision(
     }
 }
 
+/// The root incident `o` echoes, when `o` is one of `rule`'s sympathetic codes on a GPU and
+/// another GPU of the node has an incident of a root rule that opened within the window.
+fn sympathetic_root(rule: &Rule, o: &Observation, keys: &BTreeMap<Key, KeyState>, now: i64) -> Option<Key> {
+    let s = rule.sympathetic.as_ref()?;
+    let (code, gpu) = (o.xid?, o.gpu.as_ref()?);
+    if !codes_contain(&s.xid, code) {
+        return None;
+    }
+    keys.iter()
+        .find(|((r, g), st)| {
+            g.as_ref().is_some_and(|g| g != gpu)
+                && s.to.contains(r)
+                && st.incident.as_ref().is_some_and(|i| now.saturating_sub(i.opened_at) <= s.within.micros())
+        })
+        .map(|(k, _)| k.clone())
+}
+
+/// Adds a firing's evidence to the open incident on `into`, with no decision.
+fn absorb(keys: &mut BTreeMap<Key, KeyState>, into: &Key, firing: &Firing) {
+    if let Some(inc) = keys.get_mut(into).and_then(|st| st.incident.as_mut()) {
+        for e in &firing.evidence {
+            if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&e.id) {
+                inc.evidence.push(e.id.clone());
+            }
+        }
+        inc.synthetic |= firing.evidence.iter().any(|e| e.synthetic);
+    }
+}
+
+/// The open incident of a rule in `rule.suppressed_by` that covers `key`, if any.
+fn suppressor(rule: &Rule, keys: &BTreeMap<Key, KeyState>, key: &Key) -> Option<Key> {
+    if rule.suppressed_by.is_empty() {
+        return None;
+    }
+    keys.iter()
+        .find(|((r, gpu), st)| st.incident.is_some() && rule.suppressed_by.contains(r) && covers(gpu, &key.1))
+        .map(|(k, _)| k.clone())
+}
+
 /// Opens the incident, or escalates it, or (flap damping) only records the evidence.
 #[allow(clippy::too_many_arguments)]
 fn fire(
     rules: &RuleSet,
     rule: &Rule,
     node: &str,
+    facts: &NodeFacts,
     keys: &mut BTreeMap<Key, KeyState>,
     key: &Key,
     firing: Firing,
     outcome: Outcome,
     out: &mut Vec<Decision>,
 ) {
-    let Some(st) = keys.get_mut(key) else { return };
     let ids: Vec<String> = firing.evidence.iter().map(|e| e.id.clone()).collect();
+    let gpus: BTreeSet<String> = firing.evidence.iter().filter_map(|e| e.gpu.clone()).take(MAX_GPUS).collect();
     let synthetic = firing.evidence.iter().any(|e| e.synthetic);
+    let opening = keys.get(key).is_some_and(|st| st.incident.is_none());
+    if opening && let Some(by) = suppressor(rule, keys, key) {
+        // Another rule's open incident already stands for this fault (a double-bit counter rising
+        // with a contained Xid 94): the evidence joins it instead of opening a second incident.
+        absorb(keys, &by, &firing);
+        return;
+    }
+    let Some(st) = keys.get_mut(key) else { return };
+    if rule.override_.is_some() && outcome.action == Action::None {
+        // The driver's recovery action is back to None: the request that opened this incident is
+        // fulfilled. NVIDIA's own pipeline clears on this event, so it closes now; without an
+        // open request there is nothing to decide.
+        if let Some(mut inc) = st.incident.take() {
+            inc.step += 1;
+            inc.evidence = ids;
+            let reason = format!(
+                "{}: recovered; the driver's recovery action returned to None after it asked for `{}`",
+                rule.description, inc.action
+            );
+            out.push(decision(rule, node, facts, key, &inc, DecisionKind::Recover, reason, firing.at));
+            st.cond = CondState::new(&rule.condition);
+        }
+        return;
+    }
     let note = outcome.note.as_ref().map(|n| format!("; {n}")).unwrap_or_default();
     let made = match st.incident.as_mut() {
         None => {
@@ -613,9 +801,12 @@ fn fire(
                 synthetic,
                 clear_since: None,
                 overridden_by: None,
+                boot: facts.boot.clone(),
+                gpus: if rule.scope == Scope::Node { gpus } else { BTreeSet::new() },
+                cleared: BTreeSet::new(),
             };
             let reason = format!("{}: {}{note}", rule.description, firing.detail);
-            let d = decision(rule, node, key, &inc, DecisionKind::Open, reason, firing.at);
+            let d = decision(rule, node, facts, key, &inc, DecisionKind::Open, reason, firing.at);
             st.incident = Some(inc);
             d
         }
@@ -623,6 +814,13 @@ fn fire(
             for id in ids {
                 if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&id) {
                     inc.evidence.push(id);
+                }
+            }
+            if rule.scope == Scope::Node {
+                for g in gpus {
+                    if inc.gpus.len() < MAX_GPUS {
+                        inc.gpus.insert(g);
+                    }
                 }
             }
             inc.synthetic |= synthetic;
@@ -646,28 +844,72 @@ fn fire(
             inc.then = outcome.then;
             let prefix = if kind == DecisionKind::Escalate { "escalated: " } else { "" };
             let reason = format!("{prefix}{}: {}{note}", rule.description, firing.detail);
-            decision(rule, node, key, inc, kind, reason, firing.at)
+            decision(rule, node, facts, key, inc, kind, reason, firing.at)
         }
     };
     let mut made = made;
+    made.deferrable = outcome.deferrable;
+    made.not_before_micros = outcome.not_before;
     if rule.override_.is_some() {
         made.supersedes = apply_override(rules, keys, key);
     }
     out.push(made);
 }
 
+/// Takes healthy evidence `o` for the open incident on `key`. It counts only from the part that
+/// failed (the incident's GPU; each GPU a node-wide incident named; the node itself when it named
+/// none) and only once the rule's proof of repair has been seen since the incident opened. When
+/// every failed part has shown it, the quiet period starts.
+fn clear_evidence(rule: &Rule, key: &Key, inc: &mut Incident, o: &Observation, facts: &NodeFacts, now: i64) {
+    let required: BTreeSet<String> = match &key.1 {
+        Some(g) => BTreeSet::from([g.clone()]),
+        None => inc.gpus.clone(),
+    };
+    let from_failed = match &o.gpu {
+        Some(g) => required.contains(g),
+        None => required.is_empty(),
+    };
+    if !from_failed {
+        return;
+    }
+    let proven = match rule.clear.proof {
+        Proof::None => true,
+        Proof::Reset => match &o.gpu {
+            Some(g) => facts.reset_since(g, inc.opened_at),
+            None => facts.rebooted_since(inc.opened_at),
+        },
+        Proof::Reboot => facts.rebooted_since(inc.opened_at) && facts.complete(),
+    };
+    if !proven {
+        return;
+    }
+    if let Some(g) = &o.gpu {
+        inc.cleared.insert(g.clone());
+    }
+    if required.iter().all(|g| inc.cleared.contains(g)) {
+        inc.clear_since = Some((now, o.event_id.clone()));
+    }
+}
+
 /// Closes the incident on `key`: its healthy evidence has stood for the quiet period.
-fn recover(rule: &Rule, node: &str, state: &mut NodeState, key: &Key, out: &mut Vec<Decision>) {
+fn recover(rules: &RuleSet, rule: &Rule, node: &str, state: &mut NodeState, key: &Key, out: &mut Vec<Decision>) {
     let Some(st) = state.keys.get_mut(key) else { return };
     let Some(mut inc) = st.incident.take() else { return };
     let Some((since, evidence_id)) = inc.clear_since.take() else { return };
     inc.step += 1;
     inc.evidence = vec![evidence_id];
+    let proof = match rule.clear.proof {
+        Proof::None => String::new(),
+        Proof::Reset => " after a reset of the failed GPU".to_owned(),
+        Proof::Reboot => " after a reboot with every GPU present".to_owned(),
+    };
     let reason = format!(
-        "{}: recovered; healthy evidence has stood for {} without new fault evidence",
-        rule.description, rule.clear.quiet
+        "{}: recovered; healthy evidence from the part that failed has stood for {}{proof} without new fault evidence",
+        rule.description,
+        rules.quiet(rule)
     );
-    out.push(decision(rule, node, key, &inc, DecisionKind::Recover, reason, since + rule.clear.quiet.micros()));
+    let at = since.saturating_add(rules.quiet(rule).micros());
+    out.push(decision(rule, node, &state.facts, key, &inc, DecisionKind::Recover, reason, at));
     // The next incident needs fresh evidence: old counts must not reopen it at once.
     st.cond = CondState::new(&rule.condition);
 }
@@ -690,7 +932,7 @@ rules:
     severity: warning
     action: reset_gpu
     overridable: true
-    clear: {evidence: {healthy: true}, quiet: 10m}
+    clear: {evidence: {healthy: true}, proof: reset, quiet: 10m}
   - id: three
     version: 1
     description: three in a minute
@@ -709,7 +951,7 @@ rules:
     override:
       field: recovery_action
       actions: {none: {action: none, severity: info}, node_reboot_required: {action: reboot_node, severity: critical}}
-    clear: {evidence: {healthy: true}, quiet: 10m}
+    clear: {evidence: {healthy: true}, proof: reboot, quiet: 10m}
 "#;
 
     fn rules(text: &str) -> RuleSet {
@@ -737,14 +979,26 @@ rules:
     }
 
     #[test]
-    fn an_override_downgrade_is_decided_and_applies_to_new_guesses() {
+    fn the_drivers_none_closes_its_request_and_proves_the_reset() {
         let mut e = Engine::new(rules(RULES));
-        let ov = e.observe(&xid("a", 0, "g0", 154).field("recovery_action", "None"));
-        assert_eq!((ov[0].action, ov[0].severity, ov[0].supersedes.len()), (Action::None, Severity::Info, 0));
-        let g = e.observe(&xid("b", S, "g0", 62));
-        assert_eq!((g[0].action, g[0].severity), (Action::None, Severity::Info));
+        assert!(e.observe(&xid("a", 0, "g0", 154).field("recovery_action", "None")).is_empty(), "nothing to close");
+        let guess = e.observe(&xid("b", S, "g0", 62)).remove(0);
+        assert_eq!(guess.action, Action::ResetGpu);
+        let req = e.observe(&xid("c", 2 * S, "g0", 154).field("recovery_action", "node_reboot_required")).remove(0);
+        assert_eq!((req.action, req.supersedes.clone()), (Action::RebootNode, vec![guess.incident_id]));
+        // A heartbeat before the reset proves nothing.
+        e.observe(&Observation::new("h0", "n1", 3 * S, "monitor_health").gpu("g0").healthy());
+        let none = e.observe(&xid("d", 4 * S, "g0", 154).field("recovery_action", "None"));
+        assert_eq!(none.len(), 1, "{none:#?}");
+        assert!(none[0].recovery && none[0].incident_id == req.incident_id, "the request's incident closes at once");
+        // The guess waits for the GPU's own healthy evidence after the reset, then its quiet period.
+        assert!(e.observe(&Observation::new("h1", "n1", 5 * S, "monitor_health").gpu("g1").healthy()).is_empty());
+        e.observe(&Observation::new("h2", "n1", 6 * S, "monitor_health").gpu("g0").healthy());
+        let back = e.tick(6 * S + 600 * S);
+        assert_eq!(back.len(), 1);
+        assert!(back[0].recovery && back[0].incident_id == guess.incident_id);
         // An unknown recovery action falls back to the override rule's own action.
-        let d = e.observe(&xid("c", 2 * S, "g1", 154).field("recovery_action", "something new"));
+        let d = e.observe(&xid("e", 700 * S, "g1", 154).field("recovery_action", "something new"));
         assert_eq!(d[0].action, Action::Monitor);
     }
 
@@ -771,7 +1025,13 @@ rules:
             e.observe(&xid(&format!("x{i}"), t * S, &format!("g{i}"), 13));
         }
         assert_eq!(e.open_incidents().len(), 1, "node scope counts every GPU");
-        let d = e.observe(&Observation::new("h", "n1", 30 * S, "monitor_health").healthy());
+        // A node-wide incident that named GPUs clears on evidence from each of them, not from the
+        // node or from one of them.
+        assert!(e.observe(&Observation::new("h", "n1", 30 * S, "monitor_health").healthy()).is_empty());
+        assert!(e.observe(&Observation::new("h0", "n1", 30 * S, "monitor_health").gpu("g0").healthy()).is_empty());
+        assert!(e.observe(&Observation::new("h9", "n1", 30 * S, "monitor_health").gpu("g9").healthy()).is_empty());
+        assert!(e.observe(&Observation::new("h1", "n1", 30 * S, "monitor_health").gpu("g1").healthy()).is_empty());
+        let d = e.observe(&Observation::new("h2", "n1", 30 * S, "monitor_health").gpu("g2").healthy());
         assert_eq!(d.len(), 1);
         assert!(d[0].recovery && d[0].decided_at_micros == 30 * S);
         assert!(e.nodes["n1"].keys.is_empty(), "state is pruned after recovery");

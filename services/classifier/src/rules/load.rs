@@ -89,8 +89,25 @@ where
         // Walk order is not line order (a missing key is noticed after its siblings).
         errors[first_error..].sort_by_key(|e| e.line);
     }
+    for rule in &rules {
+        // A rule may be its own root (Xid 149 on one GPU, Xid 145 on its peers), never its own
+        // suppressor.
+        let suppressors = rule.suppressed_by.iter().map(|o| (o, *o == rule.id));
+        let roots = rule.sympathetic.iter().flat_map(|s| s.to.iter()).map(|o| (o, false));
+        for (other, itself) in suppressors.chain(roots) {
+            if !seen.contains_key(other) || itself {
+                errors.push(RuleError {
+                    file: rule.origin.file.clone(),
+                    line: rule.origin.line,
+                    message: format!(
+                        "`{other}` (in `suppressed_by` or `sympathetic.to`) is not another rule of the set"
+                    ),
+                });
+            }
+        }
+    }
     if errors.is_empty() {
-        Ok(RuleSet { rules, synthetic: synthetic.map(|(p, _, _)| p).unwrap_or_default() })
+        Ok(RuleSet { rules, synthetic: synthetic.map(|(p, _, _)| p).unwrap_or_default(), lead: None, max_quiet: None })
     } else {
         Err(errors)
     }
@@ -386,6 +403,10 @@ const RULE_KEYS: &[&str] = &[
     "custom",
     "overridable",
     "override",
+    "deferrable",
+    "suppressed_by",
+    "not_before",
+    "sympathetic",
     "clear",
 ];
 
@@ -411,7 +432,7 @@ fn rule(cx: &mut Cx<'_>, node: &Node) -> Option<Rule> {
     let matcher = f.require(cx, "match").and_then(|n| matching(cx, n, "match", Health::Unhealthy));
     let condition = match f.get("condition") {
         Some(n) => condition(cx, n),
-        None => Some(Condition::Count { at_least: 1, within: None }),
+        None => Some(Condition::Count { at_least: 1, within: None, distinct: None }),
     };
     let severity = f.require(cx, "severity").and_then(|n| cx.one_of(n, "severity", Severity::ALL));
     let action = f.require(cx, "action").and_then(|n| cx.one_of(n, "action", Action::ALL));
@@ -448,6 +469,42 @@ fn rule(cx: &mut Cx<'_>, node: &Node) -> Option<Rule> {
     }
     let clear =
         f.require(cx, "clear").and_then(|n| clear_spec(cx, n, matcher.as_ref().map(|m: &Match| default_evidence(m))));
+    let deferrable = match f.get("deferrable") {
+        Some(n) => cx.boolean(n, "deferrable"),
+        None => Some(false),
+    };
+    let suppressed_by = f.get("suppressed_by").map(|n| cx.words(n, "suppressed_by", None)).unwrap_or_default();
+    let not_before = match f.get("not_before") {
+        Some(n) => schedule(cx, n).map(Some),
+        None => Some(None),
+    };
+    let sympathetic = match f.get("sympathetic") {
+        Some(n) => sympathetic_spec(cx, n).map(Some),
+        None => Some(None),
+    };
+    if let (Some(m), Some(action), Some(then)) = (&matcher, action, &then) {
+        let worst = then.iter().copied().fold(action, Action::max);
+        if worst.quarantines() && only_application_xids(m) {
+            // NVIDIA's catalog: these are the job's errors; the GPU is usually fine.
+            cx.err(
+                f.line,
+                format!(
+                    "a rule on application-class Xids only ({}) may not take the GPU out of service \
+                     (`{worst}`): recommend `run_diagnostics` and let a failed diagnostic or a hardware Xid decide",
+                    APPLICATION_XIDS.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                ),
+            );
+        }
+        if let Some(c) = &clear {
+            // An override rule's action comes from the evidence: it must prove the remedies that
+            // its outcomes may name, too.
+            let named = override_.as_ref().and_then(Option::as_ref).into_iter().flat_map(|o| {
+                o.actions.values().flat_map(|out| std::iter::once(out.action).chain(out.then.iter().copied()))
+            });
+            let remedies: Vec<Action> = std::iter::once(action).chain(then.iter().copied()).chain(named).collect();
+            proof_fits(cx, f.get("clear").map_or(f.line, |n| n.line), scope, &remedies, c);
+        }
+    }
     Some(Rule {
         id: id?,
         version: version?,
@@ -461,6 +518,10 @@ fn rule(cx: &mut Cx<'_>, node: &Node) -> Option<Rule> {
         custom,
         overridable: overridable?,
         override_: override_?,
+        deferrable: deferrable?,
+        suppressed_by,
+        not_before: not_before?,
+        sympathetic: sympathetic?,
         clear: clear?,
         origin: Origin { file: cx.file.to_path_buf(), line: origin_line },
     })
@@ -601,7 +662,11 @@ fn condition(cx: &mut Cx<'_>, node: &Node) -> Option<Condition> {
     let (name, body) = f.entries[0];
     match name {
         "count" => {
-            let c = cx.fields(body, "`count`", &["at_least", "within"])?;
+            let c = cx.fields(body, "`count`", &["at_least", "within", "distinct"])?;
+            let distinct = match c.get("distinct") {
+                Some(n) => cx.one_of(n, "distinct", &[("process", Distinct::Process)]).map(Some),
+                None => Some(None),
+            };
             let at_least = c.require(cx, "at_least").and_then(|n| {
                 let v = cx.count(n, "at_least", 1)?;
                 if v > MAX_COUNT {
@@ -619,7 +684,7 @@ fn condition(cx: &mut Cx<'_>, node: &Node) -> Option<Condition> {
                 }
                 None => Some(None),
             };
-            Some(Condition::Count { at_least: at_least?, within: within? })
+            Some(Condition::Count { at_least: at_least?, within: within?, distinct: distinct? })
         }
         "burst" => {
             let keys = ["gap", "judge", "with_all", "with_any", "without", "only", "min_events"];
@@ -684,7 +749,7 @@ fn condition(cx: &mut Cx<'_>, node: &Node) -> Option<Condition> {
             Some(Condition::Rate { field: field?, more_than: more_than.filter(|m| *m >= 0.0)?, per: per? })
         }
         _ => {
-            let t = cx.fields(body, "`threshold`", &["field", "gt", "ge", "lt", "le", "for"])?;
+            let t = cx.fields(body, "`threshold`", &["field", "gt", "ge", "lt", "le", "for", "readings"])?;
             let field = t.require(cx, "field").and_then(|n| cx.text(n, "field"));
             let cmps: Vec<(&str, &Node)> =
                 t.entries.iter().filter(|(k, _)| matches!(*k, "gt" | "ge" | "lt" | "le")).copied().collect();
@@ -704,8 +769,16 @@ fn condition(cx: &mut Cx<'_>, node: &Node) -> Option<Condition> {
                 Some(n) => cx.duration(n, "for", true),
                 None => Some(Interval::ZERO),
             };
+            let readings = match t.get("readings") {
+                Some(n) => cx.count(n, "readings", 2),
+                None => Some(0),
+            };
+            if for_ == Some(Interval::ZERO) && readings == Some(0) {
+                // One reading decides nothing: a glitch or an absurd value would act at once.
+                cx.err(t.line, "`threshold` needs a hold: `for` longer than zero, or `readings` of at least 2".into());
+            }
             let (cmp, limit) = limit.filter(|_| cmps.len() == 1)?;
-            Some(Condition::Threshold { field: field?, cmp, limit, for_: for_? })
+            Some(Condition::Threshold { field: field?, cmp, limit, for_: for_?, readings: readings? })
         }
     }
 }
@@ -776,13 +849,77 @@ fn default_evidence(m: &Match) -> Match {
 }
 
 fn clear_spec(cx: &mut Cx<'_>, node: &Node, default: Option<Match>) -> Option<Clear> {
-    let f = cx.fields(node, "`clear`", &["evidence", "quiet"])?;
+    let f = cx.fields(node, "`clear`", &["evidence", "proof", "quiet"])?;
     let quiet = f.require(cx, "quiet").and_then(|n| cx.duration(n, "quiet", true));
     let evidence = match f.get("evidence") {
         Some(n) => matching(cx, n, "clear.evidence", Health::Healthy),
         None => default,
     };
-    Some(Clear { evidence: evidence?, quiet: quiet? })
+    let proof = match f.get("proof") {
+        Some(n) => cx.one_of(n, "proof", Proof::ALL),
+        None => Some(Proof::None),
+    };
+    Some(Clear { evidence: evidence?, proof: proof?, quiet: quiet? })
+}
+
+fn sympathetic_spec(cx: &mut Cx<'_>, node: &Node) -> Option<Sympathetic> {
+    let f = cx.fields(node, "`sympathetic`", &["xid", "to", "within"])?;
+    let xid = f.require(cx, "xid").map(|n| cx.codes(n, "xid"));
+    let to = f.require(cx, "to").map(|n| cx.words(n, "to", None));
+    let within = f.require(cx, "within").and_then(|n| cx.duration(n, "within", false));
+    Some(Sympathetic { xid: xid?, to: to?, within: within? })
+}
+
+fn schedule(cx: &mut Cx<'_>, node: &Node) -> Option<Schedule> {
+    let f = cx.fields(node, "`not_before`", &["field", "lead"])?;
+    let field = f.require(cx, "field").and_then(|n| cx.text(n, "field"));
+    let lead = f.require(cx, "lead").and_then(|n| cx.duration(n, "lead", true));
+    Some(Schedule { field: field?, lead: lead? })
+}
+
+/// True when every alternative of `m` names Xid codes and all of them are application-class.
+fn only_application_xids(m: &Match) -> bool {
+    !m.0.is_empty()
+        && m.0.iter().all(|alt| {
+            !alt.xid.is_empty()
+                && alt.kind.iter().all(|k| k == "xid")
+                && alt.xid.iter().all(|r| (r.lo..=r.hi).all(|c| APPLICATION_XIDS.contains(&c)))
+        })
+}
+
+/// Refuses a clear whose proof cannot show the remedy happened. A heartbeat says the GPU
+/// answers, not that it was reset or that the node rebooted: a rule that resets or reboots, and
+/// accepts evidence of any kind, must wait for the proof of that remedy first.
+fn proof_fits(cx: &mut Cx<'_>, line: usize, scope: Option<Scope>, remedies: &[Action], clear: &Clear) {
+    let any_kind = clear.evidence.0.iter().any(|alt| alt.kind.is_empty() && alt.fields.is_empty());
+    let reboots = remedies.iter().any(|a| matches!(a, Action::RebootNode | Action::ReplaceNode));
+    let (needed, worst) = if reboots && (scope == Some(Scope::Node) || !remedies.contains(&Action::ResetGpu)) {
+        (Proof::Reboot, Action::RebootNode)
+    } else if remedies.contains(&Action::ResetGpu) || reboots {
+        // A GPU-scoped rule whose outcomes range from a reset to a reboot: a reboot resets the GPU
+        // too, so the reset is the proof they share.
+        (Proof::Reset, Action::ResetGpu)
+    } else {
+        return;
+    };
+    let shown = match clear.proof {
+        Proof::Reboot => true,
+        Proof::Reset => needed == Proof::Reset,
+        Proof::None => false,
+    };
+    if any_kind && !shown {
+        cx.err(
+            line,
+            format!(
+                "a rule that recommends `{worst}` and clears on any healthy evidence needs `proof: {}` \
+                 (another GPU's heartbeat, or this one's before the remedy, proves nothing)",
+                needed.as_str()
+            ),
+        );
+    }
+    if scope == Some(Scope::Node) && needed == Proof::Reboot && clear.proof != Proof::Reboot {
+        cx.err(line, format!("a node-wide rule that recommends `{worst}` needs `proof: reboot`"));
+    }
 }
 
 #[cfg(test)]

@@ -55,14 +55,17 @@
 pub mod defaults;
 pub mod duration;
 pub mod engine;
+pub mod facts;
 pub mod load;
 pub mod model;
 pub mod observation;
+pub mod sanity;
 pub mod state;
 pub mod yaml;
 
 pub use duration::{DurationError, Interval, parse_duration};
-pub use engine::{Decision, DecisionKind, Engine, OpenIncident, RestoreError, Snapshot};
+pub use engine::{Decision, DecisionKind, Engine, OpenIncident, Refused, RestoreError, Snapshot};
 pub use load::{RuleError, check_dir, check_files, load_sources, reload};
-pub use model::{Action, KINDS, Rule, RuleSet, SOURCES, Scope, Severity, SyntheticPolicy};
+pub use model::{Action, KINDS, Proof, Rule, RuleSet, SOURCES, Scope, Severity, SyntheticPolicy};
 pub use observation::{FieldValue, Observation};
+pub use sanity::Invalid;

@@ -18,6 +18,7 @@ pub const SOURCES: &[&str] = &["nvml", "kernel_log", "dcgm", "cloud", "ingest", 
 
 /// The observation kinds a rule may name (`match.kind`).
 pub const KINDS: &[&str] = &[
+    "gpu_inventory",
     "xid",
     "sxid",
     "gpu_lost",
@@ -76,6 +77,8 @@ pub enum Action {
     None,
     /// Watch more closely; no change to the node.
     Monitor,
+    /// Run the GPU's diagnostics (DCGM) when it is free; no change to the node unless they fail.
+    RunDiagnostics,
     /// An operator-defined action named by the rule's `custom` key.
     Custom,
     /// Stop new work landing on the node.
@@ -97,6 +100,7 @@ impl Action {
     pub const ALL: &[(&str, Action)] = &[
         ("none", Action::None),
         ("monitor", Action::Monitor),
+        ("run_diagnostics", Action::RunDiagnostics),
         ("custom", Action::Custom),
         ("cordon", Action::Cordon),
         ("drain", Action::Drain),
@@ -111,6 +115,20 @@ impl Action {
         Self::ALL.iter().find(|(_, a)| *a == self).map(|(n, _)| *n).unwrap_or("?")
     }
 }
+
+impl Action {
+    /// True when the action takes the node or GPU out of service (cordon or more disruptive);
+    /// `none`, `monitor`, `run_diagnostics` and `custom` leave it serving.
+    pub fn quarantines(self) -> bool {
+        self >= Action::Cordon
+    }
+}
+
+/// Xid codes NVIDIA's catalog marks as application errors or as recoverable by the driver (the
+/// immediate action is "restart app" or "ignore", and the GPU is usually fine): 8, 13, 31, 32, 43,
+/// 45, 68, 69 and 137. The device plugin likewise ignores 13, 31, 43, 45 and 68. No rule may
+/// quarantine on these codes alone; the loader refuses one that tries.
+pub const APPLICATION_XIDS: &[u32] = &[8, 13, 31, 32, 43, 45, 68, 69, 137];
 
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -360,6 +378,8 @@ pub enum Condition {
         at_least: u32,
         /// The sliding window.
         within: Option<Interval>,
+        /// When set, events count once per distinct value of this key (see [`Distinct`]).
+        distinct: Option<Distinct>,
     },
     /// Matching events grouped until `gap` passes without one, then judged by `test`.
     Burst {
@@ -386,7 +406,8 @@ pub enum Condition {
         /// The window.
         per: Interval,
     },
-    /// A value field compared with a limit, holding for `for_` (zero fires at once).
+    /// A value field compared with a limit, holding for `for_` or for `readings` readings in a
+    /// row, whichever comes first.
     Threshold {
         /// The value field.
         field: String,
@@ -396,6 +417,8 @@ pub enum Condition {
         limit: Operand,
         /// How long it must hold.
         for_: Interval,
+        /// How many readings in a row hold it as well (0: only the duration counts).
+        readings: u32,
     },
 }
 
@@ -410,6 +433,15 @@ impl Condition {
             Condition::Threshold { .. } => "threshold",
         }
     }
+}
+
+/// What makes two events of a `count` different occurrences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Distinct {
+    /// The process or workload that met the error: the first workload the enricher named, else the
+    /// Xid line's process name and pid, else the second the event was logged in. One exception's
+    /// multi-line log is one occurrence; the same job failing again is one occurrence too.
+    Process,
 }
 
 /// What an override (Xid 154's recovery action) maps one field value to.
@@ -446,13 +478,64 @@ pub fn normalise_key(value: &str) -> String {
     out
 }
 
+/// What must be seen, after an incident opened, before its healthy evidence counts: the proof
+/// that the remedy happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Proof {
+    /// Nothing beyond the evidence itself (readings judged by their values).
+    None,
+    /// A reset of the failed GPU: it re-appeared in the inventory, its volatile ECC counters
+    /// started again, the driver's Xid 154 returned to `None`, or the node rebooted.
+    Reset,
+    /// A reboot of the node: a new boot id, and the node's GPU count back to the expected one.
+    Reboot,
+}
+
+impl Proof {
+    /// Every value with its spelling in rule files.
+    pub const ALL: &[(&str, Proof)] = &[("none", Proof::None), ("reset", Proof::Reset), ("reboot", Proof::Reboot)];
+
+    /// The spelling in rule files.
+    pub fn as_str(self) -> &'static str {
+        Self::ALL.iter().find(|(_, p)| *p == self).map(|(n, _)| *n).unwrap_or("?")
+    }
+}
+
 /// What closes an open incident.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Clear {
-    /// The healthy evidence that starts the quiet period.
+    /// The healthy evidence that starts the quiet period. It counts only from the part that
+    /// failed: the incident's GPU, every GPU a node-wide incident named, or the node itself for a
+    /// node-wide incident that named no GPU.
     pub evidence: Match,
+    /// What must have happened first.
+    pub proof: Proof,
     /// How long the evidence must stand without new fault evidence.
     pub quiet: Interval,
+}
+
+/// Errors on one GPU that are the echo of another GPU's fault: NVLink peers log Xid 145 when
+/// their link partner goes down. Within `within` of the root's incident opening on another GPU of
+/// the node, they are evidence on that incident, not incidents of their own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sympathetic {
+    /// The codes that can be sympathetic.
+    pub xid: Vec<CodeRange>,
+    /// The rules whose incident on another GPU is the root.
+    pub to: Vec<String>,
+    /// How soon after the root's incident opened.
+    pub within: Interval,
+}
+
+/// When a scheduled action may start: a field of the evidence (a maintenance window's start)
+/// less a lead.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    /// The field holding the window's start, in microseconds since the Unix epoch.
+    pub field: String,
+    /// How long before the start the action may begin.
+    pub lead: Interval,
 }
 
 /// Where a rule was written, for messages.
@@ -497,6 +580,15 @@ pub struct Rule {
     pub overridable: bool,
     /// Set for rules whose action comes from the evidence (Xid 154).
     pub override_: Option<Override>,
+    /// The action may wait until the GPU is idle or a maintenance window opens.
+    pub deferrable: bool,
+    /// Rules whose open incident on the same GPU (or node) absorbs this rule's evidence: while
+    /// one is open, this rule does not open an incident of its own.
+    pub suppressed_by: Vec<String>,
+    /// When the action may start, for scheduled events.
+    pub not_before: Option<Schedule>,
+    /// When this rule's evidence is the echo of another GPU's fault.
+    pub sympathetic: Option<Sympathetic>,
     /// What closes the incident.
     pub clear: Clear,
     /// Where the rule was written.
@@ -510,12 +602,34 @@ pub struct RuleSet {
     pub rules: Vec<Rule>,
     /// Whether synthetic observations take part.
     pub synthetic: SyntheticPolicy,
+    /// Replaces every rule's `not_before.lead` when set (the classifier's `--maintenance-lead`).
+    pub lead: Option<Interval>,
+    /// Caps every rule's quiet period when set (the classifier's `--max-quiet`, for demos and
+    /// tests that cannot wait 15 minutes; proofs of repair still apply).
+    pub max_quiet: Option<Interval>,
 }
 
 impl RuleSet {
     /// The rule with `id`.
     pub fn get(&self, id: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| r.id == id)
+    }
+
+    /// The same rules with every scheduled action's lead replaced, e.g. a shorter one for a test.
+    pub fn with_lead(mut self, lead: Interval) -> Self {
+        self.lead = Some(lead);
+        self
+    }
+
+    /// The same rules with every quiet period capped at `quiet`.
+    pub fn with_max_quiet(mut self, quiet: Interval) -> Self {
+        self.max_quiet = Some(quiet);
+        self
+    }
+
+    /// The quiet period of `rule` under this set's cap.
+    pub fn quiet(&self, rule: &Rule) -> Interval {
+        self.max_quiet.map_or(rule.clear.quiet, |cap| rule.clear.quiet.min(cap))
     }
 
     /// The same rules with another synthetic policy, e.g. for a demo that injects faults.

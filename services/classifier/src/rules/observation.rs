@@ -82,8 +82,31 @@ pub struct Observation {
     pub event_id: String,
     /// The Kubernetes node name.
     pub node: String,
-    /// The GPU (UUID or PCI bus id), when the observation names one.
+    /// The GPU, when the observation names one: its canonical identity (the UUID) when the
+    /// enricher resolved the reference against the node's inventory, else the reference as
+    /// reported (a UUID or a PCI bus id).
     pub gpu: Option<String>,
+    /// The GPU's NVML index, when known (for naming the GPU in verdicts; not stable across boots).
+    #[serde(default)]
+    pub gpu_index: Option<i32>,
+    /// The GPU's PCI bus id, when known.
+    #[serde(default)]
+    pub gpu_pci: Option<String>,
+    /// The node's boot id when the event was observed (`/proc/sys/kernel/random/boot_id`); a new
+    /// one is the proof that the node rebooted.
+    #[serde(default)]
+    pub boot_id: Option<String>,
+    /// When the pipeline received the event (the collector's publish time), in microseconds since
+    /// the Unix epoch; an observation stamped far after it is impossible and is refused.
+    #[serde(default)]
+    pub received_at_micros: Option<i64>,
+    /// The workloads (pod owners, `namespace/Kind/name`) using the GPU, or the node when the event
+    /// names no GPU, as the enricher found them.
+    #[serde(default)]
+    pub workloads: Vec<String>,
+    /// For `gpu_inventory` observations: the canonical identities of the GPUs present.
+    #[serde(default)]
+    pub inventory: Vec<String>,
     /// When the source observed it, in microseconds since the Unix epoch. The engine's only clock.
     pub observed_at_micros: i64,
     /// Where it came from: `nvml`, `kernel_log`, `dcgm`, `cloud`, `ingest`, `synthetic`.
@@ -110,6 +133,12 @@ impl Observation {
             event_id: event_id.into(),
             node: node.into(),
             gpu: None,
+            gpu_index: None,
+            gpu_pci: None,
+            boot_id: None,
+            received_at_micros: None,
+            workloads: Vec::new(),
+            inventory: Vec::new(),
             observed_at_micros,
             source: "nvml".to_owned(),
             component: "gpu".to_owned(),
@@ -124,6 +153,24 @@ impl Observation {
     /// Sets the GPU.
     pub fn gpu(mut self, gpu: impl Into<String>) -> Self {
         self.gpu = Some(gpu.into());
+        self
+    }
+
+    /// Sets the boot id.
+    pub fn boot(mut self, boot_id: impl Into<String>) -> Self {
+        self.boot_id = Some(boot_id.into());
+        self
+    }
+
+    /// Adds a workload using the GPU (`namespace/Kind/name`).
+    pub fn workload(mut self, workload: impl Into<String>) -> Self {
+        self.workloads.push(workload.into());
+        self
+    }
+
+    /// Sets the observation time.
+    pub fn at(mut self, observed_at_micros: i64) -> Self {
+        self.observed_at_micros = observed_at_micros;
         self
     }
 

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{BurstTest, Condition, Judge, codes_contain};
+use super::model::{BurstTest, Condition, Distinct, Judge, codes_contain};
 use super::observation::{FieldValue, Observation};
 
 /// The most event ids a burst or decision carries; enough to trace an incident, bounded so a
@@ -33,12 +33,33 @@ pub struct Ev {
     /// Whether it was injected.
     #[serde(default)]
     pub synthetic: bool,
+    /// What makes it a distinct occurrence, for counts that count distinct occurrences.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The GPU it named, so a node-wide incident knows which GPUs failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
 }
 
 impl Ev {
     fn of(o: &Observation, t: i64) -> Ev {
-        Ev { t, id: o.event_id.clone(), synthetic: o.synthetic }
+        Ev { t, id: o.event_id.clone(), synthetic: o.synthetic, key: None, gpu: o.gpu.clone() }
     }
+}
+
+/// The occurrence an observation belongs to, for [`Distinct::Process`]: the workload the enricher
+/// named, else the process the Xid line named, else the second it was logged in (the driver logs
+/// one exception as several lines within the same moment).
+pub fn occurrence(o: &Observation) -> String {
+    if let Some(w) = o.workloads.first() {
+        return format!("workload {w}");
+    }
+    let pid = o.fields.get("pid").map(ToString::to_string);
+    let process = o.fields.get("process").map(ToString::to_string);
+    if pid.is_some() || process.is_some() {
+        return format!("process {} {}", process.unwrap_or_default(), pid.unwrap_or_default());
+    }
+    format!("at {}", o.observed_at_micros.div_euclid(1_000_000))
 }
 
 /// A condition that now holds.
@@ -121,6 +142,9 @@ pub enum CondState {
         value: f64,
         /// Already fired in this run.
         fired: bool,
+        /// Readings in a row that held.
+        #[serde(default)]
+        readings: u32,
     },
 }
 
@@ -155,7 +179,9 @@ impl CondState {
             Condition::Burst { .. } => CondState::Burst { burst: None },
             Condition::Together { of, .. } => CondState::Together { last: vec![None; of.len()] },
             Condition::Rate { .. } => CondState::Rate { samples: VecDeque::new() },
-            Condition::Threshold { .. } => CondState::Threshold { since: None, latest: None, value: 0.0, fired: false },
+            Condition::Threshold { .. } => {
+                CondState::Threshold { since: None, latest: None, value: 0.0, fired: false, readings: 0 }
+            }
         }
     }
 
@@ -186,10 +212,18 @@ impl CondState {
     /// Takes an observation that matched the rule, at node time `t`.
     pub fn observe(&mut self, condition: &Condition, o: &Observation, t: i64) -> Update {
         match (self, condition) {
-            (CondState::Count { events }, Condition::Count { at_least, within }) => {
-                events.push_back(Ev::of(o, t));
+            (CondState::Count { events }, Condition::Count { at_least, within, distinct }) => {
+                let mut ev = Ev::of(o, t);
+                if let Some(Distinct::Process) = distinct {
+                    // The same occurrence again (another line of one exception, the same job
+                    // failing again) replaces its earlier entry rather than adding to the count.
+                    let key = occurrence(o);
+                    events.retain(|e| e.key.as_deref() != Some(key.as_str()));
+                    ev.key = Some(key);
+                }
+                events.push_back(ev);
                 if let Some(w) = within {
-                    while events.front().is_some_and(|e| e.t < t - w.micros()) {
+                    while events.front().is_some_and(|e| e.t < t.saturating_sub(w.micros())) {
                         events.pop_front();
                     }
                 }
@@ -200,8 +234,11 @@ impl CondState {
                 let firing = (events.len() == *at_least as usize).then(|| Firing {
                     at: t,
                     evidence: capped(events.iter().cloned().collect()),
-                    detail: match within {
-                        Some(w) if *at_least > 1 => format!("{at_least} matching events within {w}"),
+                    detail: match (within, distinct) {
+                        (Some(w), Some(Distinct::Process)) if *at_least > 1 => {
+                            format!("{} from {at_least} distinct processes or workloads within {w}", describe(o))
+                        }
+                        (Some(w), None) if *at_least > 1 => format!("{at_least} matching events within {w}"),
                         _ => describe(o),
                     },
                 });
@@ -221,7 +258,7 @@ impl CondState {
                     fired: false,
                 });
                 b.last = t;
-                b.events += 1;
+                b.events = b.events.saturating_add(1);
                 b.codes.extend(o.xid);
                 if b.evidence.len() < MAX_EVIDENCE {
                     b.evidence.push(Ev::of(o, t));
@@ -245,7 +282,7 @@ impl CondState {
                     }
                 }
                 for slot in last.iter_mut() {
-                    if slot.as_ref().is_some_and(|e| e.t < t - within.micros()) {
+                    if slot.as_ref().is_some_and(|e| e.t < t.saturating_sub(within.micros())) {
                         *slot = None;
                     }
                 }
@@ -271,18 +308,18 @@ impl CondState {
                 // younger than the window's start.
                 let spacing = per.micros() / (MAX_SAMPLES as i64 / 2);
                 let n = samples.len();
-                if n >= 2 && samples[n - 1].ev.t - samples[n - 2].ev.t < spacing {
+                if n >= 2 && samples[n - 1].ev.t.saturating_sub(samples[n - 2].ev.t) < spacing {
                     samples.pop_back();
                 }
                 samples.push_back(Sample { ev: Ev::of(o, t), value });
-                while samples.len() > 1 && samples[1].ev.t <= t - per.micros() {
+                while samples.len() > 1 && samples[1].ev.t <= t.saturating_sub(per.micros()) {
                     samples.pop_front();
                 }
                 while samples.len() > MAX_SAMPLES {
                     samples.pop_front();
                 }
                 let base = &samples[0];
-                let elapsed = t - base.ev.t;
+                let elapsed = t.saturating_sub(base.ev.t);
                 if samples.len() < 2 || elapsed <= 0 {
                     return Update { adverse, firing: None };
                 }
@@ -299,8 +336,8 @@ impl CondState {
                 Update { adverse, firing }
             }
             (
-                CondState::Threshold { since, latest, value: last_value, fired },
-                Condition::Threshold { field, cmp, limit, for_ },
+                CondState::Threshold { since, latest, value: last_value, fired, readings: run },
+                Condition::Threshold { field, cmp, limit, for_, readings },
             ) => {
                 let (Some(value), Some(bound)) = (o.fields.get(field).and_then(FieldValue::as_f64), limit.resolve(o))
                 else {
@@ -310,12 +347,16 @@ impl CondState {
                     *since = None;
                     *latest = None;
                     *fired = false;
+                    *run = 0;
                     return Update::default();
                 }
                 let first = since.get_or_insert_with(|| Ev::of(o, t)).clone();
                 *latest = Some(Ev::of(o, t));
                 *last_value = value;
-                let firing = (!*fired && t - first.t >= for_.micros()).then(|| {
+                *run = run.saturating_add(1);
+                let held = for_.micros() > 0 && t.saturating_sub(first.t) >= for_.micros();
+                let repeated = *readings > 0 && *run >= *readings;
+                let firing = (!*fired && (held || repeated)).then(|| {
                     *fired = true;
                     threshold_firing(field, *cmp, value, limit, *for_, first.clone(), latest.clone(), t)
                 });
@@ -329,9 +370,13 @@ impl CondState {
     pub fn deadline(&self, condition: &Condition) -> Option<i64> {
         match (self, condition) {
             // A burst ends when *more than* `gap` passes without an event.
-            (CondState::Burst { burst: Some(b) }, Condition::Burst { gap, .. }) => Some(b.last + gap.micros() + 1),
-            (CondState::Threshold { since: Some(s), fired: false, .. }, Condition::Threshold { for_, .. }) => {
-                Some(s.t + for_.micros())
+            (CondState::Burst { burst: Some(b) }, Condition::Burst { gap, .. }) => {
+                Some(b.last.saturating_add(gap.micros()).saturating_add(1))
+            }
+            (CondState::Threshold { since: Some(s), fired: false, .. }, Condition::Threshold { for_, .. })
+                if for_.micros() > 0 =>
+            {
+                Some(s.t.saturating_add(for_.micros()))
             }
             _ => None,
         }
@@ -348,7 +393,7 @@ impl CondState {
             (CondState::Burst { burst }, Condition::Burst { gap, judge, test }) => {
                 let b = burst.take()?;
                 (*judge == Judge::Close && burst_passes(test, &b)).then(|| Firing {
-                    at: b.last + gap.micros(),
+                    at: b.last.saturating_add(gap.micros()),
                     detail: format!(
                         "a burst of {} events with {}, ended by {gap} without another",
                         b.events,
@@ -358,12 +403,12 @@ impl CondState {
                 })
             }
             (
-                CondState::Threshold { since, latest, value, fired },
-                Condition::Threshold { field, cmp, limit, for_ },
+                CondState::Threshold { since, latest, value, fired, .. },
+                Condition::Threshold { field, cmp, limit, for_, .. },
             ) => {
                 let first = since.clone()?;
                 *fired = true;
-                let at = first.t + for_.micros();
+                let at = first.t.saturating_add(for_.micros());
                 Some(threshold_firing(field, *cmp, *value, limit, *for_, first, latest.clone(), at))
             }
             _ => None,
@@ -417,7 +462,7 @@ mod tests {
 
     #[test]
     fn count_fires_on_the_nth_event_in_the_window_only() {
-        let c = Condition::Count { at_least: 3, within: Some(Interval::from_secs(60)) };
+        let c = Condition::Count { at_least: 3, within: Some(Interval::from_secs(60)), distinct: None };
         let mut s = CondState::new(&c);
         assert!(s.observe(&c, &obs("a", "xid"), 0).firing.is_none());
         assert!(s.observe(&c, &obs("b", "xid"), 10 * S).firing.is_none());
@@ -554,6 +599,7 @@ mod tests {
             cmp: Cmp::Ge,
             limit: Operand::Field("slowdown_threshold".into()),
             for_: Interval::from_secs(30),
+            readings: 0,
         };
         let mut s = CondState::new(&c);
         let temp = |id: &str, v: i64| obs(id, "temperature").field("value", v).field("slowdown_threshold", 90);

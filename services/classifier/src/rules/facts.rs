@@ -1,0 +1,281 @@
+//! What the engine knows about one node beyond its rules' state: its boot, its GPUs and their
+//! names, the resets it has seen, and the last value of each counter. These are the facts that
+//! proofs of repair ([`Proof`](super::model::Proof)) and input sanity ([`super::sanity`]) are
+//! judged against.
+//!
+//! Every collection is bounded by [`MAX_GPUS`] entries (a node has at most a few dozen GPUs), so
+//! a stream of made-up GPU names cannot grow the state.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::model::normalise_key;
+use super::observation::{FieldValue, Observation};
+
+/// The most GPUs remembered per node; beyond it the oldest-named entries give way.
+pub const MAX_GPUS: usize = 64;
+
+/// How many earlier boot ids are remembered, to recognise one that comes back.
+const OLD_BOOTS: usize = 8;
+
+/// How many recent Xid lines are remembered to recognise one exception logged as several lines.
+const RECENT_LINES: usize = 64;
+
+/// Counters that persist across GPU resets and reboots (kept in the GPU's InfoROM): they never
+/// go down on the same GPU.
+pub const PERSISTENT_COUNTERS: &[(&str, &str)] = &[
+    ("ecc", "single_bit_aggregate"),
+    ("ecc", "double_bit_aggregate"),
+    ("retired_pages", "total"),
+    ("row_remap", "correctable"),
+    ("row_remap", "uncorrectable"),
+];
+
+/// Counters that start again from zero when the GPU is reset: one going down is a reset.
+pub const VOLATILE_COUNTERS: &[(&str, &str)] = &[("ecc", "single_bit_volatile"), ("ecc", "double_bit_volatile")];
+
+/// A GPU's other names, for verdicts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuNames {
+    /// The NVML index.
+    pub index: Option<i32>,
+    /// The PCI bus id.
+    pub pci: Option<String>,
+}
+
+/// The facts of one node.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeFacts {
+    /// The current boot id.
+    pub boot: Option<String>,
+    /// When (node time) the node was last seen to reboot: a boot id that replaced another.
+    pub rebooted_at: Option<i64>,
+    /// Earlier boot ids, oldest first.
+    pub old_boots: VecDeque<String>,
+    /// The latest reset evidence per GPU (node time).
+    pub resets: BTreeMap<String, i64>,
+    /// The GPUs in the latest inventory.
+    pub present: BTreeSet<String>,
+    /// How many GPUs the latest inventory found missing, when it could tell.
+    pub missing: Option<i64>,
+    /// Each GPU's index and PCI bus id, by canonical identity.
+    pub names: BTreeMap<String, GpuNames>,
+    /// The last value of each counter, by GPU and `kind.field`.
+    pub counters: BTreeMap<String, i64>,
+    /// Digests and times of recent Xid lines, oldest first.
+    #[serde(default)]
+    pub lines: VecDeque<(u64, i64)>,
+}
+
+/// A stable digest (FNV-1a) of the parts that make one Xid exception.
+fn line_digest(parts: &[&str]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|p| p.bytes().chain([0x1f]))
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn bounded_insert<V>(map: &mut BTreeMap<String, V>, key: String, value: V) {
+    if !map.contains_key(&key) && map.len() >= MAX_GPUS * 4 {
+        map.pop_first();
+    }
+    map.insert(key, value);
+}
+
+fn int(o: &Observation, field: &str) -> Option<i64> {
+    match o.fields.get(field) {
+        Some(FieldValue::Int(i)) => Some(*i),
+        Some(FieldValue::Float(f)) if f.is_finite() => Some(*f as i64),
+        _ => None,
+    }
+}
+
+impl NodeFacts {
+    /// The key of a counter in [`NodeFacts::counters`].
+    pub fn counter_key(gpu: &str, kind: &str, field: &str) -> String {
+        format!("{gpu}\u{1f}{kind}.{field}")
+    }
+
+    /// True when `boot_id` is one this node has already left behind (a boot id going backwards).
+    pub fn is_old_boot(&self, boot_id: &str) -> bool {
+        self.boot.as_deref() != Some(boot_id) && self.old_boots.iter().any(|b| b == boot_id)
+    }
+
+    /// True when `o` repeats an Xid line already seen: the same GPU, code, process and recovery
+    /// action within the same second is one exception that the driver logged as several lines.
+    /// Remembers `o` otherwise.
+    pub fn repeats_line(&mut self, o: &Observation) -> bool {
+        if o.kind != "xid" && o.kind != "sxid" {
+            return false;
+        }
+        let text = |f: &str| o.fields.get(f).map(ToString::to_string).unwrap_or_default();
+        let code = o.xid.map(|x| x.to_string()).unwrap_or_default();
+        let (pid, process, action) = (text("pid"), text("process"), text("recovery_action"));
+        let digest =
+            line_digest(&[o.kind.as_str(), o.gpu.as_deref().unwrap_or(""), code.as_str(), &pid, &process, &action]);
+        let second = o.observed_at_micros.div_euclid(1_000_000);
+        if self.lines.iter().any(|(d, s)| *d == digest && *s == second) {
+            return true;
+        }
+        self.lines.push_back((digest, second));
+        while self.lines.len() > RECENT_LINES {
+            self.lines.pop_front();
+        }
+        false
+    }
+
+    /// The canonical identity for a GPU reference: a PCI bus id this node's evidence has already
+    /// tied to a UUID resolves to the UUID (a second line of defence behind the enricher).
+    pub fn canonical(&self, gpu: &str) -> Option<String> {
+        self.names.iter().find(|(_, n)| n.pci.as_deref() == Some(gpu)).map(|(uuid, _)| uuid.clone())
+    }
+
+    /// Takes what `o` says about the node, at node time `now`.
+    pub fn learn(&mut self, o: &Observation, now: i64) {
+        if let Some(boot) = &o.boot_id {
+            match &self.boot {
+                Some(current) if current == boot => {}
+                Some(current) => {
+                    self.old_boots.push_back(current.clone());
+                    while self.old_boots.len() > OLD_BOOTS {
+                        self.old_boots.pop_front();
+                    }
+                    self.boot = Some(boot.clone());
+                    self.rebooted_at = Some(now);
+                    // A new boot starts every counter and every GPU afresh.
+                    self.counters.clear();
+                }
+                None => self.boot = Some(boot.clone()),
+            }
+        }
+        if let Some(gpu) = &o.gpu
+            && (o.gpu_index.is_some() || o.gpu_pci.is_some())
+            && gpu.starts_with("GPU-")
+        {
+            // Merge: a kernel-log line knows the PCI bus id, NVML the index too.
+            let known = self.names.get(gpu).cloned().unwrap_or_default();
+            let names = GpuNames { index: o.gpu_index.or(known.index), pci: o.gpu_pci.clone().or(known.pci) };
+            if self.names.get(gpu) != Some(&names) {
+                bounded_insert(&mut self.names, gpu.clone(), names);
+            }
+        }
+        if o.kind == "gpu_inventory" {
+            let now_present: BTreeSet<String> = o.inventory.iter().take(MAX_GPUS).cloned().collect();
+            // A GPU back in the inventory after being absent was reset (or the node rebooted).
+            let before: BTreeSet<String> = self.present.iter().cloned().collect();
+            for gpu in now_present.difference(&before) {
+                if !before.is_empty() {
+                    bounded_insert(&mut self.resets, gpu.clone(), now);
+                }
+            }
+            self.present = now_present;
+            self.missing = int(o, "missing").map(|m| m.max(0));
+        }
+        if o.kind == "xid"
+            && o.xid == Some(154)
+            && let Some(gpu) = &o.gpu
+            && o.fields.get("recovery_action").is_some_and(|a| normalise_key(&a.to_string()) == "none")
+        {
+            // The driver says the GPU needs nothing more: whatever reset it asked for happened.
+            bounded_insert(&mut self.resets, gpu.clone(), now);
+        }
+        if let Some(gpu) = &o.gpu {
+            for (kind, field) in VOLATILE_COUNTERS.iter().chain(PERSISTENT_COUNTERS) {
+                if o.kind != *kind {
+                    continue;
+                }
+                let Some(value) = int(o, field) else { continue };
+                let key = Self::counter_key(gpu, kind, field);
+                let volatile = VOLATILE_COUNTERS.contains(&(kind, field));
+                if volatile && self.counters.get(&key).is_some_and(|last| value < *last) {
+                    // Volatile counters start again from zero on a reset.
+                    bounded_insert(&mut self.resets, gpu.clone(), now);
+                }
+                bounded_insert(&mut self.counters, key, value);
+            }
+        }
+    }
+
+    /// True when `gpu` was reset (or the node rebooted) after `since`.
+    pub fn reset_since(&self, gpu: &str, since: i64) -> bool {
+        self.rebooted_since(since) || self.resets.get(gpu).is_some_and(|t| *t > since)
+    }
+
+    /// True when the node rebooted after `since`.
+    pub fn rebooted_since(&self, since: i64) -> bool {
+        self.rebooted_at.is_some_and(|t| t > since)
+    }
+
+    /// True when the latest inventory found every expected GPU (or none has said otherwise).
+    pub fn complete(&self) -> bool {
+        self.missing.is_none_or(|m| m == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(id: &str, kind: &str) -> Observation {
+        Observation::new(id, "n", 0, kind)
+    }
+
+    #[test]
+    fn a_new_boot_id_is_a_reboot_and_an_old_one_is_recognised() {
+        let mut f = NodeFacts::default();
+        f.learn(&obs("a", "monitor_health").boot("b1"), 10);
+        assert_eq!(f.rebooted_at, None, "the first boot id seen proves nothing");
+        f.learn(&obs("b", "monitor_health").boot("b2"), 20);
+        assert_eq!(f.rebooted_at, Some(20));
+        assert!(f.rebooted_since(15) && !f.rebooted_since(20));
+        assert!(f.is_old_boot("b1") && !f.is_old_boot("b2") && !f.is_old_boot("b3"));
+        assert!(f.reset_since("GPU-x", 15), "a reboot resets every GPU");
+    }
+
+    #[test]
+    fn resets_from_inventory_volatile_counters_and_the_drivers_none() {
+        let mut f = NodeFacts::default();
+        let inv = |id: &str, gpus: &[&str]| {
+            let mut o = obs(id, "gpu_inventory");
+            o.inventory = gpus.iter().map(|g| g.to_string()).collect();
+            o
+        };
+        f.learn(&inv("i1", &["GPU-a", "GPU-b"]), 1);
+        f.learn(&inv("i2", &["GPU-a"]), 2);
+        assert!(!f.reset_since("GPU-b", 0));
+        f.learn(&inv("i3", &["GPU-a", "GPU-b"]), 3);
+        assert!(f.reset_since("GPU-b", 2) && !f.reset_since("GPU-a", 0), "b came back");
+        f.learn(&obs("e1", "ecc").gpu("GPU-a").field("double_bit_volatile", 4i64), 4);
+        f.learn(&obs("e2", "ecc").gpu("GPU-a").field("double_bit_volatile", 5i64), 5);
+        assert!(!f.reset_since("GPU-a", 0));
+        f.learn(&obs("e3", "ecc").gpu("GPU-a").field("double_bit_volatile", 0i64), 6);
+        assert!(f.reset_since("GPU-a", 5), "fresh counters");
+        f.learn(&obs("x", "xid").gpu("GPU-c").xid(154).field("recovery_action", "None"), 7);
+        assert!(f.reset_since("GPU-c", 6));
+    }
+
+    #[test]
+    fn one_exception_logged_as_three_lines_is_one() {
+        let mut f = NodeFacts::default();
+        let line = |id: &str, t: i64| obs(id, "xid").gpu("GPU-a").xid(13).field("pid", 42i64).at(t);
+        assert!(!f.repeats_line(&line("a", 1_000_000)));
+        assert!(f.repeats_line(&line("b", 1_000_100)));
+        assert!(f.repeats_line(&line("c", 1_000_900)));
+        assert!(!f.repeats_line(&line("d", 2_000_000)), "the next second is another exception");
+        let other = obs("e", "xid").gpu("GPU-a").xid(13).field("pid", 43i64).at(2_000_000);
+        assert!(!f.repeats_line(&other), "another process");
+    }
+
+    #[test]
+    fn names_stay_bounded() {
+        let mut f = NodeFacts::default();
+        for i in 0..10_000 {
+            let o = obs("x", "ecc").gpu(format!("GPU-{i}")).field("double_bit_volatile", 1i64);
+            let mut o = o;
+            o.gpu_index = Some(i);
+            f.learn(&o, i64::from(i));
+        }
+        assert!(f.names.len() <= MAX_GPUS * 4 && f.counters.len() <= MAX_GPUS * 4);
+    }
+}
