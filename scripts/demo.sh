@@ -3,9 +3,10 @@
 #
 # Builds gpumedic, then runs `gpumedic demo`: it brings the testbed up (Kafka, PostgreSQL, etcd,
 # kube-apiserver on 127.0.0.1), creates a simulated GPU fleet as real Nodes and Pods in the
-# apiserver, starts the four services (one collector per node, with simulated GPUs), injects
-# Xid 79 on one GPU, and narrates what happens: detected, classified, cordoned, drained,
-# recorded, recovered. Then it prints the incident history from PostgreSQL and stops the services.
+# apiserver, starts the four services (one collector per node, with simulated GPUs), makes one
+# GPU fall off the bus, and narrates what happens: detected, classified, cordoned, drained,
+# recorded; not released by the other GPUs' heartbeats; recovered once a simulated reboot proves
+# the repair. Then it prints the incident history from PostgreSQL and stops the services.
 #
 #   scripts/demo.sh          run the story and stop
 #   scripts/demo.sh --keep   leave the services running afterwards (stop them with Ctrl-C)

@@ -137,6 +137,8 @@ pub(crate) fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>)
         xid_catalog: None,
         workloads: vec![],
         enriched_at: base,
+        gpu: None,
+        gpu_unresolved: false,
     }
 }
 

@@ -176,6 +176,9 @@ fn verdict(node: &str, action: RecommendedAction) -> Verdict {
         evidence: vec![],
         issued_at: chrono::Utc::now(),
         recovery: false,
+        not_before: None,
+        deferrable: false,
+        workload: None,
     }
 }
 

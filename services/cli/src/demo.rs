@@ -3,9 +3,15 @@
 //! Brings the testbed up (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1) unless it is
 //! up already. Creates a simulated GPU fleet as real Nodes and Pods in the apiserver, and starts the
 //! four services: one collector per node with simulated GPUs, plus the enricher, classifier and
-//! remediator. Injects Xid 79 on one GPU, then narrates what happens, live: detected, classified,
-//! cordoned, drained, recorded, recovered. Prints the incident history from PostgreSQL and stops
-//! the services. `--keep` leaves them running until Ctrl-C.
+//! remediator. One simulated GPU falls off the bus (it goes silent and the driver's Xid 79 line
+//! names it), then the demo narrates what happens, live: detected, classified, cordoned, drained,
+//! recorded; the other GPUs' heartbeats for longer than the quiet period do not release the node;
+//! a simulated reboot (a new boot id, the GPU answering again, a complete inventory) does, once,
+//! after the quiet period. Prints the incident history from PostgreSQL and stops the services.
+//! `--keep` leaves them running until Ctrl-C.
+//!
+//! The rules are the default ones, unchanged; the classifier runs with `GPUMEDIC_MAX_QUIET=20s`,
+//! which caps every rule's quiet period so that the recovery happens while you watch.
 //!
 //! The services are the binaries next to this one (`cargo build --workspace --bins` builds them
 //! all); the testbed scripts are found from the current directory or from this binary's path.
@@ -35,6 +41,9 @@ pub struct DemoArgs {
     #[arg(long)]
     repo: Option<PathBuf>,
 }
+
+/// The quiet period every rule is capped at (`GPUMEDIC_MAX_QUIET`), so recovery fits in a demo.
+const QUIET: Duration = Duration::from_secs(20);
 
 fn say(text: &str) {
     println!("\n==> {text}");
@@ -250,17 +259,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     tell(&format!("nodes: {}", nodes.join(" ")));
     tell(&format!("pods: {} training pods in namespace {ns}", pods.list(&ListParams::default()).await?.items.len()));
 
-    // The default rules, with quiet periods cut to seconds so recovery happens while you watch.
-    let rules = repo.join(".testbed/demo-rules");
-    let _ = std::fs::remove_dir_all(&rules);
-    std::fs::create_dir_all(&rules)?;
-    for entry in std::fs::read_dir(repo.join("services/classifier/rules"))? {
-        let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "yaml") {
-            let text = std::fs::read_to_string(&path)?.replace("quiet: 15m", "quiet: 20s");
-            std::fs::write(rules.join(path.file_name().context("file name")?), text)?;
-        }
-    }
+    // The default rules as shipped; the classifier's --max-quiet shortens their quiet periods.
+    let rules = repo.join("services/classifier/rules");
 
     let me = std::env::current_exe()?;
     let created = Command::new(&me).args(["topics", "create", "--kafka-bootstrap", &bootstrap]).output()?;
@@ -302,7 +302,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if !failed.is_empty() {
         bail!("services did not stop cleanly: {}", failed.join("; "));
     }
-    say("Done: a GPU fault was detected, classified, quarantined, drained, recorded and recovered, end to end.");
+    say("Done: a GPU fell off the bus and was detected, classified, quarantined, drained and recorded; \
+         the node came back only after a reboot proved the repair.");
     Ok(())
 }
 
@@ -336,8 +337,16 @@ async fn story(
     };
     say("Starting the four services");
     let mut ports = Vec::new();
+    let mut injection = BTreeMap::new();
     for (i, n) in cx.nodes.iter().enumerate() {
         let port = 9410 + u16::try_from(i)?;
+        // Each collector's fault-injection endpoint: the fault and the reboot act on its
+        // simulated GPUs.
+        let synthetic = format!("127.0.0.1:{}", 9450 + u16::try_from(i)?);
+        injection.insert(n.clone(), synthetic.clone());
+        let state = logs.join(format!("state-{i}"));
+        // A fresh state folder: the GPU count of an earlier run's boot must not carry over.
+        let _ = std::fs::remove_dir_all(&state);
         let mut e = common(port);
         e.extend([
             ("GPUMEDIC_NODE_NAME", n.clone()),
@@ -345,7 +354,8 @@ async fn story(
             ("GPUMEDIC_SAMPLE_INTERVAL", "1s".into()),
             ("GPUMEDIC_HEARTBEAT_INTERVAL", "2s".into()),
             ("GPUMEDIC_KMSG_PATH", "off".into()),
-            ("GPUMEDIC_STATE_DIR", logs.join(format!("state-{i}")).display().to_string()),
+            ("GPUMEDIC_SYNTHETIC_ADDR", synthetic),
+            ("GPUMEDIC_STATE_DIR", state.display().to_string()),
         ]);
         services.start(&format!("collector-{i}"), collector, &e, logs)?;
         ports.push(port);
@@ -367,8 +377,11 @@ async fn story(
         ("GPUMEDIC_GROUP", group("classifier")),
         ("GPUMEDIC_DATABASE_URL", env["DATABASE_URL"].clone()),
         ("GPUMEDIC_RULES_DIR", cx.rules.display().to_string()),
+        // The injected Xid 79 is marked synthetic; production classifiers ignore such events.
         ("GPUMEDIC_ALLOW_SYNTHETIC", "true".into()),
         ("GPUMEDIC_TICK", "500ms".into()),
+        // Every rule's quiet period capped at 20 s (15 min for a lost GPU in production).
+        ("GPUMEDIC_MAX_QUIET", format!("{}s", QUIET.as_secs())),
     ]);
     services.start("classifier", classifier, &e, logs)?;
     let mut e = common(9404);
@@ -400,29 +413,53 @@ async fn story(
     tell("all services report ready; each simulated GPU sends a heartbeat every 2 s");
 
     let faulty = cx.faulty;
-    say(&format!("Injecting a fault: Xid 79 (GPU has fallen off the bus) on {faulty}, GPU 3"));
-    let out = Command::new(cx.me)
-        .args(["inject", "--kafka-bootstrap", &bootstrap, "--node", faulty, "--xid", "79", "--gpu-index", "3"])
-        .output()?;
-    if !out.status.success() {
-        bail!("gpumedic inject failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let event_id: uuid::Uuid =
-        String::from_utf8_lossy(&out.stdout).trim().parse().context("inject printed no event id")?;
-    tell(&format!("published raw event {event_id} on gpumedic.health.raw.v1 (marked synthetic)"));
-
+    let collector_addr = injection.get(faulty).context("the faulty node's collector")?.clone();
+    let inject = |args: &[&str]| -> anyhow::Result<String> {
+        let out = Command::new(cx.me).args(["inject", "--collector", &collector_addr]).args(args).output()?;
+        if !out.status.success() {
+            bail!("gpumedic inject {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
     let db = cx.db;
-    wait_for(60, "the event to be enriched, classified and recorded", async || {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events WHERE event_id = $1")
-            .bind(event_id)
-            .fetch_one(db)
-            .await?;
-        Ok((n == 1).then_some(()))
+    // The collector's inventory names every GPU; the fault below is logged by PCI bus id only.
+    wait_for(60, &format!("the GPU inventory of {faulty}"), async || {
+        Ok(last_inventory(db, faulty).await?.filter(|(present, _)| *present == 8))
     })
     .await?;
-    tell(
-        "detected: the enricher added the node's context and the Xid catalog entry; the classifier recorded the event",
-    );
+    tell(&format!(
+        "{faulty}'s collector published its GPU inventory: 8 of 8 GPUs, each by index, UUID, PCI bus id and serial"
+    ));
+
+    say(&format!("Injecting a fault: GPU 3 of {faulty} falls off the bus"));
+    let event_id: uuid::Uuid =
+        inject(&["--fall-off-bus", "--gpu", "3"])?.parse().context("inject printed no event id")?;
+    tell("the simulated GPU stops answering: no readings, no heartbeats");
+    tell(&format!(
+        "the driver's Xid 79 line names it by PCI bus id only; published as raw event {event_id} (marked synthetic, like every injected fault)"
+    ));
+
+    let (uuid, pci): (Option<String>, Option<String>) =
+        wait_for(60, "the event to be enriched, classified and recorded", async || {
+            Ok(sqlx::query_as("SELECT gpu_uuid, pci_bus_id FROM health_events WHERE event_id = $1")
+                .bind(event_id)
+                .fetch_optional(db)
+                .await?)
+        })
+        .await?;
+    let uuid = uuid.unwrap_or_else(|| "no UUID".into());
+    tell(&format!(
+        "detected: the collector named the GPU from its inventory ({} is {uuid}); the classifier recorded the event",
+        pci.unwrap_or_default()
+    ));
+    let (present, expected) = wait_for(60, "the inventory without GPU 3", async || {
+        Ok(last_inventory(db, faulty).await?.filter(|(present, _)| *present < 8))
+    })
+    .await?;
+    tell(&format!(
+        "the inventory changed: {present} of {} GPUs answer, and NVML reports the GPU lost",
+        expected.map_or_else(|| "?".to_owned(), |e| e.to_string())
+    ));
 
     let verdict: String = wait_for(60, "a verdict", async || {
         Ok(sqlx::query_scalar(
@@ -476,9 +513,50 @@ async fn story(
     .await?;
     tell("recorded: the incident, its verdict and the remediator's action are in PostgreSQL");
 
-    say(
-        "Recovery: the GPU answers again, and its heartbeats are healthy evidence held for the quiet period (20 s here)",
-    );
+    let wait = QUIET + Duration::from_secs(10);
+    say(&format!(
+        "Waiting {} s: the other 7 GPUs keep sending heartbeats, for longer than the {} s quiet period",
+        wait.as_secs(),
+        QUIET.as_secs()
+    ));
+    tokio::time::sleep(wait).await;
+    let n = nodes.get(faulty).await?;
+    if !n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false) {
+        bail!("{faulty} was released without proof of repair: only the GPUs that did not fail sent heartbeats");
+    }
+    let open: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents WHERE node = $1 AND resolved_at IS NULL")
+        .bind(faulty)
+        .fetch_one(db)
+        .await?;
+    tell(&format!(
+        "still cordoned, {open} incident open: heartbeats from GPUs that did not fail prove nothing about GPU 3, and a lost GPU needs a reboot"
+    ));
+
+    say(&format!("Rebooting {faulty} (simulated): the node comes back with a new boot id"));
+    let rebooted_at = tokio::time::Instant::now();
+    let boot_id = inject(&["--reboot"])?;
+    tell(&format!("new boot id {boot_id}; every GPU answers again with fresh counters"));
+    wait_for(60, "GPU 3's heartbeat in the new boot", async || {
+        Ok(sqlx::query_scalar::<_, i32>(
+            "SELECT 1 FROM health_events WHERE node = $1 AND kind = 'monitor_health' AND healthy
+                AND gpu_uuid = $2 AND record->'event'->>'boot_id' = $3 LIMIT 1",
+        )
+        .bind(faulty)
+        .bind(&uuid)
+        .bind(&boot_id)
+        .fetch_optional(db)
+        .await?)
+    })
+    .await?;
+    let (present, _) = last_inventory(db, faulty).await?.unwrap_or_default();
+    tell(&format!(
+        "proof of repair: a new boot id, the inventory complete again ({present} of 8), and GPU 3's own heartbeat"
+    ));
+
+    say(&format!(
+        "Recovery: that proof must stand for the quiet period ({} s here) before the node returns",
+        QUIET.as_secs()
+    ));
     wait_for(90, &format!("{faulty} to be returned to service"), async || {
         let n = nodes.get(faulty).await?;
         let schedulable = !n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
@@ -486,17 +564,40 @@ async fn story(
         Ok((schedulable && cleared).then_some(()))
     })
     .await?;
-    tell(&format!("recovered: {faulty} is schedulable again, gpumedic's taint is gone, GpuUnhealthy=False"));
-    wait_for(30, "the incident to be resolved", async || {
-        Ok(sqlx::query_scalar::<_, i32>("SELECT 1 FROM incidents WHERE node = $1 AND resolved_at IS NOT NULL LIMIT 1")
-            .bind(faulty)
-            .fetch_optional(db)
-            .await?)
+    tell(&format!(
+        "recovered {} s after the reboot: {faulty} is schedulable again, gpumedic's taint is gone, GpuUnhealthy=False",
+        rebooted_at.elapsed().as_secs()
+    ));
+    let (reason, recoveries): (String, i64) = wait_for(30, "the incident to be resolved", async || {
+        Ok(sqlx::query_as(
+            "SELECT v.reason, (SELECT count(*) FROM verdicts w WHERE w.incident_id = i.incident_id AND w.recovery)
+               FROM verdicts v JOIN incidents i USING (incident_id)
+              WHERE i.node = $1 AND i.resolved_at IS NOT NULL AND v.recovery LIMIT 1",
+        )
+        .bind(faulty)
+        .fetch_optional(db)
+        .await?)
     })
     .await?;
+    if recoveries != 1 {
+        bail!("{faulty} was released {recoveries} times for one incident");
+    }
+    tell(&format!("released once (one recovery verdict): {reason}"));
 
     say("Incident history for this run (PostgreSQL)");
     print_history(db, &format!("demo-{}-%", cx.run_id)).await
+}
+
+/// The GPUs present and expected in the latest inventory of `node` the classifier recorded.
+async fn last_inventory(db: &sqlx::PgPool, node: &str) -> anyhow::Result<Option<(i32, Option<i32>)>> {
+    Ok(sqlx::query_as(
+        "SELECT json_array_length(record->'event'->'detail'->'gpu_inventory'->'gpus'),
+                (record->'event'->'detail'->'gpu_inventory'->>'expected')::int
+           FROM health_events WHERE node = $1 AND kind = 'gpu_inventory' ORDER BY observed_at DESC LIMIT 1",
+    )
+    .bind(node)
+    .fetch_optional(db)
+    .await?)
 }
 
 fn condition(node: &Node, type_: &str) -> Option<(String, String)> {

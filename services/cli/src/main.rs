@@ -32,8 +32,9 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the whole pipeline on this machine with a simulated GPU fleet: bring the testbed up,
-    /// start the four services, inject Xid 79, and narrate detection, classification, cordon,
-    /// drain, the incident in Postgres and the recovery.
+    /// start the four services, make one GPU fall off the bus, and narrate detection,
+    /// classification, cordon, drain, the incident in Postgres, and the recovery once a reboot
+    /// proves the repair.
     Demo(demo::DemoArgs),
     /// Print one JSON object per GPU health event found in a kernel log (FILE, or stdin), using
     /// the collector's parser: Xid, SXid, fallen off the bus, MCE, PCIe AER. Other lines print
@@ -43,7 +44,10 @@ enum Command {
         file: Option<std::path::PathBuf>,
     },
     /// Publish a synthetic health event on the raw topic (marked synthetic): a fault (`--xid 79`,
-    /// `--gpu-lost`) or healthy evidence (`--healthy`). Prints each event id.
+    /// `--gpu-lost`) or healthy evidence (`--healthy`), straight to Kafka or through a collector
+    /// (`--collector`); or, through a collector with simulated GPUs, make a GPU fall off the bus
+    /// (`--fall-off-bus --gpu N`) or the node reboot (`--reboot`). Prints each event id (and the
+    /// new boot id of a reboot).
     Inject(inject::InjectArgs),
     /// Incident history from the classifier's API: a list with filters, or one incident's story
     /// with `--id`.

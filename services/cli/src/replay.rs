@@ -10,6 +10,10 @@
 //!   Postgres, no Kubernetes) and prints how its verdicts differ from the recorded ones on the
 //!   verdict topic.
 //!
+//! A backtest also prints the decision-quality summary of its decisions (quarantines, releases,
+//! oscillations; `gpumedic_classifier::quality`), and with `--expect` judges them against the
+//! expected outcomes of a decision-quality scenario file (docs/decisions.md).
+//!
 //! Ranges select records by their Kafka timestamp (the producer's create time), which is what
 //! Kafka can seek by. The reader stops at the end offsets seen when it starts, so a busy topic does
 //! not make a replay run forever.
@@ -25,7 +29,8 @@ use anyhow::{Context as _, bail};
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 use gpumedic_classifier::observe;
-use gpumedic_classifier::rules::{self, Engine, RuleSet, SyntheticPolicy};
+use gpumedic_classifier::quality::{self, Checkpoint, Expect, Expectations, Miss, Summary, Target, Timeline};
+use gpumedic_classifier::rules::{self, Decision, Engine, RuleSet, SyntheticPolicy};
 use gpumedic_runtime::config::{Validate as _, render_problems};
 use gpumedic_runtime::kafka::{KafkaArgs, KafkaSettings};
 use gpumedic_schemas::{EnrichedHealthEvent, Verdict, topics};
@@ -33,7 +38,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
 use rdkafka::{Offset, TopicPartitionList};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Flags of `gpumedic replay`.
 #[derive(Debug, Subcommand)]
@@ -128,6 +133,12 @@ pub struct BacktestArgs {
     /// Table for humans, or JSON for scripts.
     #[arg(long, value_enum, default_value_t = Output::Table)]
     output: Output,
+    /// Judge the decisions against expected outcomes: a YAML file with `expect`, `checkpoints` and
+    /// `oscillations` as a decision-quality scenario writes them (other keys are ignored, so a
+    /// scenario file itself will do). Checkpoint times are RFC 3339 or an offset from the first
+    /// event (`20m`).
+    #[arg(long)]
+    expect: Option<PathBuf>,
 }
 
 /// Output format.
@@ -573,6 +584,11 @@ pub struct Report {
     pub same: usize,
     /// Every difference.
     pub differences: Vec<Difference>,
+    /// What the backtest's decisions did to nodes and GPUs (and, with `--expect`, how that
+    /// compares with the expected outcomes).
+    pub quality: Summary,
+    /// Every expectation the decisions broke (with `--expect`).
+    pub misses: Vec<String>,
 }
 
 /// One verdict that differs.
@@ -642,8 +658,9 @@ fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
     let progress = Progress::new();
     let started = Instant::now();
 
+    let expectations = args.expect.as_deref().map(read_expectations).transpose()?;
     let mut engine = Engine::new(rules);
-    let mut verdicts: Vec<Verdict> = Vec::new();
+    let mut decisions: Vec<Decision> = Vec::new();
     let (mut first, mut last) = (i64::MAX, i64::MIN);
     let mut undecodable = 0u64;
     let mut events = 0u64;
@@ -659,7 +676,7 @@ fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
         let t = o.observed_at_micros;
         first = first.min(t);
         last = last.max(t);
-        verdicts.extend(engine.observe(&o).iter().map(observe::verdict));
+        decisions.extend(engine.observe(&o));
         Ok(())
     })?;
     // No tick between events: partitions are read unevenly, and a tick at one node's time would
@@ -667,8 +684,9 @@ fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
     // own node's due deadlines, and a deadline's decision carries the deadline's own time, so one
     // tick at the end gives what the live classifier's wall-clock ticker gave.
     if last != i64::MIN {
-        verdicts.extend(engine.tick(last).iter().map(observe::verdict));
+        decisions.extend(engine.tick(last));
     }
+    let verdicts: Vec<Verdict> = decisions.iter().map(observe::verdict).collect();
     let seconds = started.elapsed().as_secs_f64();
     progress.finish();
 
@@ -678,6 +696,9 @@ fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
     };
     let ours: BTreeMap<Key, Verdict> = verdicts.into_iter().filter(in_window).map(|v| (key(&v), v)).collect();
     let window = (first <= last).then(|| (micros_rfc3339(first), micros_rfc3339(last)));
+    let expectations = expectations.map(|e| e.resolve(first)).transpose()?;
+    let timeline = Timeline::of(quality::Options::default(), &decisions);
+    let (quality, misses) = timeline.evaluate(expectations.as_ref(), (first <= last).then_some(last));
 
     let (recorded_verdicts, same, differences) = if args.no_compare || first > last {
         let diffs = ours.values().map(|v| difference("only_backtest", v, None, Some(v))).collect();
@@ -699,7 +720,80 @@ fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
         recorded_verdicts,
         same,
         differences,
+        quality,
+        misses: misses.iter().map(Miss::to_string).collect(),
     })
+}
+
+/// The expectations part of a decision-quality scenario file.
+#[derive(Debug, Deserialize)]
+struct ExpectFile {
+    /// Per node: an [`Expect`], plus `gpus: {gpu: Expect}`.
+    #[serde(default)]
+    expect: BTreeMap<String, serde_yaml::Value>,
+    #[serde(default)]
+    checkpoints: Vec<ExpectCheckpoint>,
+    #[serde(default)]
+    oscillations: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExpectCheckpoint {
+    at: String,
+    node: String,
+    #[serde(default)]
+    gpu: Option<serde_yaml::Value>,
+    in_service: bool,
+}
+
+/// A GPU as an expectations file names it: its UUID, or an index in the corpus's naming
+/// (`GPU-<node>-<index>`).
+fn gpu_name(node: &str, v: &serde_yaml::Value) -> anyhow::Result<String> {
+    match v {
+        serde_yaml::Value::String(s) => Ok(s.clone()),
+        serde_yaml::Value::Number(n) if n.is_u64() => Ok(format!("GPU-{node}-{n}")),
+        other => bail!("{other:?} is not a GPU name or index"),
+    }
+}
+
+fn read_expectations(path: &Path) -> anyhow::Result<ExpectFile> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_yaml::from_str(&text).with_context(|| format!("{} is not an expectations file", path.display()))
+}
+
+impl ExpectFile {
+    /// Expectations with checkpoint times resolved (offsets count from `first`, the first event).
+    fn resolve(self, first: i64) -> anyhow::Result<Expectations> {
+        let mut out = Expectations { oscillations: self.oscillations, ..Default::default() };
+        for (node, mut value) in self.expect {
+            let gpus = value.as_mapping_mut().and_then(|m| m.remove("gpus"));
+            let e: Expect = serde_yaml::from_value(value).with_context(|| format!("expect.{node}"))?;
+            out.targets.push((Target::node(&node), e));
+            let Some(serde_yaml::Value::Mapping(gpus)) = gpus else { continue };
+            for (gpu, value) in gpus {
+                let gpu = gpu_name(&node, &gpu).with_context(|| format!("expect.{node}.gpus"))?;
+                let e: Expect = serde_yaml::from_value(value).with_context(|| format!("expect.{node}.gpus.{gpu}"))?;
+                out.targets.push((Target::gpu(&node, gpu), e));
+            }
+        }
+        for c in self.checkpoints {
+            let at = match DateTime::parse_from_rfc3339(&c.at) {
+                Ok(t) => t.timestamp_micros(),
+                Err(_) => {
+                    let offset =
+                        rules::parse_duration(&c.at).map_err(|e| anyhow::anyhow!("checkpoint at {}: {e}", c.at))?;
+                    first.saturating_add(offset.micros())
+                }
+            };
+            let target = match &c.gpu {
+                Some(g) => Target::gpu(&c.node, gpu_name(&c.node, g)?),
+                None => Target::node(&c.node),
+            };
+            out.checkpoints.push(Checkpoint { at_micros: at, target, in_service: c.in_service, label: c.at });
+        }
+        Ok(out)
+    }
 }
 
 /// Recorded verdicts whose issued time falls in `[first, last]` (microseconds).
@@ -792,6 +886,7 @@ impl Report {
             if self.recorded_verdicts.is_some() {
                 s.push_str("No differences.\n");
             }
+            s.push_str(&self.quality_text());
             return s;
         }
         let rows: Vec<Vec<String>> = self
@@ -817,6 +912,16 @@ impl Report {
                 "... and {} more (--limit, or --output json for all)\n",
                 self.differences.len() - limit
             ));
+        }
+        s.push_str(&self.quality_text());
+        s
+    }
+
+    /// The decision-quality summary and every miss.
+    fn quality_text(&self) -> String {
+        let mut s = format!("\n{}", self.quality);
+        for m in &self.misses {
+            s.push_str(&format!("  - {m}\n"));
         }
         s
     }
@@ -861,6 +966,37 @@ mod tests {
         assert_eq!(parse_time("2026-11-30T11:00:00Z", now).unwrap(), now.timestamp_millis() - 3_600_000);
         assert_eq!(parse_time("2h", now).unwrap(), now.timestamp_millis() - 7_200_000);
         assert!(parse_time("yesterday", now).is_err());
+    }
+
+    #[test]
+    fn expectations_files_read_scenario_style_and_judge_decisions() {
+        let text = r#"
+description: ignored, as the rest of a scenario file
+events: []
+expect:
+  node-a: {quarantined: true, released: false, action: reboot_node, gpus: {GPU-abc: {severity: none}, 3: {quarantined: true}}}
+checkpoints:
+  - {at: 20m, node: node-a, in_service: false}
+  - {at: "2026-11-30T02:00:00Z", node: node-a, gpu: GPU-abc, in_service: true}
+oscillations: 0
+"#;
+        let dir = std::env::temp_dir().join(format!("gpumedic-expect-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("expect.yaml");
+        std::fs::write(&path, text).unwrap();
+        let file = read_expectations(&path).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        let first = 1_000_000_000_000;
+        let e = file.resolve(first).unwrap();
+        let targets: Vec<String> = e.targets.iter().map(|(t, _)| t.to_string()).collect();
+        assert_eq!(targets, ["node-a", "node-a/GPU-abc", "node-a/GPU-node-a-3"]);
+        assert_eq!(e.checkpoints[0].at_micros, first + 20 * 60_000_000);
+        assert_eq!(e.oscillations, Some(0));
+        // No decision at all: the node was never quarantined, so the file's expectations miss.
+        let (summary, misses) = Timeline::of(quality::Options::default(), &[]).evaluate(Some(&e), Some(first));
+        assert_eq!((summary.missed_faults, summary.checkpoint_misses), (2, 1));
+        assert!(misses.iter().any(|m| m.to_string() == "node-a: quarantined: expected true, got false"), "{misses:?}");
+        assert!(summary.to_string().contains("missed faults"));
     }
 
     #[test]

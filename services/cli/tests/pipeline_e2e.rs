@@ -1,12 +1,19 @@
 //! One fault through all four services, as separate processes against the real testbed: a
-//! simulated GPU node's Xid 79 cordons, taints and drains it and opens an incident in Postgres;
-//! the GPU's healthy heartbeats then recover it (uncordoned, taint and condition cleared, incident
-//! resolved). Xid 13 once on another node is info only and changes nothing on it.
+//! simulated GPU node's GPU 3 falls off the bus (it goes silent; the driver's Xid 79 line names it
+//! by PCI bus id, which the collector resolves to its UUID), which cordons, taints and drains the
+//! node and opens an incident in Postgres. The other seven GPUs' heartbeats for longer than the
+//! quiet period do not release it; a simulated reboot (a new boot id, a complete inventory, the
+//! lost GPU's own heartbeat) does, once, after the quiet period (uncordoned, taint and condition
+//! cleared, incident resolved, one recovery verdict). Xid 13 once on another node is info only and
+//! changes nothing on it; Xid 13 from three processes on one GPU asks for diagnostics, without a
+//! cordon.
 
 use std::process::Command;
 use std::time::Duration;
 
 use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::HealthEvent;
+use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
@@ -17,20 +24,10 @@ fn bin(name: &str) -> String {
     testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
-/// The default rules, with the Xid 79 quiet period cut to 20 s so recovery fits in a test. The
-/// engine runs on event time: a classifier catching up on a backlog sees 20 s of heartbeats at
+/// Every rule's quiet period is capped at this (`GPUMEDIC_MAX_QUIET`) so recovery fits in a test.
+/// The engine runs on event time: a classifier catching up on a backlog sees 20 s of heartbeats at
 /// once, so a shorter period could quarantine and recover between two looks at the node.
-fn fast_rules() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(testbed::unique_name("e2e-rules"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/rules");
-    for entry in std::fs::read_dir(src).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap().replace("quiet: 15m", "quiet: 20s");
-        std::fs::write(dir.join(path.file_name().unwrap()), text).unwrap();
-    }
-    dir
-}
+const QUIET: Duration = Duration::from_secs(20);
 
 async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
     let deadline = tokio::time::Instant::now() + timeout;
@@ -61,7 +58,7 @@ fn condition(node: &Node, type_: &str) -> Option<(String, Option<String>)> {
 }
 
 #[tokio::test]
-async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
+async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the_node() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
     let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
@@ -92,8 +89,9 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
     }
 
-    // The four services, each in its own consumer group so this test sees every record.
-    let rules = fast_rules();
+    // The four services, each in its own consumer group so this test sees every record; the
+    // default rules as shipped.
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/rules");
     let kafka = ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone());
     // Every service exports its spans to the testbed's Jaeger: the fault must be one trace.
     let (otlp_endpoint, jaeger) = testbed::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
@@ -147,6 +145,7 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
             ("GPUMEDIC_ALLOW_SYNTHETIC", "true".into()),
             ("GPUMEDIC_TICK", "500ms".into()),
+            ("GPUMEDIC_MAX_QUIET", format!("{}s", QUIET.as_secs())),
         ],
     )
     .unwrap();
@@ -172,18 +171,23 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         s.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     }
 
-    // The fault, through the collector's fault-injection endpoint.
-    let answer: serde_json::Value = reqwest::Client::new()
-        .post(format!("http://{synthetic}/v1/inject"))
-        .json(&json!({ "xid": 79, "gpu_index": 3 }))
-        .send()
-        .await
-        .unwrap()
-        .error_for_status()
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    // The fault, through the collector's fault-injection endpoint: simulated GPU 3 falls off the
+    // bus.
+    let inject = async |body: serde_json::Value| -> serde_json::Value {
+        reqwest::Client::new()
+            .post(format!("http://{synthetic}/v1/inject"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .error_for_status()
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    };
+    let answer = inject(json!({ "fall_off_bus": true, "gpu_index": 3 })).await;
+    let fault_at = tokio::time::Instant::now();
     let fault_id = answer["event_ids"][0].as_str().expect("the injected event's id").to_owned();
 
     // Garbage on the raw topic goes to its dead-letter topic, and nothing else stops.
@@ -208,6 +212,17 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
 
     // Recorded: the incident, its verdict and the remediator's action.
     let pool = gpumedic_runtime::postgres::connect(&url, 2).await.unwrap();
+    // The Xid line named the GPU by PCI bus id only; the collector named it fully.
+    let named: Option<String> = eventually("the fault recorded", Duration::from_secs(30), async || {
+        sqlx::query_scalar("SELECT gpu_uuid FROM health_events WHERE event_id = $1::uuid")
+            .bind(&fault_id)
+            .fetch_optional(&pool)
+            .await
+            .ok()
+            .flatten()
+    })
+    .await;
+    assert_eq!(named, Some(gpumedic_collector::gpu::simulated_uuid(&faulty, 3)));
     let incident: uuid::Uuid = eventually("the incident in Postgres", Duration::from_secs(30), async || {
         sqlx::query_scalar(
             "SELECT incident_id FROM incidents WHERE node = $1 AND rule_id = 'xid-79-fallen-off-the-bus'",
@@ -277,35 +292,41 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     })
     .await;
 
-    // Xid 13 repeated on one GPU points at hardware: the default rules escalate to a cordon.
+    // Xid 13 on one GPU from three distinct processes may point at hardware: the default rules
+    // ask for diagnostics (a warning), and an application Xid never takes the node out of service.
     let gpu = "GPU-13131313-1313-1313-1313-131313131313";
-    let out = Command::new(GPUMEDIC)
-        .args([
-            "inject",
-            "--kafka-bootstrap",
-            &bootstrap,
-            "--node",
+    let emitter = gpumedic_collector::sources::Emitter {
+        producer: kafka_settings.producer("e2e-xid13").unwrap(),
+        codec: kafka_settings.codec().await.unwrap(),
+    };
+    for i in 0..3 {
+        let mut e = HealthEvent::new(
             &repeat,
-            "--xid",
-            "13",
-            "--gpu-uuid",
-            gpu,
-            "--count",
-            "3",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    eventually("the node with a repeating Xid 13 to be cordoned", Duration::from_secs(60), async || {
-        let n = nodes.get(&repeat).await.ok()?;
-        (n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)).then_some(())
-    })
-    .await;
-    let escalated: String = sqlx::query_scalar("SELECT severity FROM verdicts WHERE node = $1 AND action = 'cordon'")
-        .bind(&repeat)
-        .fetch_one(&pool)
-        .await
-        .expect("a cordon verdict for the repeated Xid 13");
+            Source::Synthetic,
+            Component::Gpu,
+            Entity { gpu_uuid: Some(gpu.into()), ..Entity::default() },
+            Detail::Xid(XidDetail {
+                code: 13,
+                text: "Graphics Exception: ESR 0x404490=0x80000001".into(),
+                pid: Some(4000 + i),
+                process: Some(format!("train-{i}")),
+                nvlink5: None,
+                recovery_action: None,
+            }),
+        );
+        e.synthetic = true;
+        emitter.emit(&e).await.unwrap();
+    }
+    let escalated: String =
+        eventually("a diagnostics verdict for the repeated Xid 13", Duration::from_secs(60), async || {
+            sqlx::query_scalar("SELECT severity FROM verdicts WHERE node = $1 AND action = 'run_diagnostics'")
+                .bind(&repeat)
+                .fetch_optional(&pool)
+                .await
+                .ok()
+                .flatten()
+        })
+        .await;
     assert_eq!(escalated, "warning");
     let dead = testbed::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(gpumedic_schemas::topics::HEALTH_RAW),
@@ -316,9 +337,26 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(dead.payload.as_deref(), Some(&b"\xde\xad"[..]));
 
-    // Recovery: the simulated GPUs' heartbeats are healthy evidence; after the quiet period the
-    // node is restored and the incident resolved.
-    eventually("the node to be uncordoned and cleared", Duration::from_secs(60), async || {
+    // The other seven GPUs beat every second for longer than the quiet period: not the part that
+    // failed, so no proof of repair, and the node stays out.
+    tokio::time::sleep_until(fault_at + QUIET + Duration::from_secs(10)).await;
+    let n = nodes.get(&faulty).await.unwrap();
+    assert_eq!(n.spec.as_ref().and_then(|s| s.unschedulable), Some(true), "still cordoned without a reboot");
+    let recoveries = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM verdicts WHERE incident_id = $1 AND recovery")
+            .bind(incident)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(recoveries().await, 0, "no recovery verdict from other GPUs' heartbeats");
+
+    // The reboot: a new boot id, every GPU back, a complete inventory, GPU 3's own heartbeat; held
+    // for the quiet period, the node is restored and the incident resolved.
+    let answer = inject(json!({ "reboot": true })).await;
+    assert!(answer["boot_id"].as_str().is_some_and(|b| !b.is_empty()), "{answer}");
+    let rebooted_at = tokio::time::Instant::now();
+    eventually("the node to be uncordoned and cleared", Duration::from_secs(90), async || {
         let n = nodes.get(&faulty).await.ok()?;
         let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
         (!cordoned && !gpumedic_taint(&n) && condition(&n, "GpuUnhealthy").is_some_and(|(s, _)| s == "False"))
@@ -332,6 +370,9 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
             .await
             .unwrap();
     assert!(resolved.is_some(), "the incident is resolved");
+    assert!(rebooted_at.elapsed() >= QUIET, "released only after the quiet period");
+    let repeat_node = nodes.get(&repeat).await.unwrap();
+    assert_ne!(repeat_node.spec.as_ref().and_then(|s| s.unschedulable), Some(true), "an application Xid never cordons");
     let other_node = nodes.get(&other).await.unwrap();
     assert_ne!(other_node.spec.as_ref().and_then(|s| s.unschedulable), Some(true), "Xid 13 once does not cordon");
     assert!(!gpumedic_taint(&other_node));
@@ -352,6 +393,8 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("status"), "a bad filter is refused with the reason");
 
+    assert_eq!(recoveries().await, 1, "released exactly once");
+
     for s in [&mut collector, &mut enricher, &mut classifier, &mut remediator] {
         let status = s.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
         assert!(status.success());
@@ -361,5 +404,4 @@ async fn xid79_quarantines_and_drains_then_recovery_restores_the_node() {
         nodes.delete(n, &DeleteParams::default()).await.ok();
     }
     namespaces.delete(&ns, &DeleteParams::default()).await.ok();
-    std::fs::remove_dir_all(&rules).ok();
 }

@@ -35,6 +35,8 @@ fn event(node: &str, at: DateTime<Utc>, detail: Detail, healthy: bool) -> Enrich
         xid_catalog: None,
         workloads: vec![],
         enriched_at: at,
+        gpu: None,
+        gpu_unresolved: false,
     }
 }
 
@@ -53,14 +55,18 @@ fn heartbeat() -> Detail {
     Detail::Temperature(TemperatureDetail { celsius: 55, slowdown_celsius: Some(87), shutdown_celsius: Some(92) })
 }
 
-/// Node A: Xid 79, then 20 minutes of healthy heartbeats (the rule's quiet period is 15 minutes,
-/// so it recovers). Node B: one Xid 13.
+/// Node A: Xid 79, then a reboot and 20 minutes of healthy heartbeats (the rule's quiet period is
+/// 15 minutes, so it recovers). Node B: one Xid 13.
 fn events(run: &str) -> Vec<EnrichedHealthEvent> {
     let t0 = DateTime::from_timestamp_micros((Utc::now() - chrono::Duration::minutes(40)).timestamp_micros()).unwrap();
     let (a, b) = (format!("{run}-a"), format!("{run}-b"));
     let mut out = vec![event(&a, t0, xid(79), false), event(&b, t0 + chrono::Duration::seconds(60), xid(13), false)];
+    out[0].event.boot_id = Some("boot-1".into());
     for i in 1..=40 {
-        out.push(event(&a, t0 + chrono::Duration::seconds(30 * i), heartbeat(), true));
+        // The node rebooted after the fault: a new boot id is the proof Xid 79's rule waits for.
+        let mut beat = event(&a, t0 + chrono::Duration::seconds(30 * i), heartbeat(), true);
+        beat.event.boot_id = Some("boot-2".into());
+        out.push(beat);
     }
     out.sort_by_key(|e| e.event.observed_at);
     out
@@ -154,8 +160,8 @@ async fn backtest_export_and_republish_against_real_kafka() {
         let path = entry.unwrap().path();
         let text = std::fs::read_to_string(&path).unwrap();
         let changed = text.replacen(
-            "    severity: critical\n    action: reboot_node\n    overridable: true\n    clear: {evidence: {healthy: true}, quiet: 15m}",
-            "    severity: warning\n    action: drain\n    overridable: true\n    clear: {evidence: {healthy: true}, quiet: 15m}",
+            "    severity: critical\n    action: reboot_node\n    overridable: true\n    clear:\n      evidence:",
+            "    severity: warning\n    action: drain\n    overridable: true\n    clear:\n      evidence:",
             1,
         );
         std::fs::write(rules.join(path.file_name().unwrap()), changed).unwrap();
