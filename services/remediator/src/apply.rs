@@ -271,7 +271,10 @@ impl Remediator {
     ) -> Result<DrainReport, ApplyError> {
         let name = node.metadata.name.as_deref().unwrap_or_default();
         let what = match &scope.gpu {
-            Some(gpu) => format!("the pods on GPU {} (index {})", gpu.uuid, gpu.index),
+            Some(gpu) => match gpu.index {
+                Some(index) => format!("the pods on GPU {} (index {index})", gpu.uuid),
+                None => format!("the pods on GPU {}", gpu.uuid),
+            },
             None => "all pods".to_owned(),
         };
         self.record(node, &[note("DrainStarted", format!("Draining {what} through the Eviction API"), false)]).await;

@@ -24,6 +24,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tokio::time::Instant;
 
 use crate::plan::DrainScope;
+use crate::request::GpuRef;
 
 /// Pod annotation listing the GPU UUIDs a pod uses, comma-separated (see the module docs).
 pub const GPU_UUIDS_ANNOTATION: &str = "gpumedic.io/gpu-uuids";
@@ -170,10 +171,51 @@ pub fn classify(pod: &Pod, scope: &DrainScope, policy: &DrainPolicy) -> Disposit
     Disposition::Evict
 }
 
+/// Whether `pod` is workload on `gpu` (or, without one, on any of the node's GPUs): running or
+/// pending, not a DaemonSet's, mirror or static pod (the device plugin and the exporters run on
+/// every GPU node and are not workload).
+pub fn is_workload_on(pod: &Pod, gpu: Option<&GpuRef>) -> bool {
+    let policy = DrainPolicy { exclude_namespaces: Vec::new(), ..DrainPolicy::default() };
+    if classify(pod, &DrainScope { gpu: gpu.cloned() }, &policy) != Disposition::Evict {
+        return false;
+    }
+    match gpu {
+        Some(g) => on_gpu(pod, &g.uuid, g.index),
+        None => uses_any_gpu(pod),
+    }
+}
+
+/// Whether `pod` uses any GPU: it lists GPUs (annotation or `NVIDIA_VISIBLE_DEVICES`, other than
+/// `none`/`void`), or requests the GPU resource.
+fn uses_any_gpu(pod: &Pod) -> bool {
+    let lists = |v: &str| !v.trim().is_empty() && !matches!(v.trim(), "none" | "void");
+    if let Some(list) = pod.metadata.annotations.as_ref().and_then(|a| a.get(GPU_UUIDS_ANNOTATION)) {
+        return lists(list);
+    }
+    let Some(spec) = &pod.spec else { return false };
+    spec.containers.iter().chain(spec.init_containers.iter().flatten()).any(|c| {
+        let env = c.env.iter().flatten().find(|e| e.name == "NVIDIA_VISIBLE_DEVICES").and_then(|e| e.value.as_deref());
+        let res = c.resources.as_ref();
+        env.is_some_and(lists)
+            || res.and_then(|r| r.limits.as_ref()).is_some_and(|l| l.contains_key(GPU_RESOURCE))
+            || res.and_then(|r| r.requests.as_ref()).is_some_and(|l| l.contains_key(GPU_RESOURCE))
+    })
+}
+
+/// The workload pods on `node` that use `gpu` (or any of its GPUs): what a deferred GPU reset
+/// waits to see gone.
+pub async fn workload_on(client: &kube::Client, node: &str, gpu: Option<&GpuRef>) -> Result<Vec<PodRef>, kube::Error> {
+    let all: Api<Pod> = Api::all(client.clone());
+    Ok(list_on_node(&all, node).await?.iter().filter(|p| is_workload_on(p, gpu)).map(pod_ref).collect())
+}
+
 /// Whether `pod` uses the GPU with `uuid` (or NVML `index`), by the convention in the module docs.
-fn on_gpu(pod: &Pod, uuid: &str, index: u32) -> bool {
+fn on_gpu(pod: &Pod, uuid: &str, index: Option<u32>) -> bool {
+    let index = index.map(|i| i.to_string());
     let listed = |list: &str| {
-        list.split(',').map(str::trim).any(|d| d == "all" || d.eq_ignore_ascii_case(uuid) || d == index.to_string())
+        list.split(',')
+            .map(str::trim)
+            .any(|d| d == "all" || d.eq_ignore_ascii_case(uuid) || index.as_deref().is_some_and(|i| d == i))
     };
     if let Some(list) = pod.metadata.annotations.as_ref().and_then(|a| a.get(GPU_UUIDS_ANNOTATION)) {
         return listed(list);
@@ -471,7 +513,7 @@ mod tests {
     }
 
     fn gpu0() -> DrainScope {
-        DrainScope { gpu: Some(GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: "0000:3b:00.0".into(), index: 0 }) }
+        DrainScope { gpu: Some(GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: "0000:3b:00.0".into(), index: Some(0) }) }
     }
 
     #[test]
@@ -546,5 +588,48 @@ mod tests {
         let cpu_only =
             pod(json!({"metadata": {"name": "a", "namespace": "ml"}, "spec": {"containers": [{"name": "c"}]}}));
         assert_eq!(classify(&cpu_only, &gpu0(), &p), Disposition::Skip(SkipReason::OtherGpu));
+    }
+
+    #[test]
+    fn an_unknown_index_matches_by_uuid_only() {
+        let p = DrainPolicy::default();
+        let no_index =
+            DrainScope { gpu: Some(GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: String::new(), index: None }) };
+        let env = |v: &str| {
+            pod(json!({"metadata": {"name": "a", "namespace": "ml"}, "spec": {"containers": [
+                {"name": "c", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": v}]}]}}))
+        };
+        assert_eq!(
+            classify(&env("0"), &no_index, &p),
+            Disposition::Skip(SkipReason::OtherGpu),
+            "not index 0 by default"
+        );
+        assert_eq!(classify(&env("GPU-aaa"), &no_index, &p), Disposition::Evict);
+    }
+
+    #[test]
+    fn workload_is_what_uses_the_gpu_and_is_not_infrastructure() {
+        let gpu = GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: String::new(), index: Some(0) };
+        let job = |uuids: &str| {
+            pod(json!({"metadata": {"name": "a", "namespace": "ml", "annotations": {GPU_UUIDS_ANNOTATION: uuids}}}))
+        };
+        assert!(is_workload_on(&job("GPU-aaa"), Some(&gpu)));
+        assert!(!is_workload_on(&job("GPU-bbb"), Some(&gpu)));
+        assert!(is_workload_on(&job("GPU-bbb"), None), "any GPU counts for a node-wide action");
+        assert!(!is_workload_on(&job("none"), None));
+        let plugin = pod(json!({"metadata": {"name": "a", "namespace": "kube-system",
+            "annotations": {GPU_UUIDS_ANNOTATION: "all"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "dp", "uid": "u"}]}}));
+        assert!(!is_workload_on(&plugin, Some(&gpu)), "the device plugin is not workload");
+        let done =
+            pod(json!({"metadata": {"name": "a", "namespace": "ml", "annotations": {GPU_UUIDS_ANNOTATION: "GPU-aaa"}},
+            "status": {"phase": "Succeeded"}}));
+        assert!(!is_workload_on(&done, Some(&gpu)));
+        let requests = pod(json!({"metadata": {"name": "a", "namespace": "ml"}, "spec": {"containers": [
+            {"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}));
+        assert!(is_workload_on(&requests, None));
+        let cpu_only =
+            pod(json!({"metadata": {"name": "a", "namespace": "ml"}, "spec": {"containers": [{"name": "c"}]}}));
+        assert!(!is_workload_on(&cpu_only, None));
     }
 }

@@ -92,8 +92,8 @@ pub struct WebhookGpu {
     pub uuid: String,
     /// Its PCI bus id.
     pub pci_bus_id: String,
-    /// Its NVML index.
-    pub index: u32,
+    /// Its NVML index; `null` when the verdict does not know it.
+    pub index: Option<u32>,
 }
 
 /// The JSON body of a webhook call (see docs/operations.md for the contract).
@@ -311,7 +311,7 @@ pub fn render(template: &Value, ladder: &Ladder) -> Value {
     let vars: [(&str, String); 11] = [
         ("node", r.node.clone()),
         ("gpu_uuid", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
-        ("gpu_index", gpu.map(|g| g.index.to_string()).unwrap_or_default()),
+        ("gpu_index", gpu.and_then(|g| g.index).map(|i| i.to_string()).unwrap_or_default()),
         ("pci_bus_id", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
         ("action", ladder.step().action.name().to_owned()),
         ("step", ladder.step_number().to_string()),
@@ -493,7 +493,7 @@ mod tests {
     fn ladder() -> Ladder {
         let request = Remediation {
             node: "gpu-1".into(),
-            gpu: Some(GpuRef { uuid: "GPU-abc".into(), pci_bus_id: "0000:3b:00.0".into(), index: 2 }),
+            gpu: Some(GpuRef { uuid: "GPU-abc".into(), pci_bus_id: "0000:3b:00.0".into(), index: Some(2) }),
             action: Action::ResetGpu,
             subsystem: Subsystem::Gpu,
             reason: "Xid79".into(),

@@ -610,9 +610,7 @@ async fn lead(
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(consume(shared.clone(), term.clone()));
         tasks.spawn(watch_status(shared.clone(), term.clone()));
-        if !shared.windows.is_empty() {
-            tasks.spawn(carry_out_deferred(shared.clone(), term.clone()));
-        }
+        tasks.spawn(carry_out_deferred(shared.clone(), term.clone()));
         if shared.remediator.settings().policy.mode == Mode::FullRemediation {
             tasks.spawn(drive_repairs(shared.clone(), term.clone()));
         }
@@ -840,16 +838,16 @@ async fn record_status_event(shared: &Shared, reason: &str, message: &str, warni
     }
 }
 
-/// While leading and while a maintenance window is open, carries out the deferred actions
-/// recorded on the managed nodes, publishes their outcomes and removes the records. Paused, or
-/// held by the breaker or the rate limit, a record stays for the next look.
+/// While leading, carries out the deferred actions recorded on the managed nodes once they are
+/// due (a window open, their time come, their GPU idle), publishes their outcomes and removes the
+/// records. Paused, or held by the breaker or the rate limit, a record stays for the next look.
 async fn carry_out_deferred(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
     loop {
         tokio::select! {
             () = term.cancelled() => return Ok(()),
             () = tokio::time::sleep(shared.maintenance_check) => {}
         }
-        if shared.remediator.paused() || !window::open_at(&shared.windows, chrono::Utc::now()) {
+        if shared.remediator.paused() {
             continue;
         }
         let nodes = match maintenance::pending(&shared.remediator.client(), &shared.fleet.selector).await {
@@ -882,11 +880,29 @@ async fn carry_out(
         Some(Ok(d)) => d,
         Some(Err(e)) => {
             tracing::warn!(node = %name, error = %e, "Dropping an unreadable deferred action.");
+            metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "unreadable").increment(1);
             maintenance::clear(&shared.remediator.client(), &name).await?;
             return Ok(());
         }
         None => return Ok(()),
     };
+    // The record is data on this node, never a command for another: whoever can annotate one node
+    // (its own kubelet can) must not reach a second one through it.
+    if deferred.request.node != name {
+        tracing::warn!(node = %name, names = %deferred.request.node, "Dropping a deferred action that names another node.");
+        metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "other_node").increment(1);
+        maintenance::clear(&shared.remediator.client(), &name).await?;
+        return Ok(());
+    }
+    let idle = match deferred.until {
+        maintenance::Until::Idle => {
+            drain::workload_on(&shared.remediator.client(), &name, deferred.request.gpu.as_ref()).await?.is_empty()
+        }
+        _ => false,
+    };
+    if !maintenance::due(&deferred, &shared.windows, chrono::Utc::now(), || idle) {
+        return Ok(());
+    }
     let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
     let result = tokio::select! {
         () = term.cancelled() => return Ok(()),
@@ -903,7 +919,7 @@ async fn carry_out(
     };
     let outcome = verdicts::outcome_for(deferred.verdict_id, &name, deferred.action, &result);
     tracing::info!(node = %name, verdict_id = %deferred.verdict_id, status = ?outcome.status,
-        detail = %outcome.detail, "Carried out a deferred action in the maintenance window.");
+        detail = %outcome.detail, "Carried out a deferred action.");
     publish(shared, &outcome, None).await?;
     maintenance::clear(&shared.remediator.client(), &name).await?;
     Ok(())
@@ -996,12 +1012,16 @@ impl Handler {
         let shared = &self.shared;
         let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
         let now = chrono::Utc::now();
-        let defers = !request.recovery
-            && !shared.remediator.paused()
-            && shared.remediator.settings().policy.mode != Mode::MonitorOnly
-            && window::deferrable(verdict.severity == Severity::Critical, request.action)
-            && !window::open_at(&shared.windows, now);
-        let Some(not_before) = defers.then(|| window::next_opening(&shared.windows, now)).flatten() else {
+        let timing = maintenance::Timing {
+            recovery: request.recovery,
+            critical: verdict.severity == Severity::Critical,
+            not_before: verdict.not_before,
+            deferrable: verdict.deferrable,
+        };
+        let waits = !shared.remediator.paused() && shared.remediator.settings().policy.mode != Mode::MonitorOnly;
+        let Some((until, not_before)) =
+            waits.then(|| maintenance::hold(request.action, timing, &shared.windows, now)).flatten()
+        else {
             if request.recovery && !shared.remediator.paused() {
                 end_ladder(shared, request).await?;
             }
@@ -1013,7 +1033,7 @@ impl Handler {
             }
             return Ok(outcome);
         };
-        // Mark now (the condition tells people and schedulers), the rest in the window.
+        // Mark now (the condition tells people and schedulers), the rest when it is due.
         let mark = request::Remediation { action: Action::Monitor, ..request.clone() };
         match shared.remediator.remediate(&mark, gpu_nodes).await? {
             Outcome::Applied { .. } | Outcome::AlreadyDone => {}
@@ -1025,14 +1045,16 @@ impl Handler {
             request: request.clone(),
             deferred_at: now,
             not_before,
+            until,
         };
         maintenance::defer(&shared.remediator.client(), &deferred)
             .await
             .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
-        let at = not_before.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-        tracing::info!(node = %request.node, verdict_id = %verdict.verdict_id, not_before = %at, "Deferred a non-urgent action to the next maintenance window.");
-        metrics::counter!("gpumedic_remediator_deferred_total").increment(1);
-        Ok(Outcome::Skipped { reason: Skip::Deferred(at), would: None })
+        let waits_for = maintenance::waits_for(until, not_before);
+        tracing::info!(node = %request.node, verdict_id = %verdict.verdict_id, until = ?until, waits_for = %waits_for, "Deferred an action: the node is marked now, the rest waits.");
+        let label = format!("{until:?}").to_ascii_lowercase();
+        metrics::counter!("gpumedic_remediator_deferred_total", "until" => label).increment(1);
+        Ok(Outcome::Skipped { reason: Skip::Deferred(waits_for), would: None })
     }
 }
 

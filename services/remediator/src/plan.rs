@@ -446,8 +446,8 @@ pub enum Skip {
     Stale(std::time::Duration),
     /// The node does not match the GPU node selector (or no longer exists).
     Unmanaged,
-    /// Not urgent: the node is marked now and the rest waits for the maintenance window that
-    /// opens at this time (RFC 3339).
+    /// The node is marked now and the rest waits for what this says (a maintenance window's
+    /// opening, the verdict's `not_before`, an idle GPU).
     Deferred(String),
 }
 
@@ -467,9 +467,7 @@ impl std::fmt::Display for Skip {
             Skip::Unmanaged => {
                 f.write_str("the node is not a managed GPU node (it does not match the GPU node selector)")
             }
-            Skip::Deferred(at) => {
-                write!(f, "the action is not urgent and waits for the maintenance window opening at {at}")
-            }
+            Skip::Deferred(waits_for) => write!(f, "the node is marked now; the action waits for {waits_for}"),
         }
     }
 }
@@ -717,7 +715,7 @@ mod tests {
     fn request(action: Action) -> Remediation {
         Remediation {
             node: "gpu-1".into(),
-            gpu: Some(GpuRef { uuid: "GPU-abc".into(), pci_bus_id: "0000:3b:00.0".into(), index: 0 }),
+            gpu: Some(GpuRef { uuid: "GPU-abc".into(), pci_bus_id: "0000:3b:00.0".into(), index: Some(0) }),
             action,
             subsystem: Subsystem::Gpu,
             reason: "Xid79".into(),

@@ -13,8 +13,10 @@ pub struct GpuRef {
     pub uuid: String,
     /// The PCI bus id (`0000:3b:00.0`).
     pub pci_bus_id: String,
-    /// The NVML index on the node.
-    pub index: u32,
+    /// The NVML index on the node, when the verdict knows it (a GPU the enricher could not
+    /// resolve against the node's inventory has none, and is then matched by UUID only).
+    #[serde(default)]
+    pub index: Option<u32>,
 }
 
 /// The action a verdict asks for, mildest first.

@@ -15,6 +15,9 @@ pub fn remediation(v: &Verdict) -> Remediation {
         // An operator-defined action (restart Fabric Manager, ...) is theirs to run; the node is
         // marked, not changed.
         RecommendedAction::Monitor | RecommendedAction::Custom => Action::Monitor,
+        // Diagnostics run on the node (DCGM) when the GPU is free; the node itself is not
+        // changed unless they fail, which is a verdict of its own.
+        RecommendedAction::RunDiagnostics => Action::Monitor,
         RecommendedAction::Cordon => Action::Cordon,
         RecommendedAction::Drain => Action::Drain,
         RecommendedAction::ResetGpu => Action::ResetGpu,
@@ -25,7 +28,7 @@ pub fn remediation(v: &Verdict) -> Remediation {
     let gpu = v.entity.gpu_uuid.as_ref().map(|uuid| GpuRef {
         uuid: uuid.clone(),
         pci_bus_id: v.entity.pci_bus_id.clone().unwrap_or_default(),
-        index: v.entity.gpu_index.and_then(|i| u32::try_from(i).ok()).unwrap_or(0),
+        index: v.entity.gpu_index.and_then(|i| u32::try_from(i).ok()),
     });
     Remediation {
         node: v.node.clone(),
@@ -169,6 +172,34 @@ pub fn describe(plan: &crate::plan::Plan) -> String {
 mod tests {
     use super::*;
 
+    fn verdict(action: RecommendedAction) -> Verdict {
+        Verdict {
+            verdict_id: uuid::Uuid::nil(),
+            incident_id: uuid::Uuid::nil(),
+            node: "n".into(),
+            entity: Default::default(),
+            severity: gpumedic_schemas::Severity::Warning,
+            rule_id: "ecc-contained".into(),
+            rule_version: 1,
+            action,
+            custom_action: None,
+            reason: String::new(),
+            evidence: vec![],
+            issued_at: chrono::Utc::now(),
+            recovery: false,
+            not_before: None,
+            deferrable: true,
+            workload: None,
+        }
+    }
+
+    #[test]
+    fn run_diagnostics_changes_the_node_no_more_than_monitor() {
+        let diagnostics = remediation(&verdict(RecommendedAction::RunDiagnostics));
+        assert_eq!(diagnostics.action, Action::Monitor);
+        assert_eq!(diagnostics.action, remediation(&verdict(RecommendedAction::Monitor)).action);
+    }
+
     #[test]
     fn old_verdicts_are_stale_but_recoveries_never_are() {
         let now = chrono::Utc::now();
@@ -186,6 +217,9 @@ mod tests {
             evidence: vec![],
             issued_at: now - chrono::Duration::minutes(20),
             recovery: false,
+            not_before: None,
+            deferrable: false,
+            workload: None,
         };
         let limit = std::time::Duration::from_secs(15 * 60);
         assert!(stale(&v, now, limit).is_some_and(|age| age.as_secs() >= 1200));

@@ -151,6 +151,9 @@ fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, severity
         evidence: vec![],
         issued_at: chrono::Utc::now(),
         recovery,
+        not_before: None,
+        deferrable: false,
+        workload: None,
     }
 }
 
@@ -383,4 +386,141 @@ async fn a_non_urgent_drain_waits_for_the_maintenance_window_and_runs_when_it_op
     assert!(pods_left(&w.client, &w.ns).await.is_empty());
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&waits, &urgent], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_past_one_acts_now() {
+    let w = World::new().await;
+    let scheduled = w.node().await;
+    let due = w.node().await;
+    pod(&w.client, &w.ns, "job-0", &scheduled, json!({})).await;
+    let mut r = w.start("rem-a", &[("GPUMEDIC_MAINTENANCE_CHECK", "1s".into())]);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    // The provider's window starts soon; the classifier's not_before is its start less the lead.
+    let not_before = chrono::Utc::now() + chrono::Duration::seconds(25);
+    let mut v = verdict(&scheduled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    v.rule_id = "cloud-maintenance".into();
+    v.not_before = Some(not_before);
+    w.publish(&v).await;
+    // A notice whose not_before has already come acts at once.
+    let mut now = verdict(&due, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    now.rule_id = "cloud-maintenance".into();
+    now.not_before = Some(chrono::Utc::now() - chrono::Duration::seconds(5));
+    w.publish(&now).await;
+
+    let held = w.outcome(v.verdict_id, |_| true).await;
+    assert!(
+        chrono::Utc::now() < not_before,
+        "the machine was too slow: not_before passed before the verdict was handled"
+    );
+    assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
+    assert!(held.detail.contains("the time the verdict names"), "{}", held.detail);
+    let node = get_node(&w.client, &scheduled).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "nothing disruptive before not_before");
+    assert!(node.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(DEFERRED_ANNOTATION)));
+    w.outcome(now.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(cordoned(&get_node(&w.client, &due).await), "a not_before in the past does not hold");
+
+    // A deferred record is data about its own node: one on `forged` naming `victim` is dropped.
+    let forged = w.node().await;
+    let victim = w.node().await;
+    let record = gpumedic_remediator::maintenance::Deferred {
+        verdict_id: uuid::Uuid::new_v4(),
+        action: RecommendedAction::Drain,
+        request: gpumedic_remediator::verdicts::remediation(&verdict(
+            &victim,
+            uuid::Uuid::new_v4(),
+            RecommendedAction::Drain,
+            Severity::Critical,
+            false,
+        )),
+        deferred_at: chrono::Utc::now(),
+        not_before: chrono::Utc::now(),
+        until: gpumedic_remediator::maintenance::Until::Time,
+    };
+    let raw = serde_json::to_string(&record).unwrap();
+    Api::<k8s_openapi::api::core::v1::Node>::all(w.client.clone())
+        .patch(
+            &forged,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({ "metadata": { "annotations": { DEFERRED_ANNOTATION: raw } } })),
+        )
+        .await
+        .expect("annotated");
+    eventually("the forged record dropped", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &forged).await;
+        n.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)).then_some(())
+    })
+    .await;
+    assert!(!cordoned(&get_node(&w.client, &victim).await), "a record on one node never acts on another");
+
+    // The plan is on the node, not in the process: a restart keeps it.
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut r = w.start("rem-b", &[("GPUMEDIC_MAINTENANCE_CHECK", "1s".into())]);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let done = w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(chrono::Utc::now() >= not_before, "not before not_before");
+    assert!(done.detail.contains("drain"), "{}", done.detail);
+    let node = get_node(&w.client, &scheduled).await;
+    assert!(cordoned(&node));
+    assert!(node.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&scheduled, &due, &forged, &victim], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_deferrable_reset_waits_until_no_workload_uses_the_gpu_and_a_cancelled_notice_drops_its_plan() {
+    let w = World::new().await;
+    let busy = w.node().await;
+    let cancelled = w.node().await;
+    let uses = |uuid: &str| json!({ "annotations": { "gpumedic.io/gpu-uuids": uuid } });
+    pod(&w.client, &w.ns, "on-the-gpu", &busy, uses("GPU-aaa")).await;
+    pod(&w.client, &w.ns, "on-another-gpu", &busy, uses("GPU-bbb")).await;
+    let mut r =
+        w.start("rem-a", &[("GPUMEDIC_MAINTENANCE_CHECK", "1s".into()), ("GPUMEDIC_PARTIAL_DRAIN", "true".into())]);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    // A contained ECC error: reset the GPU when convenient.
+    let mut v = verdict(&busy, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, Severity::Warning, false);
+    v.rule_id = "xid-94-contained-memory-error".into();
+    v.deferrable = true;
+    v.entity.gpu_uuid = Some("GPU-aaa".into());
+    v.entity.gpu_index = Some(0);
+    w.publish(&v).await;
+    let held = w.outcome(v.verdict_id, |_| true).await;
+    assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
+    assert!(held.detail.contains("no workload"), "{}", held.detail);
+    // Still held a few looks later: the job on that GPU is running.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let node = get_node(&w.client, &busy).await;
+    assert!(!cordoned(&node), "nothing disruptive while the job runs");
+    assert!(node.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(DEFERRED_ANNOTATION)));
+
+    // The job on the faulty GPU ends (the one on another GPU does not matter): the reset goes.
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(w.client.clone(), &w.ns)
+        .delete("on-the-gpu", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() })
+        .await
+        .expect("pod deleted");
+    let done = w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(done.detail.contains("drain"), "{}", done.detail);
+    assert!(cordoned(&get_node(&w.client, &busy).await));
+    // Partial drain by the verdict's GPU: the job on the other GPU keeps running.
+    assert_eq!(pods_left(&w.client, &w.ns).await, vec!["on-another-gpu".to_owned()]);
+
+    // A notice that the provider then cancels: the recovery removes the plan before its time.
+    let mut notice = verdict(&cancelled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    notice.rule_id = "cloud-maintenance".into();
+    notice.not_before = Some(chrono::Utc::now() + chrono::Duration::hours(47));
+    w.publish(&notice).await;
+    w.outcome(notice.verdict_id, |o| o.status == ActionStatus::SkippedByMode).await;
+    let mut over = verdict(&cancelled, notice.incident_id, RecommendedAction::None, Severity::Info, true);
+    over.rule_id = "cloud-maintenance".into();
+    w.publish(&over).await;
+    w.outcome(over.verdict_id, |_| true).await;
+    let node = get_node(&w.client, &cancelled).await;
+    assert!(node.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)), "plan dropped");
+    assert!(!cordoned(&node));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&busy, &cancelled], &[&w.ns]).await;
 }

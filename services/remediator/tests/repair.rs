@@ -236,6 +236,9 @@ fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery
         evidence: vec![],
         issued_at: chrono::Utc::now(),
         recovery,
+        not_before: None,
+        deferrable: false,
+        workload: None,
     }
 }
 

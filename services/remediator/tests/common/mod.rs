@@ -175,7 +175,7 @@ async fn read_event_reasons(client: &kube::Client, node: &str) -> Vec<String> {
 pub fn request(node: &str, action: Action) -> Remediation {
     Remediation {
         node: node.to_owned(),
-        gpu: Some(GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: "0000:3b:00.0".into(), index: 0 }),
+        gpu: Some(GpuRef { uuid: "GPU-aaa".into(), pci_bus_id: "0000:3b:00.0".into(), index: Some(0) }),
         action,
         subsystem: Subsystem::Gpu,
         reason: "Xid79".into(),
