@@ -14,10 +14,12 @@
 
 pub mod api;
 pub mod observe;
+pub mod quality;
 pub mod reload;
 pub mod retention;
 pub mod rules;
 pub mod store;
+pub mod workload;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -104,6 +106,22 @@ pub struct Args {
     /// The topic of the remediator's action outcomes, recorded in Postgres.
     #[arg(long, env = "GPUMEDIC_ACTIONS_TOPIC", default_value = topics::ACTIONS)]
     actions_topic: String,
+    /// How long before a cloud maintenance window opens its action may start; replaces the lead
+    /// of every rule's `not_before` (the default rules use 1h).
+    #[arg(long, env = "GPUMEDIC_MAINTENANCE_LEAD")]
+    maintenance_lead: Option<String>,
+    /// Caps every rule's quiet period (e.g. `20s` for a demo or a test); the proofs of repair
+    /// still apply. Unset in production: the rules' own periods hold.
+    #[arg(long, env = "GPUMEDIC_MAX_QUIET")]
+    max_quiet: Option<String>,
+    /// Application-class Xids (13, 31, 43, ...) of one workload on several nodes at most this far
+    /// apart are one workload fault: recorded once, published as a verdict naming the workload,
+    /// and no node action (docs/decisions.md).
+    #[arg(long, env = "GPUMEDIC_WORKLOAD_FAULT_WINDOW", default_value = "2m")]
+    workload_fault_window: String,
+    /// How many distinct nodes make a workload fault.
+    #[arg(long, env = "GPUMEDIC_WORKLOAD_FAULT_MIN_NODES", default_value_t = 2)]
+    workload_fault_min_nodes: usize,
 }
 
 /// The classifier's topics. Fixed in production (the defaults); tests and benchmarks give each
@@ -151,6 +169,8 @@ pub struct Config {
     pub rules_poll: Duration,
     /// The topics.
     pub topics: Topics,
+    /// When application Xids across nodes are a workload fault.
+    pub workload_faults: workload::Settings,
 }
 
 impl Validate for Args {
@@ -208,6 +228,18 @@ impl Validate for Args {
                 p.push("--event-retention", "must be at least --rebuild-window (the rebuild reads those events)");
             }
         }
+        let lead = self.maintenance_lead.as_deref().and_then(|l| p.check("--maintenance-lead", parse_duration(l)));
+        if lead.is_some_and(|l| l > Duration::from_secs(7 * 86_400)) {
+            p.push("--maintenance-lead", "must be at most 7d (providers announce windows days ahead, not weeks)");
+        }
+        let max_quiet = self.max_quiet.as_deref().and_then(|q| p.check("--max-quiet", parse_duration(q)));
+        let workload_window = p.check("--workload-fault-window", parse_duration(&self.workload_fault_window));
+        if workload_window.is_some_and(|w| w.is_zero() || w > Duration::from_secs(86_400)) {
+            p.push("--workload-fault-window", "must be more than 0 and at most 1d (a job fails within seconds)");
+        }
+        if self.workload_fault_min_nodes < 2 {
+            p.push("--workload-fault-min-nodes", "must be at least 2 (one node's errors are that node's)");
+        }
         let rules_poll = p.check("--rules-poll", parse_duration(&self.rules_poll));
         if rules_poll.is_some_and(|d| d.is_zero()) {
             p.push("--rules-poll", "must be more than 0");
@@ -231,7 +263,14 @@ impl Validate for Args {
             p.push("--enriched-topic", "the enriched, verdicts and actions topics must differ");
         }
         p.finish(|| {
-            let rules = rules.expect("checked");
+            let mut rules = rules.expect("checked");
+            let interval = |d: Duration| rules::Interval(d.as_micros().try_into().unwrap_or(i64::MAX));
+            if let Some(lead) = lead {
+                rules = rules.with_lead(interval(lead));
+            }
+            if let Some(quiet) = max_quiet {
+                rules = rules.with_max_quiet(interval(quiet));
+            }
             Config {
                 common: common.expect("checked"),
                 kafka: kafka.expect("checked"),
@@ -251,6 +290,11 @@ impl Validate for Args {
                     enriched: self.enriched_topic,
                     verdicts: self.verdicts_topic,
                     actions: self.actions_topic,
+                },
+                workload_faults: workload::Settings {
+                    window: workload_window.expect("checked"),
+                    min_nodes: self.workload_fault_min_nodes,
+                    allow_synthetic: self.allow_synthetic,
                 },
             }
         })
@@ -296,6 +340,8 @@ pub struct Classifier {
     codec: Arc<Codec>,
     /// Statements each batch is written as, at once.
     write_parallelism: usize,
+    /// When application Xids across nodes are a workload fault.
+    workload_faults: workload::Settings,
 }
 
 impl Classifier {
@@ -333,6 +379,32 @@ impl Classifier {
                 "recovery" => v.recovery.to_string()).increment(1);
         }
         Ok(out)
+    }
+
+    /// Records the batch's workload-fault sightings, one workload at a time, and publishes each
+    /// fault they complete before committing it (see [`workload`]).
+    async fn record_workload_faults(&self, sightings: Vec<workload::Sighting>) -> Result<(), ClassifierError> {
+        for (name, sightings) in workload::by_workload(sightings) {
+            let mut tx = self.pool.begin().await?;
+            if let Some(fault) = workload::decide(&mut tx, &name, &sightings, &self.workload_faults).await? {
+                let v = workload::verdict(&fault, chrono::Utc::now());
+                let bytes = self.codec.encode(&v).expect("workload verdicts always encode");
+                let id = v.verdict_id.to_string();
+                let envelope = Envelope {
+                    topic: &self.verdicts_topic,
+                    key: &v.node,
+                    id: &id,
+                    content_type: Verdict::CONTENT_TYPE,
+                    incoming_trace: None,
+                };
+                kafka::publish_record(&self.producer, envelope, &bytes).await?;
+                tracing::warn!(workload = %fault.workload, nodes = fault.nodes.len(), gpus = fault.gpus, xids = ?fault.xids,
+                    verdict_id = %v.verdict_id, "Workload fault: one job's application errors on several nodes; no node action.");
+                metrics::counter!("gpumedic_classifier_workload_faults_total").increment(1);
+            }
+            tx.commit().await?;
+        }
+        Ok(())
     }
 }
 
@@ -383,13 +455,14 @@ impl BatchHandler for Handler {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
         let mut dispositions = vec![Disposition::Done; records.len()];
-        let (codec, parts) = {
+        let (codec, parts, workload_faults) = {
             let c = self.classifier.lock().await;
-            (c.codec.clone(), c.write_parallelism)
+            (c.codec.clone(), c.write_parallelism, c.workload_faults)
         };
         // One batch per concurrent write; a node's rows all go to the same one.
         let mut batch = store::Batch::parts(parts, records.len());
         let mut observations = Vec::with_capacity(records.len());
+        let mut sightings = Vec::new();
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
                 dispositions[i] = Disposition::DeadLetter("empty record".into());
@@ -407,7 +480,10 @@ impl BatchHandler for Handler {
             }
             match codec.decode::<EnrichedHealthEvent>(payload).await {
                 Ok(event) => match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
-                    Ok(()) => observations.push((i, observe::observation(&event))),
+                    Ok(()) => {
+                        sightings.extend(workload::sighting(&event, &workload_faults));
+                        observations.push((i, observe::observation(&event)));
+                    }
                     Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
                 },
                 Err(e) if e.is_transient() => return Err(Box::new(e)),
@@ -425,6 +501,7 @@ impl BatchHandler for Handler {
                 for (i, o) in &observations {
                     decisions.extend(c.engine.observe(o).into_iter().map(|d| (d, *i)));
                 }
+                count_refused(&mut c.engine);
                 decisions
             }
         };
@@ -444,6 +521,9 @@ impl BatchHandler for Handler {
                 b.decisions = store::DecisionRows::new(published);
             }
             let written = store::write_parts(&c.pool, &batch).await?;
+            // After the events are recorded: a failure here retries the batch, which writes
+            // nothing twice.
+            c.record_workload_faults(sightings).await?;
             stage_seconds("write", acknowledged, std::time::Instant::now());
             Ok::<_, ClassifierError>(written)
         }
@@ -463,6 +543,16 @@ impl BatchHandler for Handler {
                 Err(Box::new(e))
             }
         }
+    }
+}
+
+/// Counts and logs the observations the engine refused as impossible: never a fault, never
+/// healthy evidence, but an operator wants to know a node sends them (a broken sensor, a collector
+/// bug, a clock far off).
+fn count_refused(engine: &mut Engine) {
+    for r in engine.take_refused() {
+        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => r.reason.as_str()).increment(1);
+        tracing::warn!(node = %r.node, event_id = %r.event_id, reason = %r.reason, "Refused an impossible observation before any rule.");
     }
 }
 
@@ -495,6 +585,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             verdicts_topic: config.topics.verdicts.clone(),
             codec,
             write_parallelism: config.write_parallelism,
+            workload_faults: config.workload_faults,
         })
     };
     let classifier = match setup.await {
@@ -568,7 +659,11 @@ async fn ticker(
 
 /// The engine's rules, for the rules watcher.
 impl Classifier {
-    fn replace_rules(&mut self, rules: RuleSet) {
+    fn replace_rules(&mut self, mut rules: RuleSet) {
+        // The lead and the quiet cap are the service's settings, not the files': keep them.
+        let current = self.engine.rules();
+        rules.lead = current.lead;
+        rules.max_quiet = current.max_quiet;
         self.engine.replace_rules(rules);
     }
 }

@@ -3,7 +3,8 @@
 //! them). A job runs at start and hourly: it creates the partitions of today and the next
 //! [`DAYS_AHEAD`] days, drops the daily partitions wholly older than the retention, and deletes
 //! expired rows that landed in the default partition. Dropping a partition is instant and leaves
-//! no bloat, unlike deleting rows. Incidents, verdicts and actions are small and kept.
+//! no bloat, unlike deleting rows. Workload-fault sightings (one per application Xid line) expire
+//! with the events; incidents, verdicts, actions and workload faults are small and kept.
 //!
 //! Replicas serialise on a transaction-scoped advisory lock, so they never race on DDL.
 
@@ -32,6 +33,8 @@ pub struct Report {
     pub dropped: Vec<NaiveDate>,
     /// Expired rows deleted from the default partition.
     pub default_rows_deleted: u64,
+    /// Expired workload-fault sightings deleted.
+    pub sightings_deleted: u64,
 }
 
 /// The partition name for `day`.
@@ -118,6 +121,11 @@ pub async fn maintain(pool: &PgPool, retention: Duration, now: DateTime<Utc>) ->
         .execute(&mut *tx)
         .await?
         .rows_affected();
+    report.sightings_deleted = sqlx::query("DELETE FROM workload_fault_sightings WHERE observed_at < $1")
+        .bind(cutoff)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
     tx.commit().await?;
     Ok(report)
 }
@@ -137,7 +145,7 @@ pub async fn maintain_logged(pool: &PgPool, retention: Duration) {
             metrics::counter!("gpumedic_classifier_expired_events_deleted_total").increment(r.default_rows_deleted);
             let days = |v: &[NaiveDate]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             tracing::info!(created = %days(&r.created), dropped = %days(&r.dropped),
-                default_rows_deleted = r.default_rows_deleted, retention_days = retention.as_secs() / 86_400,
+                default_rows_deleted = r.default_rows_deleted, sightings_deleted = r.sightings_deleted, retention_days = retention.as_secs() / 86_400,
                 "Event partitions maintained.");
         }
         Err(e) => {

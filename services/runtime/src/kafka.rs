@@ -231,7 +231,11 @@ impl KafkaSettings {
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest")
             .set("statistics.interval.ms", "5000")
-            .set("session.timeout.ms", "10000");
+            .set("session.timeout.ms", "10000")
+            // A topic created just before the subscription (by this service, or another during a
+            // rollout) can be missing from the first metadata; librdkafka's default would leave
+            // the consumer without it for five minutes.
+            .set("topic.metadata.refresh.interval.ms", "10000");
         self.apply_options(&mut c);
         let consumer: Consumer = c
             .create_with_context(ServiceContext { service, assigned })
