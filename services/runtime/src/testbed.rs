@@ -310,11 +310,18 @@ pub async fn wait_for_record(
     }
     let deadline = tokio::time::Instant::now() + timeout;
     let mut seen = 0usize;
+    let mut last_error = String::new();
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left, consumer.recv()).await {
-            Err(_) => return Err(format!("no matching record on {topic} within {timeout:?} ({seen} others seen)")),
-            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) => {
+                return Err(format!(
+                    "no matching record on {topic} within {timeout:?} ({seen} others seen){last_error}"
+                ));
+            }
+            // A topic created moments ago answers with transient errors (no leader yet) while the
+            // broker settles, as on the first test run against a new testbed: read on.
+            Ok(Err(e)) => last_error = format!("; last consumer error: {e}"),
             Ok(Ok(m)) => {
                 seen += 1;
                 let record = crate::kafka::Record::from_message(&m);
