@@ -286,13 +286,24 @@ pub fn recommended(action: Action) -> RecommendedAction {
     }
 }
 
-/// Reads the ladder on a node, if any; an unreadable record reads as an error string.
+/// Reads the ladder on a node, if any; an unreadable record, or one that could not have been
+/// written for this node (no steps, a step past the end, another node named), reads as an error
+/// string. The record is data about its own node: whoever can annotate one node must not reach
+/// another through it, nor crash the leader with it.
 pub fn ladder_on(node: &Node) -> Option<Result<Ladder, String>> {
-    node.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(LADDER_ANNOTATION))
-        .map(|raw| serde_json::from_str(raw).map_err(|e| e.to_string()))
+    let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(LADDER_ANNOTATION))?;
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    Some(serde_json::from_str::<Ladder>(raw).map_err(|e| e.to_string()).and_then(|l| {
+        if l.steps.is_empty() {
+            Err("the ladder has no steps".to_owned())
+        } else if l.current >= l.steps.len() {
+            Err(format!("the current step {} is past the ladder's {} steps", l.current + 1, l.steps.len()))
+        } else if l.request.node != name {
+            Err(format!("the ladder names node {:?}, not this node", l.request.node))
+        } else {
+            Ok(l)
+        }
+    }))
 }
 
 /// The merge patch that writes `ladder` (or removes the record, for `None`), guarded by the
@@ -438,5 +449,24 @@ mod tests {
         let clear = ladder_patch(None, None);
         assert_eq!(clear["metadata"]["annotations"][LADDER_ANNOTATION], Value::Null);
         assert!(clear["metadata"].get("resourceVersion").is_none());
+    }
+
+    #[test]
+    fn a_ladder_record_that_could_not_have_been_written_for_its_node_is_refused() {
+        let on = |name: &str, l: &Ladder| -> Node {
+            serde_json::from_value(json!({ "metadata": { "name": name,
+                "annotations": { LADDER_ANNOTATION: serde_json::to_string(l).unwrap() } } }))
+            .unwrap()
+        };
+        let good = Ladder::new("v1", RecommendedAction::ResetGpu, &request(Action::ResetGpu), &default_ladder(), at(0));
+        assert_eq!(ladder_on(&on("gpu-1", &good)), Some(Ok(good.clone())));
+        let other = ladder_on(&on("gpu-2", &good)).unwrap().unwrap_err();
+        assert!(other.contains("gpu-1"), "{other}");
+        let empty = Ladder { steps: vec![], current: 0, ..good.clone() };
+        assert!(ladder_on(&on("gpu-1", &empty)).unwrap().unwrap_err().contains("no steps"));
+        let past = Ladder { current: 3, ..good.clone() };
+        assert!(ladder_on(&on("gpu-1", &past)).unwrap().unwrap_err().contains("past"));
+        let bare: Node = serde_json::from_value(json!({ "metadata": { "name": "gpu-1" } })).unwrap();
+        assert_eq!(ladder_on(&bare), None);
     }
 }

@@ -1198,6 +1198,7 @@ async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) 
         Some(Ok(l)) => l,
         Some(Err(e)) => {
             tracing::warn!(node = %name, error = %e, "Ignoring an unreadable repair ladder.");
+            metrics::counter!("gpumedic_remediator_ladders_refused_total").increment(1);
             return Ok(());
         }
         None => return Ok(()),
