@@ -9,8 +9,14 @@
 //! only then let the offsets be stored. Verdict ids are deterministic and every write is
 //! idempotent, so a crash anywhere in between republishes the same ids (subscribers deduplicate)
 //! and rewrites nothing. A ticker closes bursts and quiet periods when no event arrives; a
-//! retention job keeps the daily event partitions; rule files are reloaded when they change. At
-//! start the engine's state is rebuilt from the recorded events.
+//! retention job keeps the daily event partitions; rule files are reloaded when they change.
+//!
+//! State is owned per partition of the enriched topic: a replica holds the engine state of the
+//! nodes its partitions carry, and nothing else. Before it handles a batch or ticks, it looks at
+//! its assignment: nodes of partitions it lost are forgotten, nodes of partitions it gained are
+//! rebuilt from the events Postgres recorded (streamed, within `--rebuild-window`). So a replica
+//! never decides from a stale snapshot after a rebalance, and never fires deadlines for a node
+//! another replica owns.
 
 pub mod api;
 pub mod observe;
@@ -319,6 +325,9 @@ pub enum ClassifierError {
     /// Kafka failed.
     #[error(transparent)]
     Kafka(#[from] kafka::KafkaError),
+    /// Which nodes this replica owns cannot be told (topic metadata unavailable).
+    #[error("cannot tell which nodes this replica owns: {0}")]
+    Ownership(String),
 }
 
 /// Connects to the database and brings its schema up to date.
@@ -331,9 +340,23 @@ pub async fn connect_and_migrate(url: &str, pool_size: u32) -> Result<sqlx::PgPo
     Ok(pool)
 }
 
+/// Which partitions' nodes the engine holds.
+#[derive(Debug, Default)]
+struct Owned {
+    /// The assignment generation the engine was last reconciled with.
+    generation: Option<u64>,
+    /// The partitions of the enriched topic it holds the nodes of.
+    partitions: std::collections::BTreeSet<i32>,
+}
+
 /// The engine with its outputs, shared by the batch handler, the ticker and the rules watcher.
 pub struct Classifier {
     engine: Engine,
+    /// The consumer's partitions, kept current by the rebalance callbacks.
+    assignment: kafka::Assignment,
+    owned: Owned,
+    enriched_topic: String,
+    rebuild_window: Duration,
     pool: sqlx::PgPool,
     producer: Producer,
     verdicts_topic: String,
@@ -345,6 +368,40 @@ pub struct Classifier {
 }
 
 impl Classifier {
+    /// Brings the engine's nodes in line with the assignment: forgets the nodes of partitions
+    /// this replica no longer owns and rebuilds those of partitions it gained.
+    async fn reconcile(&mut self) -> Result<(), ClassifierError> {
+        let (generation, owned) = self.assignment.of(&self.enriched_topic);
+        if self.owned.generation == Some(generation) {
+            return Ok(());
+        }
+        let count = partition_count(&self.producer, &self.enriched_topic).await?;
+        let owns = |node: &str| owned.contains(&kafka::partition_for(node.as_bytes(), count));
+        let forgotten = self.engine.retain_nodes(owns);
+        let gained: std::collections::BTreeSet<i32> = owned.difference(&self.owned.partitions).copied().collect();
+        if !gained.is_empty() {
+            let started = std::time::Instant::now();
+            let since = chrono::Utc::now() - chrono::Duration::from_std(self.rebuild_window).unwrap_or_default();
+            let nodes: Vec<String> = store::nodes_since(&self.pool, since)
+                .await?
+                .into_iter()
+                .filter(|n| gained.contains(&kafka::partition_for(n.as_bytes(), count)))
+                .collect();
+            let (rebuilt, events) = store::rebuild(&self.pool, self.engine.rules().clone(), since, &nodes).await?;
+            let open = rebuilt.open_incidents().len();
+            self.engine.adopt(rebuilt);
+            tracing::info!(partitions = ?gained, nodes = nodes.len(), events, open_incidents = open,
+                seconds = started.elapsed().as_secs_f64(), "Rebuilt the state of the nodes of newly assigned partitions.");
+            metrics::histogram!("gpumedic_classifier_rebuild_seconds").record(started.elapsed().as_secs_f64());
+        }
+        if forgotten > 0 {
+            tracing::info!(nodes = forgotten, "Forgot the nodes of partitions another replica now owns.");
+        }
+        metrics::gauge!("gpumedic_classifier_owned_nodes").set(self.engine.node_count() as f64);
+        self.owned = Owned { generation: Some(generation), partitions: owned };
+        Ok(())
+    }
+
     /// Publishes the verdicts for `decisions` all at once (each continuing the trace of the record
     /// that caused it) and waits for every acknowledgement; returns them with their decisions.
     async fn publish(
@@ -492,6 +549,8 @@ impl BatchHandler for Handler {
         }
         let key = batch_key(records);
         let c = &mut *self.classifier.lock().await;
+        // Before any record of a newly assigned partition: that node's state comes first.
+        c.reconcile().await?;
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
         let decisions = match self.retrying.take() {
@@ -546,6 +605,26 @@ impl BatchHandler for Handler {
     }
 }
 
+/// How many partitions `topic` has, from the broker's metadata.
+async fn partition_count(producer: &Producer, topic: &str) -> Result<i32, ClassifierError> {
+    use rdkafka::producer::Producer as _;
+    let producer = producer.clone();
+    let topic = topic.to_owned();
+    let count = tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .map(|m| m.topics().iter().find(|t| t.name() == topic).map_or(0, |t| t.partitions().len()))
+    })
+    .await
+    .map_err(|e| ClassifierError::Ownership(e.to_string()))?
+    .map_err(|e| ClassifierError::Ownership(e.to_string()))?;
+    match i32::try_from(count) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(ClassifierError::Ownership("the enriched topic has no partitions yet".into())),
+    }
+}
+
 /// Counts and logs the observations the engine refused as impossible: never a fault, never
 /// healthy evidence, but an operator wants to know a node sends them (a broken sensor, a collector
 /// bug, a clock far off).
@@ -563,19 +642,13 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let db_ready = service.readiness.register("database");
     let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();
+    let assignment = kafka::Assignment::default();
     let setup = async {
         let pool = connect_and_migrate(&config.database_url, config.database_pool).await?;
         // Partitions for today and the days ahead exist before the first event is written.
         retention::maintain_logged(&pool, config.event_retention).await;
-        let since = chrono::Utc::now() - chrono::Duration::from_std(config.rebuild_window).unwrap_or_default();
-        let history = store::events_since(&pool, since).await?;
-        let observations: Vec<_> = history.iter().map(observe::observation).collect();
-        let engine = Engine::rebuild(config.rules.clone(), observations.iter());
-        tracing::info!(
-            events = observations.len(),
-            open_incidents = engine.open_incidents().len(),
-            "Incident state rebuilt."
-        );
+        // State is rebuilt per partition once the group assigns them (Classifier::reconcile).
+        let engine = Engine::new(config.rules.clone());
         let producer = config.kafka.producer(NAME)?;
         let codec = config.kafka.codec().await?;
         Ok::<_, ClassifierError>(Classifier {
@@ -586,6 +659,10 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             codec,
             write_parallelism: config.write_parallelism,
             workload_faults: config.workload_faults,
+            assignment: assignment.clone(),
+            owned: Owned::default(),
+            enriched_topic: config.topics.enriched.clone(),
+            rebuild_window: config.rebuild_window,
         })
     };
     let classifier = match setup.await {
@@ -615,7 +692,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         if !kafka::wait_for_topics(&settings, &specs, &token).await {
             return Ok(());
         }
-        let consumer = settings.consumer(NAME, &group, &inputs, assigned)?;
+        let consumer = settings.consumer_tracking(NAME, &group, &inputs, assigned, assignment)?;
         let dlq = settings.producer(&format!("{NAME}-dlq"))?;
         kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
     });
@@ -634,6 +711,11 @@ async fn ticker(
             () = tokio::time::sleep(every) => {}
         }
         let mut c = classifier.lock().await;
+        // Never a deadline for a node another replica owns now.
+        if let Err(e) = c.reconcile().await {
+            tracing::warn!(error = %e, "Cannot bring the engine in line with the partition assignment; not ticking.");
+            continue;
+        }
         let decisions: Vec<(Decision, Option<&[u8]>)> =
             c.engine.tick(chrono::Utc::now().timestamp_micros()).into_iter().map(|d| (d, None)).collect();
         if decisions.is_empty() {

@@ -350,14 +350,41 @@ pub async fn record_decisions(pool: &PgPool, decisions: &[(Decision, Verdict)]) 
     write_batch(pool, &batch).await.map(|_| ())
 }
 
-/// Recorded events observed since `since`, oldest first, to rebuild the engine's state at start.
-pub async fn events_since(pool: &PgPool, since: DateTime<Utc>) -> Result<Vec<EnrichedHealthEvent>, StoreError> {
-    let rows: Vec<serde_json::Value> =
-        sqlx::query_scalar("SELECT record FROM health_events WHERE observed_at >= $1 ORDER BY observed_at, event_id")
-            .bind(since)
-            .fetch_all(pool)
-            .await?;
-    Ok(rows.into_iter().filter_map(|v| serde_json::from_value(v).ok()).collect())
+/// The nodes with events observed since `since`.
+pub async fn nodes_since(pool: &PgPool, since: DateTime<Utc>) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar("SELECT DISTINCT node FROM health_events WHERE observed_at >= $1")
+        .bind(since)
+        .fetch_all(pool)
+        .await
+}
+
+/// Rebuilds an engine with `rules` from the events of `nodes` observed since `since`, oldest
+/// first, streamed: memory holds the engine's state, not the rows. Returns it with the number of
+/// events replayed.
+pub async fn rebuild(
+    pool: &PgPool,
+    rules: crate::rules::RuleSet,
+    since: DateTime<Utc>,
+    nodes: &[String],
+) -> Result<(crate::rules::engine::Engine, u64), StoreError> {
+    use futures::TryStreamExt as _;
+    let mut engine = crate::rules::engine::Engine::new(rules);
+    let mut replayed = 0u64;
+    let mut rows = sqlx::query_scalar::<_, serde_json::Value>(
+        "SELECT record FROM health_events WHERE observed_at >= $1 AND node = ANY($2) ORDER BY observed_at, event_id",
+    )
+    .bind(since)
+    .bind(nodes)
+    .fetch(pool);
+    while let Some(v) = rows.try_next().await? {
+        if let Ok(e) = serde_json::from_value::<EnrichedHealthEvent>(v) {
+            engine.observe(&crate::observe::observation(&e));
+            replayed += 1;
+        }
+    }
+    // Refusals were counted when the events first arrived.
+    engine.take_refused();
+    Ok((engine, replayed))
 }
 
 fn micros(m: i64) -> DateTime<Utc> {

@@ -209,7 +209,10 @@ impl KafkaSettings {
             .set("enable.idempotence", "true")
             .set("linger.ms", "5")
             .set("compression.type", "lz4")
-            .set("message.timeout.ms", "30000");
+            .set("message.timeout.ms", "30000")
+            // Named, not left to the default: the classifier finds a partition's nodes with
+            // [`partition_for`], which must agree with how records were placed.
+            .set("partitioner", "consistent_random");
         self.apply_options(&mut c);
         c.create().map_err(|source| KafkaError::Client { what: "producer", source })
     }
@@ -223,6 +226,19 @@ impl KafkaSettings {
         group: &str,
         topics: &[&str],
         assigned: ReadyFlag,
+    ) -> Result<Consumer, KafkaError> {
+        self.consumer_tracking(service, group, topics, assigned, Assignment::default())
+    }
+
+    /// As [`consumer`](Self::consumer), keeping `assignment` current with every rebalance, for a
+    /// service whose state is owned per partition.
+    pub fn consumer_tracking(
+        &self,
+        service: &'static str,
+        group: &str,
+        topics: &[&str],
+        assigned: ReadyFlag,
+        assignment: Assignment,
     ) -> Result<Consumer, KafkaError> {
         let mut c = self.client_config(service);
         c.set("group.id", group)
@@ -238,7 +254,7 @@ impl KafkaSettings {
             .set("topic.metadata.refresh.interval.ms", "10000");
         self.apply_options(&mut c);
         let consumer: Consumer = c
-            .create_with_context(ServiceContext { service, assigned })
+            .create_with_context(ServiceContext { service, assigned, assignment })
             .map_err(|source| KafkaError::Client { what: "consumer", source })?;
         consumer.subscribe(topics).map_err(|source| KafkaError::Subscribe {
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),
@@ -335,6 +351,66 @@ pub(crate) fn existing_partitions<C: ConsumerContext>(
 pub struct ServiceContext {
     service: &'static str,
     assigned: ReadyFlag,
+    assignment: Assignment,
+}
+
+/// The partitions a consumer owns, as the last rebalance left them, with a generation that moves
+/// on every change. Partitions leave it when revoked (before another consumer can take them) and
+/// join it when assigned (before any of their records is polled).
+#[derive(Debug, Clone, Default)]
+pub struct Assignment {
+    inner: Arc<std::sync::Mutex<(u64, Partitions)>>,
+}
+
+/// Owned `(topic, partition)` pairs.
+type Partitions = std::collections::BTreeSet<(String, i32)>;
+
+impl Assignment {
+    /// The generation and the owned `(topic, partition)` pairs.
+    pub fn snapshot(&self) -> (u64, Partitions) {
+        self.inner.lock().expect("assignment lock").clone()
+    }
+
+    /// The owned partitions of `topic`, with the generation.
+    pub fn of(&self, topic: &str) -> (u64, std::collections::BTreeSet<i32>) {
+        let g = self.inner.lock().expect("assignment lock");
+        (g.0, g.1.iter().filter(|(t, _)| t == topic).map(|(_, p)| *p).collect())
+    }
+
+    /// Adds `partitions` (a rebalance assigned them).
+    pub fn add(&self, partitions: impl IntoIterator<Item = (String, i32)>) {
+        let mut g = self.inner.lock().expect("assignment lock");
+        g.0 += 1;
+        g.1.extend(partitions);
+    }
+
+    /// Removes `partitions` (a rebalance revoked them).
+    pub fn remove(&self, partitions: impl IntoIterator<Item = (String, i32)>) {
+        let mut g = self.inner.lock().expect("assignment lock");
+        g.0 += 1;
+        for p in partitions {
+            g.1.remove(&p);
+        }
+    }
+}
+
+/// The partition librdkafka's default partitioner (`consistent_random`) gives a record keyed
+/// `key` on a topic of `partitions` partitions: the CRC-32 (IEEE, as zlib's) of the key modulo the
+/// count. Every gpumedic producer uses that partitioner, so a consumer knows which nodes its
+/// partitions carry without reading them.
+pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
+    if partitions <= 0 {
+        return 0;
+    }
+    let mut crc = !0u32;
+    for &b in key {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    // A positive count below 2^31 fits both ways.
+    ((!crc) % partitions.unsigned_abs()) as i32
 }
 
 impl ClientContext for ServiceContext {
@@ -366,6 +442,7 @@ impl ConsumerContext for ServiceContext {
                     tracing::warn!(error = %e, "Could not commit offsets on revoke; the next owner may see records again.")
                 }
             }
+            self.assignment.remove(tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())));
             tracing::info!(partitions = tpl.count(), "Partitions revoked.");
         }
     }
@@ -373,6 +450,7 @@ impl ConsumerContext for ServiceContext {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(tpl) => {
+                self.assignment.add(tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())));
                 tracing::info!(partitions = tpl.count(), "Partitions assigned.");
                 self.assigned.set(true);
             }
@@ -977,6 +1055,35 @@ mod tests {
         let fresh = traceparent(None);
         assert_eq!(fresh.len(), 55, "{fresh}");
         assert_ne!(traceparent(Some(b"garbage")).split('-').nth(1), Some("garbage"));
+    }
+
+    #[test]
+    fn partition_for_is_the_crc32_of_the_key_modulo_the_count() {
+        // CRC-32 reference values (zlib): "" -> 0, "123456789" -> 0xCBF43926.
+        assert_eq!(partition_for(b"", 12), 0);
+        assert_eq!(partition_for(b"123456789", i32::MAX), (0xCBF4_3926u32 % i32::MAX as u32) as i32);
+        assert_eq!(partition_for(b"123456789", 12), (0xCBF4_3926u32 % 12) as i32);
+        assert_eq!(partition_for(b"node", 0), 0, "no partitions: no panic");
+    }
+
+    /// Against the testbed's Kafka: the partitions records land on are the ones [`partition_for`]
+    /// names, so a consumer knows its partitions' nodes.
+    #[tokio::test]
+    async fn records_land_where_partition_for_says() {
+        let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let topic = crate::testbed::unique_name("partition-for");
+        settings.ensure_topics(&[TopicSpec::new(topic.clone(), 12)]).await.expect("topic");
+        let producer = settings.producer("partition-for-test").expect("producer");
+        for i in 0..64 {
+            let key = format!("gpu-node-{i:04}.cluster.example");
+            let delivery = producer
+                .send(FutureRecord::to(&topic).key(&key).payload("x"), Duration::from_secs(30))
+                .await
+                .map_err(|(e, _)| e)
+                .expect("delivered");
+            assert_eq!(delivery.partition, partition_for(key.as_bytes(), 12), "{key}");
+        }
     }
 
     /// The (partition, offset) of each record of each batch offered, in order.

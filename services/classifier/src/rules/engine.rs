@@ -299,6 +299,25 @@ impl Engine {
         engine
     }
 
+    /// Keeps the state of the nodes `keep` accepts and forgets the others (their partitions went
+    /// to another replica); returns how many were forgotten.
+    pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) -> usize {
+        let before = self.nodes.len();
+        self.nodes.retain(|name, _| keep(name));
+        before - self.nodes.len()
+    }
+
+    /// Takes over the nodes of `rebuilt` (an engine rebuilt from their recorded events), replacing
+    /// any state held for them. What `rebuilt` refused was counted when first seen.
+    pub fn adopt(&mut self, rebuilt: Engine) {
+        self.nodes.extend(rebuilt.nodes);
+    }
+
+    /// How many nodes the engine holds state for.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> &RuleSet {
         &self.rules
