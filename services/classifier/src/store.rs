@@ -65,8 +65,11 @@ impl EventRows {
         self.sources.push(json_name(&ev.source));
         self.components.push(json_name(&ev.component));
         self.kinds.push(json_name(&ev.kind));
-        self.gpu_uuids.push(ev.entity.gpu_uuid.clone());
-        self.pci_bus_ids.push(ev.entity.pci_bus_id.clone());
+        // The GPU as the enricher resolved it (one identity whichever source named it), else as
+        // the event named it: a kernel-log line that named only a PCI bus id is found by UUID too.
+        let canonical = e.gpu.as_ref();
+        self.gpu_uuids.push(canonical.and_then(|g| g.uuid.clone()).or_else(|| ev.entity.gpu_uuid.clone()));
+        self.pci_bus_ids.push(canonical.and_then(|g| g.pci_bus_id.clone()).or_else(|| ev.entity.pci_bus_id.clone()));
         self.xids.push(match &ev.detail {
             gpumedic_schemas::Detail::Xid(x) => Some(x.code),
             _ => None,

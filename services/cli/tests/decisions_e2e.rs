@@ -7,6 +7,9 @@
 //!   the same millisecond. No node is cordoned, tainted or marked; one workload fault naming the
 //!   job is recorded in Postgres and published on the verdict topic, although the nodes are split
 //!   over two classifier replicas. A fatal SXid on one of those nodes then cordons and drains it.
+//! - Xid 48 in the kernel log (the GPU named by PCI bus id) and NVML's double-bit counter of the
+//!   same GPU (named by UUID) are one incident on that GPU; its own heartbeats do not release it,
+//!   its reset (the volatile counter back at 0) and then its heartbeats do, once.
 //! - A cloud notice for a window two days ahead leaves its node serving; the same notice for a
 //!   window two minutes ahead, with the lead shortened by configuration, drains its node before
 //!   the window opens.
@@ -16,7 +19,8 @@ use std::time::Duration;
 use gpumedic_runtime::kafka::{self, Envelope, KafkaSettings, Record};
 use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::health::{
-    CloudMaintenanceDetail, CloudProvider, Component, Detail, Entity, Source, SxidDetail, XidDetail,
+    CloudMaintenanceDetail, CloudProvider, Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail,
+    MonitorHealthDetail, MonitorState, Source, SxidDetail, XidDetail,
 };
 use gpumedic_schemas::{HealthEvent, Record as _, Verdict};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -441,4 +445,135 @@ async fn a_maintenance_notice_drains_its_node_shortly_before_the_window_not_on_a
     assert!(drained_at < in_two_minutes, "before the window opens");
     assert!(!cordoned(&p.get(&later).await), "the window two days out leaves its node serving");
     p.stop(&[later, soon]).await;
+}
+
+#[tokio::test]
+async fn one_gpu_named_by_pci_in_the_kernel_log_and_by_uuid_in_nvml_is_one_incident_cleared_after_its_reset() {
+    // Quiet periods capped so the release fits in a test; the proofs and the Xid burst still hold.
+    let p = Pipeline::start(1, &[("GPUMEDIC_MAX_QUIET", "5s".into())]).await;
+    let node = p.node(8).await;
+    let boot = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_DNS, node.as_bytes()).to_string();
+    let nvml = |gpu: Option<u32>, detail: Detail, healthy: bool| {
+        let entity = match gpu {
+            Some(g) => Entity {
+                gpu_uuid: Some(uuid_of(&node, g)),
+                pci_bus_id: Some(format!("0000{}", pci_of(g).to_uppercase())),
+                gpu_index: Some(g as i32),
+                ..Entity::default()
+            },
+            None => Entity::default(),
+        };
+        let component = if gpu.is_some() { Component::Gpu } else { Component::Node };
+        let mut e = HealthEvent::new(&node, Source::Nvml, component, entity, detail);
+        e.healthy = healthy;
+        e.boot_id = Some(boot.clone());
+        e
+    };
+    // The inventory as NVML writes PCI ids (eight-digit domain, upper case).
+    let gpus = (0..8u32)
+        .map(|g| GpuIdentity {
+            index: Some(g as i32),
+            uuid: Some(uuid_of(&node, g)),
+            pci_bus_id: Some(format!("0000{}", pci_of(g).to_uppercase())),
+            serial: Some(format!("1650000{g:03}")),
+            product: Some("NVIDIA H100 80GB HBM3".into()),
+            nvlink_domain: None,
+        })
+        .collect();
+    let inventory = GpuInventoryDetail { gpus, reason: GpuInventoryDetail::START.into(), expected: Some(8) };
+    p.emit(&nvml(None, Detail::GpuInventory(inventory), true)).await;
+    let beat = |g: u32| {
+        let ok = MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None };
+        nvml(Some(g), Detail::MonitorHealth(ok), true)
+    };
+    for g in 0..8 {
+        p.emit(&beat(g)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // GPU 2: Xid 48 in the kernel log, which names it by PCI bus id only...
+    let mut xid48 = kernel_log(
+        &node,
+        2,
+        Detail::Xid(XidDetail {
+            code: 48,
+            text: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer".into(),
+            pid: None,
+            process: None,
+            nvlink5: None,
+            recovery_action: None,
+        }),
+        format!("NVRM: Xid (PCI:{}): 48, pid=<unknown>, name=<unknown>, An uncorrectable double bit error", pci_of(2)),
+    );
+    xid48.entity = Entity { pci_bus_id: Some(pci_of(2)), ..Entity::default() };
+    p.emit(&xid48).await;
+    // ...and, two seconds later, NVML's volatile double-bit counter of the same GPU, by UUID.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ecc = |volatile: i64| {
+        Detail::Ecc(EccDetail {
+            single_bit_volatile: Some(0),
+            double_bit_volatile: Some(volatile),
+            single_bit_aggregate: Some(0),
+            double_bit_aggregate: Some(1),
+            location: Some("dram".into()),
+        })
+    };
+    p.emit(&nvml(Some(2), ecc(1), false)).await;
+    let xid_recorded_uuid: Option<String> =
+        eventually("the Xid 48 recorded with the GPU's UUID", Duration::from_secs(60), async || {
+            sqlx::query_scalar("SELECT gpu_uuid FROM health_events WHERE event_id = $1")
+                .bind(xid48.event_id)
+                .fetch_optional(&p.pool)
+                .await
+                .ok()
+                .flatten()
+        })
+        .await;
+    assert_eq!(xid_recorded_uuid, Some(uuid_of(&node, 2)), "the enricher resolved the PCI bus id");
+
+    // The Xid's burst closes three minutes after it (NVIDIA's gap); by then both sources have had
+    // their say. One incident, on GPU 2 by UUID; the GPU leaves service.
+    let incidents = async || -> Vec<(uuid::Uuid, String, Option<String>, bool)> {
+        sqlx::query_as(
+            "SELECT incident_id, rule_id, gpu_uuid, resolved_at IS NOT NULL FROM incidents
+              WHERE node = $1 AND severity <> 'info'",
+        )
+        .bind(&node)
+        .fetch_all(&p.pool)
+        .await
+        .unwrap()
+    };
+    eventually("an incident for GPU 2", Duration::from_secs(90), async || {
+        (!incidents().await.is_empty()).then_some(())
+    })
+    .await;
+    tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_secs(3 * 60 + 15)).await;
+    let open = incidents().await;
+    assert_eq!(open.len(), 1, "one fault seen by two sources is one incident: {open:?}");
+    let (incident, rule, gpu, resolved) = open[0].clone();
+    assert_eq!(gpu, Some(uuid_of(&node, 2)), "{rule}");
+    assert!(!resolved, "GPU 2's own heartbeats without a reset prove nothing");
+    assert!(cordoned(&p.get(&node).await), "the node is cordoned for the GPU's reset");
+
+    // The reset: the volatile counter starts again from 0, and GPU 2 answers. Released once.
+    p.emit(&nvml(Some(2), ecc(0), true)).await;
+    for _ in 0..10 {
+        p.emit(&beat(2)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    eventually("the incident resolved after the reset", Duration::from_secs(90), async || {
+        incidents().await.iter().all(|i| i.3).then_some(())
+    })
+    .await;
+    let recoveries: i64 = sqlx::query_scalar("SELECT count(*) FROM verdicts WHERE incident_id = $1 AND recovery")
+        .bind(incident)
+        .fetch_one(&p.pool)
+        .await
+        .unwrap();
+    assert_eq!(recoveries, 1);
+    eventually("the node back in service", Duration::from_secs(60), async || {
+        (!cordoned(&p.get(&node).await)).then_some(())
+    })
+    .await;
+    p.stop(&[node]).await;
 }
