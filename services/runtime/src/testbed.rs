@@ -300,12 +300,27 @@ pub async fn wait_for_record(
         consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
     } else {
         let mut timestamps = rdkafka::TopicPartitionList::new();
+        let mut pinned = Vec::new();
         for p in partitions {
             timestamps
                 .add_partition_offset(topic, p, rdkafka::Offset::Offset(since.as_millis() as i64))
                 .map_err(|e| e.to_string())?;
         }
-        let start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        let mut start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        // A partition with nothing since then answers "the end", which the broker resolves only
+        // when fetching starts: a record written in between would be skipped. Pin it to the end
+        // as it is now instead.
+        for e in start.elements() {
+            if matches!(e.offset(), rdkafka::Offset::End | rdkafka::Offset::Invalid) {
+                let (_, high) = consumer
+                    .fetch_watermarks(topic, e.partition(), Duration::from_secs(10))
+                    .map_err(|e| e.to_string())?;
+                pinned.push((e.partition(), high));
+            }
+        }
+        for (partition, high) in pinned.drain(..) {
+            start.set_partition_offset(topic, partition, rdkafka::Offset::Offset(high)).map_err(|e| e.to_string())?;
+        }
         consumer.assign(&start).map_err(|e| e.to_string())?;
     }
     let deadline = tokio::time::Instant::now() + timeout;
