@@ -417,7 +417,7 @@ pub enum Condition {
         limit: Operand,
         /// How long it must hold.
         for_: Interval,
-        /// How many readings in a row hold it as well (0: only the duration counts).
+        /// Or this many readings in a row, whichever comes first (0: only the duration counts).
         readings: u32,
     },
 }
