@@ -299,27 +299,31 @@ pub async fn wait_for_record(
     if partitions.is_empty() {
         consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
     } else {
+        // The end of each partition as it is before the lookup: a partition with nothing since
+        // `since` answers "the end", which the broker resolves only when fetching starts, so a
+        // record written in between would be skipped. Every record past this end was written
+        // after `since`, so such a partition starts here. (Looked up after the timestamps, the
+        // end could already include a record written in between, and skip it.)
+        let mut ends = std::collections::HashMap::new();
+        for &p in &partitions {
+            let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+            ends.insert(p, high);
+        }
         let mut timestamps = rdkafka::TopicPartitionList::new();
-        let mut pinned = Vec::new();
-        for p in partitions {
+        for &p in &partitions {
             timestamps
                 .add_partition_offset(topic, p, rdkafka::Offset::Offset(since.as_millis() as i64))
                 .map_err(|e| e.to_string())?;
         }
         let mut start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
-        // A partition with nothing since then answers "the end", which the broker resolves only
-        // when fetching starts: a record written in between would be skipped. Pin it to the end
-        // as it is now instead.
-        for e in start.elements() {
-            if matches!(e.offset(), rdkafka::Offset::End | rdkafka::Offset::Invalid) {
-                let (_, high) = consumer
-                    .fetch_watermarks(topic, e.partition(), Duration::from_secs(10))
-                    .map_err(|e| e.to_string())?;
-                pinned.push((e.partition(), high));
-            }
-        }
-        for (partition, high) in pinned.drain(..) {
-            start.set_partition_offset(topic, partition, rdkafka::Offset::Offset(high)).map_err(|e| e.to_string())?;
+        let unresolved: Vec<i32> = start
+            .elements()
+            .iter()
+            .filter(|e| matches!(e.offset(), rdkafka::Offset::End | rdkafka::Offset::Invalid))
+            .map(|e| e.partition())
+            .collect();
+        for p in unresolved {
+            start.set_partition_offset(topic, p, rdkafka::Offset::Offset(ends[&p])).map_err(|e| e.to_string())?;
         }
         consumer.assign(&start).map_err(|e| e.to_string())?;
     }
