@@ -20,6 +20,7 @@ use serde_json::{Map, Value, json};
 
 use crate::drain::{DrainError, DrainPolicy, DrainReport, drain};
 use crate::ladder::{Ladder, StepSpec};
+use crate::lease::Validity;
 use crate::plan::{APPLIED_ANNOTATION, Admission, Decision, Note, Plan, Policy, Skip, State, advance, plan};
 use crate::request::Remediation;
 use crate::safety::Gate;
@@ -80,6 +81,12 @@ pub enum ApplyError {
     /// An outcome owed before going on (a repair ladder's end) could not be published.
     #[error("cannot publish an action outcome: {0}")]
     Publish(String),
+    /// This replica can no longer prove it holds the leader lease, so it writes nothing.
+    #[error("not writing to node {node}: this replica can no longer prove it holds the leader lease")]
+    NotLeading {
+        /// The node.
+        node: String,
+    },
 }
 
 /// The edge's settings.
@@ -144,6 +151,8 @@ pub struct Remediator {
     gate: Arc<Mutex<Gate>>,
     /// The global pause, set from the status object while the process runs.
     paused: Arc<AtomicBool>,
+    /// Whether this replica still holds the leader lease; checked before every node write.
+    validity: Arc<Validity>,
 }
 
 impl Remediator {
@@ -159,7 +168,31 @@ impl Remediator {
             settings: Arc::new(settings),
             gate: Arc::new(Mutex::new(gate)),
             paused: Arc::new(AtomicBool::new(false)),
+            validity: Arc::new(Validity::unconditional()),
         })
+    }
+
+    /// This remediator, writing only while `validity` says the leader lease is held.
+    pub fn with_validity(mut self, validity: Arc<Validity>) -> Self {
+        self.validity = validity;
+        self
+    }
+
+    /// Refuses a write to `node` once the lease can no longer be proven held: every node write,
+    /// eviction and repair call goes through this first.
+    pub fn leading(&self, node: &str) -> Result<(), ApplyError> {
+        if self.validity.current() {
+            Ok(())
+        } else {
+            metrics::counter!("gpumedic_remediator_writes_refused_not_leading_total").increment(1);
+            Err(ApplyError::NotLeading { node: node.to_owned() })
+        }
+    }
+
+    /// The client without kube's built-in retries, for calls that carry their own deadline (the
+    /// lease renewal, evictions).
+    pub fn client_without_retry(&self) -> kube::Client {
+        self.evictions.clone()
     }
 
     /// Sets or lifts the global pause (see [`Policy::paused`]); `Settings::policy.paused` pauses
@@ -221,6 +254,7 @@ impl Remediator {
                 }
                 Decision::Apply(plan) => plan,
             };
+            self.leading(name)?;
             match write(&nodes, &node, &plan).await {
                 Ok(()) => {}
                 Err(WriteError::Conflict { conditions_written }) => {
@@ -245,7 +279,10 @@ impl Remediator {
             // The re-plan after a partial write no longer holds the written conditions' notes.
             self.record(&node, &plan.notes).await;
             let drained = match &plan.drain {
-                Some(scope) => Some(self.drain(&nodes, &node, scope).await?),
+                Some(scope) => {
+                    self.leading(name)?;
+                    Some(self.drain(&nodes, &node, scope).await?)
+                }
                 None => None,
             };
             let mut plan = plan;
@@ -253,6 +290,7 @@ impl Remediator {
             // node is drained or being drained); an incomplete drain leaves the ladder unstarted.
             if plan.repair.is_some() {
                 if drained.as_ref().is_none_or(DrainReport::complete) {
+                    self.leading(name)?;
                     self.start_ladder(&nodes, request).await?;
                 } else {
                     plan.repair = None;
@@ -346,6 +384,7 @@ impl Remediator {
         reason: &str,
         message: &str,
     ) -> Result<(), ApplyError> {
+        self.leading(name)?;
         let nodes: Api<Node> = Api::all(self.client.clone());
         let patch = json!({ "status": { "conditions": [{
             "type": type_, "status": "True", "reason": reason, "message": message, "lastHeartbeatTime": now(),
@@ -364,6 +403,7 @@ impl Remediator {
 
     /// Moves the state label to `to`, re-reading the node on conflicts.
     async fn advance(&self, nodes: &Api<Node>, name: &str, to: State) -> Result<(), ApplyError> {
+        self.leading(name)?;
         for _ in 0..CONFLICT_ATTEMPTS {
             let node = read(nodes, name).await?;
             let Some(plan) = advance(&crate::plan::NodeView::from_node(&node), to) else { return Ok(()) };

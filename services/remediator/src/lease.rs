@@ -128,6 +128,63 @@ pub fn lost(renewed: Instant, deadline: Duration, now: Instant) -> bool {
     now.saturating_duration_since(renewed) >= deadline
 }
 
+/// Whether this replica may still act as the leader, as far as it can prove: the lease counts
+/// from the *start* of the last renewal that succeeded (the apiserver applied it no earlier), and
+/// stops counting [`LeaseSettings::renew_deadline`] later, before any standby can see the lease as
+/// expired. Every write the leader makes checks it first, so a leader whose renewals hang or are
+/// refused stops writing on its own clock, whatever the apiserver or the network does.
+#[derive(Debug)]
+pub struct Validity {
+    /// `None` for a process that acts without an election (tests, the library on its own).
+    deadline: Option<Duration>,
+    renewed: std::sync::Mutex<Option<Instant>>,
+}
+
+impl Validity {
+    /// Validity that follows a lease whose holder must stop `deadline` after a renewal started.
+    pub fn for_lease(deadline: Duration) -> Self {
+        Self { deadline: Some(deadline), renewed: std::sync::Mutex::new(None) }
+    }
+
+    /// Validity for a process without leader election: always current.
+    pub fn unconditional() -> Self {
+        Self { deadline: None, renewed: std::sync::Mutex::new(None) }
+    }
+
+    /// A renewal (or the acquisition) that started at `at` succeeded.
+    pub fn renewed(&self, at: Instant) {
+        let mut renewed = self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A slow answer to an earlier attempt never moves the start back.
+        if renewed.is_none_or(|r| r < at) {
+            *renewed = Some(at);
+        }
+    }
+
+    /// The term ended: nothing may be written until the lease is held again.
+    pub fn end(&self) {
+        *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// How long the lease is still provably held at `now` (zero when it is not).
+    pub fn left_at(&self, now: Instant) -> Duration {
+        let Some(deadline) = self.deadline else { return Duration::MAX };
+        match *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            Some(renewed) => deadline.saturating_sub(now.saturating_duration_since(renewed)),
+            None => Duration::ZERO,
+        }
+    }
+
+    /// Whether the lease is provably held at `now`.
+    pub fn current_at(&self, now: Instant) -> bool {
+        !self.left_at(now).is_zero()
+    }
+
+    /// Whether the lease is provably held now.
+    pub fn current(&self) -> bool {
+        self.current_at(Instant::now())
+    }
+}
+
 /// What went wrong talking to the apiserver about the lease.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -319,5 +376,31 @@ mod tests {
         assert_eq!(s.renew_deadline(), Duration::from_secs(10));
         assert!(!lost(t0, s.renew_deadline(), t0 + Duration::from_secs(9)));
         assert!(lost(t0, s.renew_deadline(), t0 + Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn validity_counts_from_the_start_of_the_last_renewal_and_ends_at_the_deadline() {
+        let t0 = Instant::now();
+        let v = Validity::for_lease(Duration::from_secs(10));
+        assert!(!v.current_at(t0), "nothing is valid before the lease is held");
+        v.renewed(t0);
+        assert!(v.current_at(t0 + Duration::from_secs(9)));
+        assert_eq!(v.left_at(t0 + Duration::from_secs(4)), Duration::from_secs(6));
+        assert!(!v.current_at(t0 + Duration::from_secs(10)), "stops at the deadline");
+        // A late answer to an older attempt does not move the start back.
+        v.renewed(t0 + Duration::from_secs(5));
+        v.renewed(t0 + Duration::from_secs(2));
+        assert!(v.current_at(t0 + Duration::from_secs(14)));
+        assert!(!v.current_at(t0 + Duration::from_secs(15)));
+        v.end();
+        assert!(!v.current_at(t0 + Duration::from_secs(6)), "an ended term writes nothing");
+    }
+
+    #[test]
+    fn without_an_election_validity_is_unconditional() {
+        let v = Validity::unconditional();
+        assert!(v.current());
+        v.end();
+        assert!(v.current());
     }
 }

@@ -56,7 +56,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyError, Outcome, Remediator, Settings};
 use crate::control::StatusClient;
 use crate::drain::{DrainMode, DrainPolicy};
-use crate::lease::{LeaseClient, LeaseSettings};
+use crate::lease::{LeaseClient, LeaseSettings, Validity};
 use crate::plan::{Mode, Policy, Skip};
 use crate::request::Action;
 use crate::safety::{BreakerLimits, Gate};
@@ -480,6 +480,8 @@ struct Shared {
     open_persisted: AtomicBool,
     /// Serialises the leader's writes to the status object (a trip and a reset must not cross).
     status_writes: tokio::sync::Mutex<()>,
+    /// The unreadable ladders already reported with an Event (node, annotation value).
+    refused_ladders: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
@@ -491,13 +493,15 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     // healthy replica that must not be restarted or kept out of a rollout for not leading.
     let consuming = service.readiness.register("kafka-partitions-assigned-or-standby");
     let token = service.shutdown.token();
+    let validity = Arc::new(Validity::for_lease(config.lease.renew_deadline()));
     let setup = async {
         let kube_config = kube::Config::infer().await.map_err(|e| Box::new(e) as BoxError)?;
         let remediator = Remediator::new(
             kube_config,
             config.settings.clone(),
             Gate::new(config.breaker, config.quarantines_per_minute),
-        )?;
+        )?
+        .with_validity(validity.clone());
         let producer = config.kafka.producer(NAME)?;
         let codec = config.kafka.codec().await?;
         Ok::<_, BoxError>((remediator, producer, codec))
@@ -551,9 +555,11 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         consuming,
         open_persisted: AtomicBool::new(false),
         status_writes: tokio::sync::Mutex::new(()),
+        refused_ladders: std::sync::Mutex::new(std::collections::HashSet::new()),
     });
-    let lease = LeaseClient::new(client, config.lease);
-    service.shutdown.spawn("leadership", lead(shared, lease, lease_ready, token));
+    // The lease on the client without kube's own retries: every attempt has a deadline here.
+    let lease = LeaseClient::new(shared.remediator.client_without_retry(), config.lease);
+    service.shutdown.spawn("leadership", lead(shared, lease, validity, lease_ready, token));
     service.run().await
 }
 
@@ -569,9 +575,15 @@ enum TermEnd {
 /// On loss it stops acting at once (the term's tasks are cancelled: a drain in progress stops, the
 /// verdict's offset is not stored, the consumer leaves the group) and stands by again; on shutdown
 /// it releases the lease so a standby takes over at its next look.
+///
+/// Every lease call has a deadline: an attempt gets at most one renew period, and never more than
+/// the time the lease is still provably held. The lease counts from the start of the last renewal
+/// that succeeded, and `validity` stops every node write at the renew deadline on this replica's
+/// own clock, before any standby can see the lease as expired, even while a renewal hangs.
 async fn lead(
     shared: Arc<Shared>,
     mut lease: LeaseClient,
+    validity: Arc<Validity>,
     lease_ready: ReadyFlag,
     token: CancellationToken,
 ) -> Result<(), BoxError> {
@@ -584,16 +596,26 @@ async fn lead(
         return Ok(());
     }
     let renew = lease.settings().renew;
-    let deadline = lease.settings().renew_deadline();
     loop {
         shared.consuming.set(true);
         loop {
-            match lease.try_lead().await {
-                Ok(true) => break,
-                Ok(false) => lease_ready.set(true),
-                Err(e) => {
+            let started = Instant::now();
+            match tokio::time::timeout(renew, lease.try_lead()).await {
+                Ok(Ok(true)) => {
+                    validity.renewed(started);
+                    break;
+                }
+                Ok(Ok(false)) => lease_ready.set(true),
+                Ok(Err(e)) => {
                     lease_ready.set(false);
                     tracing::warn!(error = %e, "Cannot reach the lease; standing by.");
+                }
+                Err(_) => {
+                    lease_ready.set(false);
+                    tracing::warn!(
+                        seconds = renew.as_secs_f64(),
+                        "The lease did not answer within the renew period; standing by."
+                    );
                 }
             }
             tokio::select! {
@@ -614,7 +636,6 @@ async fn lead(
         if shared.remediator.settings().policy.mode == Mode::FullRemediation {
             tasks.spawn(drive_repairs(shared.clone(), term.clone()));
         }
-        let mut renewed = Instant::now();
         let end = loop {
             tokio::select! {
                 // Biased: on shutdown the term's tasks return as well, and that is not a failure.
@@ -631,24 +652,37 @@ async fn lead(
                     });
                 }
                 () = tokio::time::sleep(renew) => {
-                    match lease.try_lead().await {
-                        Ok(true) => renewed = Instant::now(),
-                        Ok(false) => break TermEnd::Lost,
-                        Err(e) => tracing::warn!(error = %e, "Cannot renew the lease; still leading until the renew deadline."),
+                    let started = Instant::now();
+                    let left = validity.left_at(started);
+                    match tokio::time::timeout(renew.min(left), lease.try_lead()).await {
+                        Ok(Ok(true)) => validity.renewed(started),
+                        Ok(Ok(false)) => break TermEnd::Lost,
+                        Ok(Err(e)) => tracing::warn!(error = %e, "Cannot renew the lease; still leading until the renew deadline."),
+                        Err(_) => tracing::warn!(seconds = renew.min(left).as_secs_f64(),
+                            "The lease renewal did not answer in time; still leading until the renew deadline."),
                     }
-                    if lease::lost(renewed, deadline, Instant::now()) {
+                    if !validity.current() {
                         break TermEnd::Lost;
                     }
                 }
             }
         };
-        term.cancel();
-        while let Some(joined) = tasks.join_next().await {
-            if let Ok(Err(e)) = joined {
-                tracing::warn!(error = %e, "A leader task failed while stopping.");
-            }
-        }
+        // No write from here on, before the tasks have even stopped.
+        validity.end();
         metrics::gauge!("gpumedic_remediator_leader").set(0.0);
+        term.cancel();
+        // A task stuck in a call that does not answer is not waited for forever.
+        let stopped = async {
+            while let Some(joined) = tasks.join_next().await {
+                if let Ok(Err(e)) = joined {
+                    tracing::warn!(error = %e, "A leader task failed while stopping.");
+                }
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(10), stopped).await.is_err() {
+            tracing::warn!("Leader tasks did not stop within 10 s of the term's end; aborting them.");
+            tasks.abort_all();
+        }
         match end {
             TermEnd::Lost => {
                 tracing::warn!("Lost the lease: stopped acting and left the consumer group; standing by.");
@@ -881,6 +915,8 @@ async fn carry_out(
         Some(Err(e)) => {
             tracing::warn!(node = %name, error = %e, "Dropping an unreadable deferred action.");
             metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "unreadable").increment(1);
+            let why = format!("Dropped the unreadable deferred action in {}: {e}", maintenance::DEFERRED_ANNOTATION);
+            shared.remediator.record_event(node, "DeferredActionRefused", why, true).await;
             maintenance::clear(&shared.remediator.client(), &name).await?;
             return Ok(());
         }
@@ -891,6 +927,12 @@ async fn carry_out(
     if deferred.request.node != name {
         tracing::warn!(node = %name, names = %deferred.request.node, "Dropping a deferred action that names another node.");
         metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "other_node").increment(1);
+        let why = format!(
+            "Dropped the deferred action in {}: it names node {}, and a node's annotations act on that node only",
+            maintenance::DEFERRED_ANNOTATION,
+            deferred.request.node
+        );
+        shared.remediator.record_event(node, "DeferredActionRefused", why, true).await;
         maintenance::clear(&shared.remediator.client(), &name).await?;
         return Ok(());
     }
@@ -903,6 +945,7 @@ async fn carry_out(
     if !maintenance::due(&deferred, &shared.windows, chrono::Utc::now(), || idle) {
         return Ok(());
     }
+    shared.remediator.leading(&name)?;
     let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
     let result = tokio::select! {
         () = term.cancelled() => return Ok(()),
@@ -1027,6 +1070,7 @@ impl Handler {
             }
             let outcome = shared.remediator.remediate(request, gpu_nodes).await?;
             if request.recovery && !shared.remediator.paused() {
+                shared.remediator.leading(&request.node)?;
                 maintenance::clear(&shared.remediator.client(), &request.node)
                     .await
                     .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
@@ -1047,6 +1091,7 @@ impl Handler {
             not_before,
             until,
         };
+        shared.remediator.leading(&request.node)?;
         maintenance::defer(&shared.remediator.client(), &deferred)
             .await
             .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
@@ -1134,6 +1179,7 @@ async fn end_ladder(shared: &Shared, request: &request::Remediation) -> Result<(
         metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
         tracing::info!(node = %request.node, verdict_id = %l.verdict_id, "A repair ladder ended: the node is healthy again.");
     }
+    shared.remediator.leading(&request.node)?;
     ladder::write(&client, &request.node, None, None)
         .await
         .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })
@@ -1199,6 +1245,18 @@ async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) 
         Some(Err(e)) => {
             tracing::warn!(node = %name, error = %e, "Ignoring an unreadable repair ladder.");
             metrics::counter!("gpumedic_remediator_ladders_refused_total").increment(1);
+            // Once per distinct annotation value, not at every look.
+            let first = raw.as_ref().is_some_and(|r| {
+                let mut seen = shared.refused_ladders.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if seen.len() > 10_000 {
+                    seen.clear();
+                }
+                seen.insert((name.clone(), r.clone()))
+            });
+            if first {
+                let why = format!("Ignoring the repair ladder in {}: {e}", ladder::LADDER_ANNOTATION);
+                shared.remediator.record_event(node, "RepairLadderRefused", why, true).await;
+            }
             return Ok(());
         }
         None => return Ok(()),
@@ -1206,6 +1264,8 @@ async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) 
     if !l.active() {
         return Ok(());
     }
+    // Hooks reboot and replace machines: never called by a replica that cannot prove it leads.
+    shared.remediator.leading(&name)?;
     let report =
         if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };
     let now = chrono::Utc::now();

@@ -243,6 +243,129 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
+/// A TCP relay in front of the apiserver whose forwarding can be held: while held, bytes are read
+/// and kept, not passed on, as a network or an apiserver that stopped answering one client.
+struct Relay {
+    port: u16,
+    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    async fn start(upstream: std::net::SocketAddr) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("relay binds");
+        let port = listener.local_addr().unwrap().port();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = held.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                for (mut from, mut to) in [(cr, sw), (sr, cw)] {
+                    let flag = flag.clone();
+                    tokio::spawn(async move {
+                        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            while flag.load(Ordering::Acquire) {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self { port, held }
+    }
+
+    fn hold(&self, held: bool) {
+        self.held.store(held, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[tokio::test]
+async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby_can_take_over() {
+    let w = World::new().await;
+    // The leader reaches the apiserver through a relay; the standby directly.
+    let kubeconfig = std::fs::read_to_string(testbed::kubeconfig_path()).expect("the testbed's kubeconfig");
+    let server = kubeconfig
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: https://"))
+        .expect("the kubeconfig names its server")
+        .trim()
+        .to_owned();
+    let upstream: std::net::SocketAddr = server.parse().expect("the server is an address");
+    let relay = Relay::start(upstream).await;
+    let relayed = std::env::temp_dir().join(testbed::unique_name("kubeconfig"));
+    std::fs::write(&relayed, kubeconfig.replace(&server, &format!("127.0.0.1:{}", relay.port))).unwrap();
+    // Renew deadline 6 s: the leader must stop by then; a standby takes over no sooner than 8 s
+    // after it last saw the lease change.
+    let timings = [("GPUMEDIC_LEASE_DURATION", "8s".to_owned()), ("GPUMEDIC_LEASE_RENEW", "2s".to_owned())];
+    let mut env_a = timings.to_vec();
+    env_a.push(("KUBECONFIG", relayed.display().to_string()));
+    let mut first = w.start("rem-a", &env_a);
+    first.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    eventually("the first replica to lead", Duration::from_secs(30), async || {
+        (w.holder().await.as_deref() == Some("rem-a")).then_some(())
+    })
+    .await;
+    let mut second = w.start("rem-b", &timings);
+    second.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(metric(&first, "gpumedic_remediator_leader 1").await, "the first replica leads");
+
+    // The apiserver stops answering the leader. It must stop acting on its own clock, before the
+    // standby may see the lease as expired and take over.
+    relay.hold(true);
+    let held = std::time::Instant::now();
+    let mut stopped = None;
+    loop {
+        // The leader's gauge is read before the lease, so a stop seen here came first.
+        if stopped.is_none() && metric(&first, "gpumedic_remediator_leader 0").await {
+            stopped = Some(held.elapsed());
+        }
+        if w.holder().await.as_deref() == Some("rem-b") {
+            break;
+        }
+        assert!(held.elapsed() < Duration::from_secs(60), "the standby never took over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took_over = held.elapsed();
+    println!(
+        "apiserver held from the leader: it stopped leading after {stopped:?}; the standby took over after {took_over:?} (lease 8s, renew 2s)"
+    );
+    let stopped = stopped.unwrap_or_else(|| {
+        panic!("the old leader still said it led when the standby took over ({took_over:?} after the hold)")
+    });
+    assert!(stopped < took_over);
+
+    // The new leader acts; the old one, its apiserver back, stands by and writes nothing.
+    let name = w.node().await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    relay.hold(false);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        metric(&first, "gpumedic_remediator_leader 0").await,
+        "the old leader stands by once it hears the apiserver again"
+    );
+    assert_eq!(w.holder().await.as_deref(), Some("rem-b"));
+    let events = event_reasons(&w.client, &name).await;
+    assert_eq!(events.iter().filter(|e| *e == "Cordoned").count(), 1, "cordoned once: {events:?}");
+    drop(first);
+    second.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    std::fs::remove_file(&relayed).ok();
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
 #[tokio::test]
 async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gpumedic_breaker_reset() {
     let w = World::new().await;

@@ -375,6 +375,77 @@ async fn a_webhook_that_refuses_fails_every_step_at_once_and_leaves_the_node_fai
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
+#[tokio::test]
+async fn a_ladder_annotation_naming_another_node_or_with_no_steps_calls_no_hook_and_says_why() {
+    let w = World::new().await;
+    let (a, b, c) = (w.node().await, w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reboot_node=10m,replace_node".into()),
+        ])
+        .await;
+    // Whoever can annotate node A (its own kubelet can) writes a pending ladder for node B on it,
+    // and an empty ladder on node C.
+    let steps = gpumedic_remediator::ladder::parse_steps("reboot_node=10m,replace_node", Duration::from_secs(600))
+        .expect("steps");
+    let for_b = request(&b, gpumedic_remediator::request::Action::RebootNode);
+    let forged = gpumedic_remediator::ladder::Ladder::new(
+        &uuid::Uuid::new_v4().to_string(),
+        RecommendedAction::RebootNode,
+        &for_b,
+        &steps,
+        chrono::Utc::now(),
+    );
+    let mut empty = serde_json::to_value(&forged).unwrap();
+    empty["steps"] = json!([]);
+    empty["request"]["node"] = json!(c);
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(w.client.clone());
+    for (name, ladder) in [(&a, serde_json::to_string(&forged).unwrap()), (&c, empty.to_string())] {
+        let patch = json!({ "metadata": { "annotations": { LADDER_ANNOTATION: ladder } } });
+        nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await.expect("annotated");
+    }
+    for (name, why) in [(&a, format!("names node \"{b}\"")), (&c, "no steps".to_owned())] {
+        eventually("an Event saying why the ladder is ignored", Duration::from_secs(30), async || {
+            let events = events_of(&w.client, name).await;
+            events
+                .iter()
+                .any(|(reason, message)| reason == "RepairLadderRefused" && message.contains(&why))
+                .then_some(())
+        })
+        .await;
+    }
+    // Several more looks (every 500 ms): still no hook call, one Event each, the leader still up.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(receiver.calls().is_empty(), "no hook was called: {:?}", receiver.calls());
+    for name in [&a, &c] {
+        let refused = event_reasons(&w.client, name).await.into_iter().filter(|e| e == "RepairLadderRefused").count();
+        assert_eq!(refused, 1, "one Event per annotation value on {name}");
+    }
+    assert!(r.try_wait().unwrap().is_none(), "the remediator is still running");
+    let body = testbed::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
+    assert!(body.lines().any(|l| l == "gpumedic_remediator_leader 1"), "still leading");
+    let node_b = get_node(&w.client, &b).await;
+    assert!(!cordoned(&node_b) && state(&node_b).is_none(), "node B is untouched");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b, &c], &[&w.ns]).await;
+}
+
+/// The Events on `node`: reason and message.
+async fn events_of(client: &kube::Client, node: &str) -> Vec<(String, String)> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("involvedObject.name={node}"));
+    events
+        .list(&lp)
+        .await
+        .map(|l| l.items.into_iter().map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default())).collect())
+        .unwrap_or_default()
+}
+
 const GROUP: &str = "repair.gpumedic-test.io";
 
 /// The test's repair CRD (namespaced `GpuRepair`, any fields, a status subresource), installed
