@@ -71,6 +71,10 @@ pub struct Args {
     /// Connections in the database pool.
     #[arg(long, env = "GPUMEDIC_DATABASE_POOL", default_value_t = 8)]
     database_pool: u32,
+    /// Connections of the incident API's own pool: read-only, with a statement timeout, so a
+    /// heavy query never takes a connection the classifier writes with.
+    #[arg(long, env = "GPUMEDIC_API_DATABASE_POOL", default_value_t = 2)]
+    api_database_pool: u32,
     /// A folder of rule files (*.yaml) to use instead of the built-in default rule set.
     #[arg(long, env = "GPUMEDIC_RULES_DIR")]
     rules_dir: Option<PathBuf>,
@@ -155,6 +159,8 @@ pub struct Config {
     pub database_url: String,
     /// Connections in the pool.
     pub database_pool: u32,
+    /// Connections in the incident API's read-only pool.
+    pub api_database_pool: u32,
     /// Statements a batch is written as, at once.
     pub write_parallelism: usize,
     /// The rules.
@@ -194,6 +200,9 @@ impl Validate for Args {
         }
         if self.database_pool == 0 {
             p.push("--database-pool", "must be at least 1");
+        }
+        if self.api_database_pool == 0 {
+            p.push("--api-database-pool", "must be at least 1");
         }
         // With no valid pool, that problem is the one to fix first.
         if self.write_parallelism == 0
@@ -283,6 +292,7 @@ impl Validate for Args {
                 group: self.group,
                 database_url: self.database_url,
                 database_pool: self.database_pool,
+                api_database_pool: self.api_database_pool,
                 write_parallelism: self.write_parallelism,
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
@@ -673,7 +683,22 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
     };
     let pool = classifier.lock().await.pool.clone();
-    let _ = api_pool.set(pool.clone());
+    // The incident API reads on its own pool: read-only, and no query may run past 10 s.
+    match postgres::connect_with_settings(
+        &config.database_url,
+        config.api_database_pool,
+        &[("statement_timeout", "10s"), ("default_transaction_read_only", "on")],
+    )
+    .await
+    {
+        Ok(read_only) => {
+            let _ = api_pool.set(read_only);
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "Cannot open the incident API's database pool.");
+            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(e) });
+        }
+    }
     service.shutdown.spawn(
         "database",
         postgres::watch_reachability(pool.clone(), db_ready, Duration::from_secs(10), token.clone()),
