@@ -1123,6 +1123,10 @@ impl Handler {
         let shared = self.shared.clone();
         let managed = shared.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
         let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), shared.max_verdict_age) {
+            tracing::warn!(node = %verdict.node, verdict_id = %verdict.verdict_id, age_seconds = age.as_secs(),
+                "Did not act on a verdict older than --max-verdict-age; its outcome says stale.");
+            metrics::counter!("gpumedic_remediator_stale_verdicts_total", "recovery" => verdict.recovery.to_string())
+                .increment(1);
             Ok(Outcome::Skipped { reason: Skip::Stale(age), would: None })
         } else if !managed {
             Ok(Outcome::Skipped { reason: Skip::Unmanaged, would: None })

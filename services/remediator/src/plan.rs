@@ -4,8 +4,11 @@
 //! plan would put a node into quarantine.
 //!
 //! Ownership is recorded on the node itself, in the [`APPLIED_ANNOTATION`] (JSON [`Applied`]):
-//! exactly the conditions, taints, labels and cordon gpumedic put there. Recovery removes only
-//! what that record names, so an operator's taint, label, condition or cordon is never touched.
+//! exactly the conditions, taints, labels and cordon gpumedic put there, and every open incident
+//! gpumedic acts on for the node with what it asked for ([`Claim`]). Recovery removes only what
+//! that record names, so an operator's taint, label, condition or cordon is never touched, and
+//! only what no remaining incident still needs: a node leaves quarantine when its last
+//! quarantining incident recovers, whatever order the incidents close in.
 //! Planning compares the wanted state with the node's actual state, so a request applied twice
 //! (or half-applied before a crash) yields only the missing changes, and none the second time.
 
@@ -212,9 +215,10 @@ impl NodeView {
         }
     }
 
-    /// The ownership record, if gpumedic has applied anything.
+    /// The ownership record, if gpumedic has applied anything, in its current form (see
+    /// [`Applied::upgraded`]).
     pub fn applied(&self) -> Result<Option<Applied>, serde_json::Error> {
-        self.annotations.get(APPLIED_ANNOTATION).map(|raw| serde_json::from_str(raw)).transpose()
+        self.annotations.get(APPLIED_ANNOTATION).map(|raw| serde_json::from_str(raw).map(Applied::upgraded)).transpose()
     }
 
     /// The state label, when it holds a known state.
@@ -236,10 +240,16 @@ impl NodeView {
 }
 
 /// Exactly what gpumedic applied to a node, stored as JSON in [`APPLIED_ANNOTATION`].
+///
+/// The record is additive over its first, single-incident form (`incidentId` and the applied
+/// parts only): that form still reads, as one open incident (see [`NodeView::applied`]), and the
+/// fields it had keep their meaning, so a reader that knows only them still finds the incident
+/// that holds the node in `incidentId`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Applied {
-    /// The incident the current quarantine belongs to.
+    /// The incident that holds the node: the latest quarantining incident to act on it, else the
+    /// latest incident. Every open incident is in [`Applied::incidents`].
     pub incident_id: String,
     /// True when gpumedic set `spec.unschedulable`; false when the node was already cordoned by
     /// someone else (then recovery leaves the cordon alone) or the operator has uncordoned it.
@@ -253,16 +263,72 @@ pub struct Applied {
     /// The condition types gpumedic set to `True`.
     #[serde(default)]
     pub conditions: Vec<String>,
-    /// An operator uncordoned the node during this incident: gpumedic does not take it out of
-    /// scheduling again until a new incident (new evidence) arrives.
+    /// An operator uncordoned the node while it was held: gpumedic does not take it out of
+    /// scheduling again until a new quarantining incident (new evidence) arrives.
     #[serde(default)]
     pub operator_uncordoned: bool,
+    /// Every open incident gpumedic acts on for the node, by incident id, with what it asked for.
+    /// Empty only in a record of the single-incident form, before [`Applied::upgraded`].
+    #[serde(default)]
+    pub incidents: BTreeMap<String, Claim>,
+}
+
+/// What one open incident asked of a node, as [`Applied::incidents`] records it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claim {
+    /// The incident asked for the node to be taken out of scheduling (cordon or more). It stays
+    /// set until the incident recovers: a milder verdict later does not release the node.
+    pub quarantines: bool,
+    /// The node condition type of the incident's subsystem (`GpuUnhealthy`, ...); empty when
+    /// read from a single-incident record that named no condition.
+    #[serde(default)]
+    pub condition: String,
+    /// The incident's latest reason (`Xid79`); empty when read from a single-incident record,
+    /// which did not keep it.
+    #[serde(default)]
+    pub reason: String,
 }
 
 impl Applied {
     /// Whether this record holds the node out of scheduling.
     pub fn quarantines(&self) -> bool {
         self.cordoned || !self.taints.is_empty()
+    }
+
+    /// The record in its current form: a single-incident record (no `incidents`) becomes one
+    /// open incident, `incident_id`, which quarantines when the record shows a quarantine
+    /// (cordon, taint, state label) and claims the condition recorded last.
+    pub fn upgraded(mut self) -> Self {
+        if self.incidents.is_empty() && !self.incident_id.is_empty() {
+            let claim = Claim {
+                quarantines: self.quarantines() || self.labels.iter().any(|l| l == STATE_LABEL),
+                condition: self.conditions.last().cloned().unwrap_or_default(),
+                reason: String::new(),
+            };
+            self.incidents.insert(self.incident_id.clone(), claim);
+        }
+        self
+    }
+
+    /// Whether an open incident asked for the node to be out of scheduling.
+    pub fn wants_quarantine(&self) -> bool {
+        self.incidents.values().any(|c| c.quarantines)
+    }
+
+    /// The open incidents for humans: `i1 (Xid79), i2 (EccContained)`, quarantining ones first.
+    pub fn describe_incidents(&self) -> String {
+        let mut ids: Vec<(&String, &Claim)> = self.incidents.iter().collect();
+        ids.sort_by_key(|(_, c)| !c.quarantines);
+        ids.iter()
+            .map(|(id, c)| if c.reason.is_empty() { (*id).clone() } else { format!("{id} ({})", c.reason) })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The incident that holds the node now: the first quarantining one, else the first one.
+    fn holder(&self) -> Option<&String> {
+        self.incidents.iter().find(|(_, c)| c.quarantines).or_else(|| self.incidents.iter().next()).map(|(id, _)| id)
     }
 }
 
@@ -435,9 +501,10 @@ pub enum Skip {
     RateLimited(String),
     /// Recovery asked for a node gpumedic has not changed.
     NothingApplied,
-    /// Recovery for an incident that is not the one holding the node.
+    /// Recovery for an incident gpumedic does not act on for the node: it recovered already, or
+    /// its fault was never applied (stale, refused, or before the record was removed by hand).
     OtherIncident {
-        /// The incident that holds the node.
+        /// The open incidents gpumedic acts on for the node, for humans.
         active: String,
     },
     /// The ownership annotation cannot be read; gpumedic will not guess what it owns.
@@ -461,7 +528,9 @@ impl std::fmt::Display for Skip {
             Skip::BreakerOpen(why) => write!(f, "the circuit breaker is open: {why}"),
             Skip::RateLimited(why) => write!(f, "the quarantine rate limit is reached: {why}"),
             Skip::NothingApplied => f.write_str("gpumedic has applied nothing to the node"),
-            Skip::OtherIncident { active } => write!(f, "the node is held for another incident ({active})"),
+            Skip::OtherIncident { active } => {
+                write!(f, "the incident is not one gpumedic acts on for the node (open: {active})")
+            }
             Skip::UnreadableRecord(e) => write!(f, "the {APPLIED_ANNOTATION} annotation cannot be read: {e}"),
             Skip::Stale(age) => write!(f, "the verdict is stale (issued {}s ago)", age.as_secs()),
             Skip::Unmanaged => {
@@ -542,21 +611,30 @@ pub fn plan(node: &NodeView, request: &Remediation, policy: &Policy, admit: &mut
 fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: Option<Applied>) -> Result<Plan, Skip> {
     let held = applied.as_ref().is_some_and(Applied::quarantines);
     let before = applied.clone();
-    let mut record = match applied {
-        Some(a) if a.incident_id == request.incident_id => a,
-        // A new incident on a node gpumedic already marked: keep ownership of what is there, and
-        // treat the incident as new evidence that clears an earlier manual uncordon.
-        Some(a) => Applied { incident_id: request.incident_id.clone(), operator_uncordoned: false, ..a },
-        None => Applied { incident_id: request.incident_id.clone(), ..Applied::default() },
-    };
+    let mut record = applied.unwrap_or_default();
     let wants_quarantine = request.action.quarantines();
+    let type_ = request.subsystem.condition_type();
+    // A new quarantining incident on a node gpumedic already marked is new evidence: it clears an
+    // earlier manual uncordon. A known incident, or one that only marks, leaves it.
+    if wants_quarantine && !record.incidents.contains_key(&request.incident_id) {
+        record.operator_uncordoned = false;
+    }
+    let claim = record.incidents.entry(request.incident_id.clone()).or_default();
+    claim.quarantines |= wants_quarantine;
+    type_.clone_into(&mut claim.condition);
+    claim.reason.clone_from(&request.reason);
+    let claims_quarantine = claim.quarantines;
+    // `incident_id` names the incident that holds the node, so a marking incident does not take
+    // it over from a quarantining one.
+    if claims_quarantine || !record.incidents.get(&record.incident_id).is_some_and(|c| c.quarantines) {
+        record.incident_id.clone_from(&request.incident_id);
+    }
     let mut plan = Plan::new(
         &node.name,
         if wants_quarantine && !record.operator_uncordoned { Intent::Quarantine } else { Intent::Mark },
     );
 
     // The condition is set whatever else happens: it is information, not an action on workloads.
-    let type_ = request.subsystem.condition_type();
     let current = node.condition(type_);
     let up_to_date = current.is_some_and(|c| {
         c.status == "True"
@@ -658,14 +736,22 @@ fn plan_quarantine(node: &NodeView, request: &Remediation, policy: &Policy, reco
 }
 
 fn plan_recovery(node: &NodeView, request: &Remediation, applied: Option<Applied>) -> Result<Plan, Skip> {
-    let Some(record) = applied else {
+    let Some(mut record) = applied else {
         return Err(Skip::NothingApplied);
     };
-    if record.incident_id != request.incident_id {
-        return Err(Skip::OtherIncident { active: record.incident_id });
-    }
+    let Some(recovered) = record.incidents.remove(&request.incident_id) else {
+        return Err(Skip::OtherIncident { active: record.incidents.keys().cloned().collect::<Vec<_>>().join(", ") });
+    };
     let mut plan = Plan::new(&node.name, Intent::Recover);
-    for type_ in &record.conditions {
+    let last = record.incidents.is_empty();
+
+    // A condition goes back to False only when no remaining incident uses it; once the last
+    // incident recovers, every condition gpumedic set goes (a single-incident record may have
+    // named more than its incident's own).
+    let in_use = |type_: &str| record.incidents.values().any(|c| c.condition == type_);
+    let clear: Vec<String> =
+        record.conditions.iter().filter(|t| last || (**t == recovered.condition && !in_use(t))).cloned().collect();
+    for type_ in &clear {
         if node.condition(type_).is_some_and(|c| c.status == "True") {
             plan.conditions.push(ConditionChange {
                 type_: type_.clone(),
@@ -676,22 +762,75 @@ fn plan_recovery(node: &NodeView, request: &Remediation, applied: Option<Applied
             });
         }
     }
-    plan.remove_taints = record.taints.iter().filter(|id| node.has_taint(id)).cloned().collect();
-    plan.remove_labels = record.labels.iter().filter(|l| node.labels.contains_key(*l)).cloned().collect();
-    if record.cordoned && node.unschedulable {
-        plan.cordon = Some(false);
+    record.conditions.retain(|t| !clear.contains(t));
+    // A condition the recovered incident shares with an open one keeps saying True, with the
+    // open incident's reason rather than the recovered one's.
+    if !clear.contains(&recovered.condition)
+        && let Some(current) = node.condition(&recovered.condition).filter(|c| c.status == "True")
+        && let Some((id, open)) =
+            record.incidents.iter().find(|(_, c)| c.condition == recovered.condition && !c.reason.is_empty())
+        && current.reason.as_deref() != Some(open.reason.as_str())
+    {
+        plan.conditions.push(ConditionChange {
+            type_: recovered.condition.clone(),
+            problem: true,
+            reason: open.reason.clone(),
+            message: format!(
+                "Incident {id} ({}) is still open; incident {} recovered",
+                open.reason, request.incident_id
+            ),
+            transition: false,
+        });
     }
-    plan.applied = None;
-    plan.applied_changed = true;
-    plan.notes.push(Note::normal(
-        "Recovered",
+
+    // The cordon, taint and state label go only when no remaining incident quarantines.
+    let stays_quarantined = record.wants_quarantine();
+    if !stays_quarantined {
+        plan.remove_taints = record.taints.iter().filter(|id| node.has_taint(id)).cloned().collect();
+        plan.remove_labels = record.labels.iter().filter(|l| node.labels.contains_key(*l)).cloned().collect();
+        if record.cordoned && node.unschedulable {
+            plan.cordon = Some(false);
+        }
+        record.taints.clear();
+        record.labels.clear();
+        record.cordoned = false;
+    }
+
+    let uncordoned = if plan.cordon == Some(false) { " and uncordoned" } else { "" };
+    let message = if last {
         format!(
-            "Incident {} recovered ({}); removed what gpumedic applied{}",
-            record.incident_id,
+            "Incident {} recovered ({}); removed what gpumedic applied{uncordoned}",
+            request.incident_id, request.reason
+        )
+    } else if stays_quarantined {
+        format!(
+            "Incident {} recovered ({}); the node stays quarantined for open incident(s) {}",
+            request.incident_id,
             request.reason,
-            if plan.cordon == Some(false) { " and uncordoned" } else { "" }
-        ),
-    ));
+            record.describe_incidents()
+        )
+    } else {
+        let released = !plan.remove_taints.is_empty() || !plan.remove_labels.is_empty() || plan.cordon.is_some();
+        format!(
+            "Incident {} recovered ({}); {}open incident(s) {} still mark the node",
+            request.incident_id,
+            request.reason,
+            if released { format!("lifted gpumedic's quarantine{uncordoned}; ") } else { String::new() },
+            record.describe_incidents()
+        )
+    };
+    plan.notes.push(Note::normal("Recovered", message));
+
+    if last {
+        plan.applied = None;
+    } else {
+        // The holder stays unless it recovered, or it only marks while another quarantines.
+        if !record.incidents.get(&record.incident_id).is_some_and(|c| c.quarantines || !stays_quarantined) {
+            record.incident_id = record.holder().cloned().unwrap_or_default();
+        }
+        plan.applied = Some(record);
+    }
+    plan.applied_changed = true;
     Ok(plan)
 }
 
@@ -964,6 +1103,204 @@ mod tests {
             plan(&view, &request(Action::Cordon), &Policy::default(), &mut allow()),
             Decision::Nothing { reason: Skip::UnreadableRecord(_), .. }
         ));
+    }
+
+    /// A fault request for incident `id`.
+    fn incident(id: &str, action: Action, subsystem: Subsystem, reason: &str) -> Remediation {
+        Remediation { incident_id: id.into(), subsystem, reason: reason.into(), ..request(action) }
+    }
+
+    /// The recovery of incident `id`.
+    fn recovered(id: &str) -> Remediation {
+        Remediation { incident_id: id.into(), recovery: true, reason: "Healthy".into(), ..request(Action::None) }
+    }
+
+    fn applied_to(view: &mut NodeView, req: &Remediation) -> Plan {
+        let p = must_apply(plan(view, req, &Policy::default(), &mut allow()));
+        apply_plan(view, &p);
+        p
+    }
+
+    fn condition_of<'a>(view: &'a NodeView, type_: &str) -> (&'a str, Option<&'a str>) {
+        let c = view.condition(type_).unwrap_or_else(|| panic!("no {type_} in {:?}", view.conditions));
+        (c.status.as_str(), c.reason.as_deref())
+    }
+
+    /// A critical incident quarantines, then a minor one marks the same node.
+    fn critical_then_minor(minor_subsystem: Subsystem) -> NodeView {
+        let mut view = node();
+        applied_to(&mut view, &incident("critical", Action::Drain, Subsystem::Gpu, "Xid79"));
+        applied_to(&mut view, &incident("minor", Action::Monitor, minor_subsystem, "EccContained"));
+        view
+    }
+
+    #[test]
+    fn every_open_incident_is_recorded_and_a_marking_one_does_not_take_the_node_over() {
+        let view = critical_then_minor(Subsystem::Memory);
+        let rec = view.applied().unwrap().unwrap();
+        assert_eq!(rec.incident_id, "critical");
+        assert_eq!(
+            rec.incidents.get("critical"),
+            Some(&Claim { quarantines: true, condition: "GpuUnhealthy".into(), reason: "Xid79".into() })
+        );
+        assert_eq!(
+            rec.incidents.get("minor"),
+            Some(&Claim { quarantines: false, condition: "GpuMemoryUnhealthy".into(), reason: "EccContained".into() })
+        );
+        // The written form: camelCase, the single-incident fields kept.
+        let json: serde_json::Value = serde_json::from_str(&view.annotations[APPLIED_ANNOTATION]).unwrap();
+        assert_eq!(json["incidentId"], "critical");
+        assert_eq!(json["operatorUncordoned"], false);
+        assert_eq!(json["incidents"]["minor"]["condition"], "GpuMemoryUnhealthy");
+        assert_eq!(json["incidents"]["critical"]["quarantines"], true);
+    }
+
+    #[test]
+    fn a_minor_incident_recovering_leaves_the_critical_quarantine() {
+        let mut view = critical_then_minor(Subsystem::Memory);
+        let r = must_apply(plan(&view, &recovered("minor"), &Policy::default(), &mut allow()));
+        assert_eq!(r.intent, Intent::Recover);
+        assert_eq!(r.cordon, None, "the critical incident still holds the cordon");
+        assert!(r.remove_taints.is_empty() && r.remove_labels.is_empty(), "{r:?}");
+        assert_eq!(r.conditions.len(), 1);
+        assert_eq!((r.conditions[0].type_.as_str(), r.conditions[0].problem), ("GpuMemoryUnhealthy", false));
+        let note = &r.notes[0];
+        assert_eq!(note.reason, "Recovered");
+        assert!(note.message.contains("Incident minor recovered"), "{}", note.message);
+        assert!(note.message.contains("stays quarantined for open incident(s) critical (Xid79)"), "{}", note.message);
+        apply_plan(&mut view, &r);
+        assert!(view.unschedulable);
+        assert_eq!(view.taints.len(), 1);
+        assert_eq!(view.labels[STATE_LABEL], "draining");
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("Xid79")));
+        assert_eq!(condition_of(&view, "GpuMemoryUnhealthy"), ("False", Some(RECOVERED_REASON)));
+        let rec = view.applied().unwrap().unwrap();
+        assert_eq!(rec.incidents.keys().collect::<Vec<_>>(), ["critical"]);
+        assert_eq!(rec.conditions, ["GpuUnhealthy"]);
+        assert!(rec.cordoned);
+
+        // The critical incident's recovery returns the node.
+        let r = must_apply(plan(&view, &recovered("critical"), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, Some(false));
+        apply_plan(&mut view, &r);
+        assert!(!view.unschedulable && view.taints.is_empty() && view.annotations.is_empty());
+        assert!(!view.labels.contains_key(STATE_LABEL));
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("False", Some(RECOVERED_REASON)));
+    }
+
+    #[test]
+    fn a_condition_shared_with_an_open_incident_stays_true_with_its_reason() {
+        // The minor incident is about the GPU too: it shares the critical one's condition, and
+        // its reason is the last written.
+        let mut view = critical_then_minor(Subsystem::Gpu);
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("EccContained")));
+        let r = must_apply(plan(&view, &recovered("minor"), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, None);
+        assert_eq!(r.conditions.len(), 1, "{:?}", r.conditions);
+        let c = &r.conditions[0];
+        assert!(c.problem && !c.transition, "restated, not flipped: {c:?}");
+        assert_eq!(c.reason, "Xid79");
+        apply_plan(&mut view, &r);
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("Xid79")));
+        assert!(view.unschedulable);
+        assert_eq!(view.applied().unwrap().unwrap().conditions, ["GpuUnhealthy"]);
+    }
+
+    #[test]
+    fn the_critical_incident_recovering_first_releases_the_node_and_keeps_the_minor_mark() {
+        let mut view = critical_then_minor(Subsystem::Memory);
+        let r = must_apply(plan(&view, &recovered("critical"), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, Some(false));
+        assert_eq!(r.remove_taints.len(), 1);
+        assert_eq!(r.remove_labels, [STATE_LABEL]);
+        assert_eq!(r.conditions.iter().map(|c| c.type_.as_str()).collect::<Vec<_>>(), ["GpuUnhealthy"]);
+        assert!(r.notes[0].message.contains("still mark the node"), "{}", r.notes[0].message);
+        apply_plan(&mut view, &r);
+        assert!(!view.unschedulable && view.taints.is_empty());
+        assert_eq!(condition_of(&view, "GpuMemoryUnhealthy"), ("True", Some("EccContained")));
+        let rec = view.applied().unwrap().unwrap();
+        assert_eq!(rec.incident_id, "minor");
+        assert!(!rec.quarantines() && rec.labels.is_empty());
+        assert_eq!(rec.conditions, ["GpuMemoryUnhealthy"]);
+
+        let r = must_apply(plan(&view, &recovered("minor"), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, None);
+        apply_plan(&mut view, &r);
+        assert!(view.annotations.is_empty());
+        assert_eq!(condition_of(&view, "GpuMemoryUnhealthy"), ("False", Some(RECOVERED_REASON)));
+    }
+
+    #[test]
+    fn recovery_of_an_incident_not_in_the_record_does_nothing() {
+        let mut view = critical_then_minor(Subsystem::Memory);
+        assert_eq!(
+            plan(&view, &recovered("unknown"), &Policy::default(), &mut allow()),
+            Decision::Nothing { reason: Skip::OtherIncident { active: "critical, minor".into() }, would: None }
+        );
+        applied_to(&mut view, &recovered("minor"));
+        // Redelivered, the minor recovery finds its incident gone; the node stays held.
+        assert_eq!(
+            plan(&view, &recovered("minor"), &Policy::default(), &mut allow()),
+            Decision::Nothing { reason: Skip::OtherIncident { active: "critical".into() }, would: None }
+        );
+        assert!(view.unschedulable);
+    }
+
+    #[test]
+    fn the_single_incident_record_still_reads_as_one_incident() {
+        let mut view = node();
+        view.unschedulable = true;
+        view.taints.push(Taint { key: TAINT_KEY.into(), value: Some("gpu".into()), effect: "NoSchedule".into() });
+        view.labels.insert(STATE_LABEL.into(), "quarantined".into());
+        view.conditions.push(Condition {
+            type_: "GpuUnhealthy".into(),
+            status: "True".into(),
+            reason: Some("Xid79".into()),
+            message: None,
+        });
+        view.annotations.insert(
+            APPLIED_ANNOTATION.into(),
+            r#"{"incidentId":"old","cordoned":true,"taints":[{"key":"gpumedic.io/unhealthy","effect":"NoSchedule"}],"labels":["gpumedic.io/state"],"conditions":["GpuUnhealthy"],"operatorUncordoned":false}"#.into(),
+        );
+        let rec = view.applied().unwrap().unwrap();
+        assert_eq!(
+            rec.incidents.get("old"),
+            Some(&Claim { quarantines: true, condition: "GpuUnhealthy".into(), reason: String::new() })
+        );
+        // The same incident again changes nothing on the node.
+        let again = Remediation { incident_id: "old".into(), ..request(Action::Cordon) };
+        let p = must_apply(plan(&view, &again, &Policy::default(), &mut allow()));
+        assert!(p.cordon.is_none() && p.add_taints.is_empty() && !p.new_quarantine, "{p:?}");
+        assert_eq!(p.applied.as_ref().map(|a| a.incidents["old"].reason.as_str()), Some("Xid79"));
+        // A minor incident's recovery leaves the old incident's quarantine.
+        applied_to(&mut view, &incident("minor", Action::Monitor, Subsystem::Memory, "EccContained"));
+        applied_to(&mut view, &recovered("minor"));
+        assert!(view.unschedulable && view.taints.len() == 1);
+        // The old incident's recovery returns the node.
+        applied_to(&mut view, &recovered("old"));
+        assert!(!view.unschedulable && view.taints.is_empty() && view.annotations.is_empty());
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("False", Some(RECOVERED_REASON)));
+    }
+
+    #[test]
+    fn a_marking_incident_is_not_new_evidence_against_a_manual_uncordon() {
+        let mut view = node();
+        let critical = incident("critical", Action::Cordon, Subsystem::Gpu, "Xid79");
+        applied_to(&mut view, &critical);
+        view.unschedulable = false; // the operator's `kubectl uncordon`
+        applied_to(&mut view, &critical);
+        applied_to(&mut view, &incident("minor", Action::Monitor, Subsystem::Memory, "EccContained"));
+        // The critical incident's verdicts keep coming: still not cordoned again.
+        assert_eq!(plan(&view, &critical, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+        assert!(view.applied().unwrap().unwrap().operator_uncordoned);
+        // A new quarantining incident is new evidence.
+        let p = must_apply(plan(
+            &view,
+            &incident("third", Action::Cordon, Subsystem::Interconnect, "NvlinkDown"),
+            &Policy::default(),
+            &mut allow(),
+        ));
+        assert_eq!(p.cordon, Some(true));
     }
 
     #[test]

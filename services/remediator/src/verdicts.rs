@@ -128,7 +128,15 @@ pub fn outcome_for(
                 Skip::BreakerOpen(_) | Skip::RateLimited(_) => ActionStatus::BlockedByBreaker,
                 _ => ActionStatus::SkippedByMode,
             };
-            let mut d = format!("did nothing because {reason}");
+            let mut d = match reason {
+                // The contract has no stale status: the detail starts with "stale" instead, so
+                // a stale verdict reads apart from what the mode held back.
+                Skip::Stale(age) => format!(
+                    "stale: the verdict was issued {}s ago, longer ago than --max-verdict-age; did nothing",
+                    age.as_secs()
+                ),
+                _ => format!("did nothing because {reason}"),
+            };
             if let Some(plan) = would {
                 d.push_str(&format!("; would have: {}", describe(plan)));
             }
@@ -228,6 +236,17 @@ mod tests {
         v.recovery = false;
         v.issued_at = now - chrono::Duration::minutes(1);
         assert_eq!(stale(&v, now, limit), None);
+    }
+
+    #[test]
+    fn a_stale_verdict_is_reported_skipped_with_a_detail_that_says_stale() {
+        let v = verdict(RecommendedAction::Drain);
+        let skipped = Ok(Outcome::Skipped { reason: Skip::Stale(std::time::Duration::from_secs(1200)), would: None });
+        let o = outcome(&v, &skipped);
+        assert_eq!(o.status, ActionStatus::SkippedByMode);
+        assert!(o.detail.starts_with("stale: the verdict was issued 1200s ago"), "{}", o.detail);
+        let by_mode = outcome(&v, &Ok(Outcome::Skipped { reason: Skip::Paused, would: None }));
+        assert!(!by_mode.detail.starts_with("stale"), "{}", by_mode.detail);
     }
 
     #[test]

@@ -100,6 +100,55 @@ async fn recovery_removes_only_what_gpumedic_applied() {
 }
 
 #[tokio::test]
+async fn a_node_leaves_quarantine_only_when_its_quarantining_incident_recovers() {
+    let client = admin().await;
+    let name = gpu_node(&client).await;
+    let r = remediator(settings()).await;
+    let critical = request(&name, Action::Cordon);
+    let minor = gpumedic_remediator::request::Remediation {
+        incident_id: "i2".into(),
+        action: Action::Monitor,
+        subsystem: gpumedic_remediator::request::Subsystem::Memory,
+        reason: "EccContained".into(),
+        message: "a contained ECC error".into(),
+        ..request(&name, Action::Monitor)
+    };
+    r.remediate(&critical, 10).await.expect("critical incident");
+    r.remediate(&minor, 10).await.expect("minor incident");
+
+    // The minor incident recovers first: the node stays out of scheduling.
+    let outcome = r.remediate(&recovery(&minor), 10).await.expect("minor recovery");
+    assert!(matches!(outcome, Outcome::Applied { .. }), "{outcome:?}");
+    let node = get_node(&client, &name).await;
+    assert!(cordoned(&node), "the critical incident still holds the cordon");
+    assert_eq!(gpumedic_taints(&node).len(), 1, "the critical incident still holds the taint");
+    assert_eq!(labels(&node).get("gpumedic.io/state").map(String::as_str), Some("quarantined"));
+    let conds = conditions(&node);
+    assert!(conds.contains(&("GpuUnhealthy".into(), "True".into(), Some("Xid79".into()))), "{conds:?}");
+    assert!(
+        conds.contains(&("GpuMemoryUnhealthy".into(), "False".into(), Some("GpumedicRecovered".into()))),
+        "{conds:?}"
+    );
+    let record = applied(&node).expect("the critical incident's record stays");
+    assert_eq!(record.incident_id, "i1", "the quarantining incident holds the node");
+    assert_eq!(record.incidents.keys().map(String::as_str).collect::<Vec<_>>(), ["i1"]);
+
+    // The critical incident recovers: the node returns to service.
+    let outcome = r.remediate(&recovery(&critical), 10).await.expect("critical recovery");
+    assert!(matches!(outcome, Outcome::Applied { .. }), "{outcome:?}");
+    let node = get_node(&client, &name).await;
+    assert!(!cordoned(&node), "gpumedic lifts its cordon once no incident quarantines");
+    assert!(gpumedic_taints(&node).is_empty());
+    assert!(!labels(&node).contains_key("gpumedic.io/state"));
+    assert!(applied(&node).is_none(), "no open incident is left");
+    let conds = conditions(&node);
+    assert!(conds.contains(&("GpuUnhealthy".into(), "False".into(), Some("GpumedicRecovered".into()))), "{conds:?}");
+    let events = event_reasons(&client, &name).await;
+    assert_eq!(events.iter().filter(|e| *e == "Recovered").count(), 2, "{events:?}");
+    cleanup(&client, &[&name], &[]).await;
+}
+
+#[tokio::test]
 async fn a_cordon_set_by_someone_else_is_left_alone_on_recovery() {
     let client = admin().await;
     let name = node(&client, json!({}), json!([]), true).await;
