@@ -1071,7 +1071,7 @@ impl Handler {
             let outcome = shared.remediator.remediate(request, gpu_nodes).await?;
             if request.recovery && !shared.remediator.paused() {
                 shared.remediator.leading(&request.node)?;
-                maintenance::clear(&shared.remediator.client(), &request.node)
+                maintenance::clear_for(&shared.remediator.client(), &request.node, &request.incident_id)
                     .await
                     .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
             }

@@ -152,6 +152,25 @@ pub async fn clear(client: &kube::Client, node: &str) -> Result<(), kube::Error>
     }
 }
 
+/// Removes the deferred action on `node` only when it belongs to `incident_id`, guarded by the
+/// node's resourceVersion: the recovery of one incident never drops another open incident's plan.
+/// Returns whether a plan was removed.
+pub async fn clear_for(client: &kube::Client, node: &str, incident_id: &str) -> Result<bool, kube::Error> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let Some(current) = nodes.get_opt(node).await? else { return Ok(false) };
+    match deferred_on(&current) {
+        Some(Ok(d)) if d.request.incident_id == incident_id => {}
+        _ => return Ok(false),
+    }
+    let mut patch = annotation_patch(Value::Null);
+    patch["metadata"]["resourceVersion"] = json!(current.metadata.resource_version);
+    match nodes.patch(node, &PatchParams::default(), &Patch::Merge(patch)).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The managed nodes (matching `selector`) that carry a deferred action.
 pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
     let nodes: Api<Node> = Api::all(client.clone());

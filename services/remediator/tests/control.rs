@@ -172,6 +172,15 @@ async fn metric(process: &ServiceProcess, line: &str) -> bool {
     testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
 }
 
+/// Waits until `node` carries no deferred action.
+async fn plan_removed(client: &kube::Client, node: &str) {
+    eventually("the deferred action to be removed", Duration::from_secs(15), async || {
+        let n = get_node(client, node).await;
+        n.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)).then_some(())
+    })
+    .await;
+}
+
 fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
     labels(node).get("gpumedic.io/state").cloned()
 }
@@ -505,7 +514,8 @@ async fn a_non_urgent_drain_waits_for_the_maintenance_window_and_runs_when_it_op
     assert!(done.detail.contains("cordoned") && done.detail.contains("drain"), "{}", done.detail);
     let node = get_node(&w.client, &waits).await;
     assert_eq!(state(&node).as_deref(), Some("drained"));
-    assert!(node.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)));
+    // The plan is removed just after the outcome is published.
+    plan_removed(&w.client, &waits).await;
     assert!(pods_left(&w.client, &w.ns).await.is_empty());
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&waits, &urgent], &[&w.ns]).await;
@@ -587,7 +597,7 @@ async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_p
     assert!(done.detail.contains("drain"), "{}", done.detail);
     let node = get_node(&w.client, &scheduled).await;
     assert!(cordoned(&node));
-    assert!(node.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(DEFERRED_ANNOTATION)));
+    plan_removed(&w.client, &scheduled).await;
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&scheduled, &due, &forged, &victim], &[&w.ns]).await;
 }
