@@ -142,12 +142,18 @@ async fn a_reread_record_is_the_same_event_and_a_first_run_skips_history() {
     let (old, recent, user) =
         (testbed::unique_name("old"), testbed::unique_name("recent"), testbed::unique_name("user"));
     let recent_at = Utc::now() - chrono::Duration::seconds(30);
-    let mut text = kernel_record(1, Utc::now() - chrono::Duration::hours(2), &xid_line(&old));
+    // History: five minutes ago (or just after boot, on a machine up for less), beyond a
+    // two-minute look-back.
+    let booted = DateTime::from_timestamp_micros(boot_time_us() + 1_000_000).unwrap();
+    let old_at = booted.max(Utc::now() - chrono::Duration::minutes(5));
+    assert!(old_at < Utc::now() - chrono::Duration::minutes(3), "this machine has been up for less than 3 minutes");
+    let mut text = kernel_record(1, old_at, &xid_line(&old));
     text.push_str(&kernel_record(2, recent_at, &xid_line(&recent)));
     // The same line written by a userspace program: facility `user` (prefix 11 = 1 << 3 | 3).
     text.push_str(&format!("11,3,{},-;{}\n", recent_at.timestamp_micros() - boot_time_us(), xid_line(&user)));
     log_records(&records, &text);
-    let c = Collector::new(&node, &records.display().to_string()).await;
+    let mut c = Collector::new(&node, &records.display().to_string()).await;
+    c.env.push(("GPUMEDIC_KMSG_LOOK_BACK", "2m".to_owned()));
 
     let mut collector = c.start().await;
     let seen = events_with(&node, &recent, Duration::from_secs(8)).await;
