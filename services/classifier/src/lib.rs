@@ -132,6 +132,11 @@ pub struct Args {
     /// How many distinct nodes make a workload fault.
     #[arg(long, env = "GPUMEDIC_WORKLOAD_FAULT_MIN_NODES", default_value_t = 2)]
     workload_fault_min_nodes: usize,
+    /// How far an event's observed_at may be after the Kafka timestamp of the record carrying it
+    /// (clocks a little apart); later is clamped to the record's time, counted and logged, so one
+    /// bad node clock cannot move that node's engine clock forward for good.
+    #[arg(long, env = "GPUMEDIC_CLOCK_SKEW_ALLOWANCE", default_value = "5m")]
+    clock_skew_allowance: String,
 }
 
 /// The classifier's topics. Fixed in production (the defaults); tests and benchmarks give each
@@ -183,6 +188,8 @@ pub struct Config {
     pub topics: Topics,
     /// When application Xids across nodes are a workload fault.
     pub workload_faults: workload::Settings,
+    /// How far an event's observed_at may be after its record's Kafka timestamp.
+    pub clock_skew_allowance: Duration,
 }
 
 impl Validate for Args {
@@ -255,6 +262,13 @@ impl Validate for Args {
         if self.workload_fault_min_nodes < 2 {
             p.push("--workload-fault-min-nodes", "must be at least 2 (one node's errors are that node's)");
         }
+        let clock_skew_allowance = p.check("--clock-skew-allowance", parse_duration(&self.clock_skew_allowance));
+        if clock_skew_allowance.is_some_and(|d| d > Duration::from_secs(86_400)) {
+            p.push(
+                "--clock-skew-allowance",
+                "must be at most 1d (it bounds how far one event can move a node's clock)",
+            );
+        }
         let rules_poll = p.check("--rules-poll", parse_duration(&self.rules_poll));
         if rules_poll.is_some_and(|d| d.is_zero()) {
             p.push("--rules-poll", "must be more than 0");
@@ -312,6 +326,7 @@ impl Validate for Args {
                     min_nodes: self.workload_fault_min_nodes,
                     allow_synthetic: self.allow_synthetic,
                 },
+                clock_skew_allowance: clock_skew_allowance.expect("checked"),
             }
         })
     }
@@ -375,6 +390,8 @@ pub struct Classifier {
     write_parallelism: usize,
     /// When application Xids across nodes are a workload fault.
     workload_faults: workload::Settings,
+    /// How far an event's observed_at may be after its record's Kafka timestamp.
+    clock_skew_allowance: Duration,
 }
 
 impl Classifier {
@@ -522,9 +539,9 @@ impl BatchHandler for Handler {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
         let mut dispositions = vec![Disposition::Done; records.len()];
-        let (codec, parts, workload_faults) = {
+        let (codec, parts, workload_faults, skew) = {
             let c = self.classifier.lock().await;
-            (c.codec.clone(), c.write_parallelism, c.workload_faults)
+            (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance)
         };
         // One batch per concurrent write; a node's rows all go to the same one.
         let mut batch = store::Batch::parts(parts, records.len());
@@ -546,13 +563,22 @@ impl BatchHandler for Handler {
                 continue;
             }
             match codec.decode::<EnrichedHealthEvent>(payload).await {
-                Ok(event) => match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
-                    Ok(()) => {
-                        sightings.extend(workload::sighting(&event, &workload_faults));
-                        observations.push((i, observe::observation(&event)));
+                Ok(mut event) => {
+                    // Bounded before it is recorded, so the engine, Postgres and a rebuild from
+                    // Postgres all see the same time.
+                    if let Some(at) = observe::bounded_observed_at(event.event.observed_at, record.timestamp_ms, skew) {
+                        clock_skew_clamped(&event, at);
+                        event.event.observed_at = at;
                     }
-                    Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
-                },
+                    match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
+                        Ok(()) => {
+                            sightings.extend(workload::sighting(&event, &workload_faults));
+                            let key = (event.event.event_id, event.event.observed_at);
+                            observations.push((i, key, observe::observation(&event)));
+                        }
+                        Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
+                    }
+                }
                 Err(e) if e.is_transient() => return Err(Box::new(e)),
                 Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
             }
@@ -566,8 +592,16 @@ impl BatchHandler for Handler {
         let decisions = match self.retrying.take() {
             Some((k, decisions)) if Some(&k) == key.as_ref() => decisions,
             _ => {
+                // Only events new to Postgres are observed: one recorded there had its verdicts
+                // published before it was written, however long ago (the engine's own memory of
+                // ids is short). The insert skips them too; they count as duplicates below.
+                let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
+                let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
                 let mut decisions = Vec::new();
-                for (i, o) in &observations {
+                for (i, key, o) in &observations {
+                    if recorded.contains(key) {
+                        continue;
+                    }
                     decisions.extend(c.engine.observe(o).into_iter().map(|d| (d, *i)));
                 }
                 count_refused(&mut c.engine);
@@ -635,6 +669,13 @@ async fn partition_count(producer: &Producer, topic: &str) -> Result<i32, Classi
     }
 }
 
+/// Counts and logs an event whose observed_at was bounded by its record's timestamp.
+fn clock_skew_clamped(event: &EnrichedHealthEvent, to: chrono::DateTime<chrono::Utc>) {
+    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(1);
+    tracing::warn!(node = %event.event.node, event_id = %event.event.event_id, observed_at = %event.event.observed_at,
+        record_time = %to, "An event said it happened after the record carrying it was written; it counts at the record's time.");
+}
+
 /// Counts and logs the observations the engine refused as impossible: never a fault, never
 /// healthy evidence, but an operator wants to know a node sends them (a broken sensor, a collector
 /// bug, a clock far off).
@@ -673,6 +714,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             owned: Owned::default(),
             enriched_topic: config.topics.enriched.clone(),
             rebuild_window: config.rebuild_window,
+            clock_skew_allowance: config.clock_skew_allowance,
         })
     };
     let classifier = match setup.await {

@@ -12,6 +12,26 @@ use gpumedic_schemas::verdict::{RecommendedAction, Severity as WireSeverity, Ver
 use crate::rules::engine::Decision;
 use crate::rules::{Action, Observation, Severity};
 
+/// The time an event may say it happened, given the Kafka timestamp of the record that carried it
+/// (`record_ms`, milliseconds since the epoch): `Some(record time)` when `observed_at` is more than
+/// `allowance` after it, else `None` (keep `observed_at`).
+///
+/// The payload's times come from the node's clock, which may be wrong; the record's timestamp comes
+/// from the pipeline's producer (or the broker). An event cannot have happened after the record
+/// that reports it was written, so one far-future stamp is bounded here, before it can move the
+/// node's engine clock (which only moves forward) for good. Events stamped in the past are kept as
+/// they are: a spool that held events through a broker outage delivers them late, and their own
+/// time is the true one (the engine counts a late observation at the node's current time anyway).
+pub fn bounded_observed_at(
+    observed_at: DateTime<Utc>,
+    record_ms: Option<i64>,
+    allowance: std::time::Duration,
+) -> Option<DateTime<Utc>> {
+    let record = DateTime::from_timestamp_millis(record_ms?)?;
+    let allowance = chrono::Duration::from_std(allowance).ok()?;
+    (observed_at > record.checked_add_signed(allowance)?).then_some(record)
+}
+
 /// The engine's view of an enriched event. Field names are the ones the rule files document.
 pub fn observation(e: &EnrichedHealthEvent) -> Observation {
     let ev = &e.event;
@@ -512,5 +532,20 @@ mod tests {
         assert_eq!(verdict(&d).entity.gpu_uuid.as_deref(), Some("MIG-1234"));
         let d = Decision { gpu: None, gpu_pci: None, gpu_index: None, ..decision() };
         assert_eq!(verdict(&d).entity, Entity::default());
+    }
+
+    #[test]
+    fn an_observed_at_far_after_its_record_is_bounded_by_the_record_time() {
+        let allowance = std::time::Duration::from_secs(300);
+        let record_ms = 1_700_000_000_000i64;
+        let record = DateTime::from_timestamp_millis(record_ms).unwrap();
+        let day_ahead = record + chrono::Duration::days(1);
+        assert_eq!(bounded_observed_at(day_ahead, Some(record_ms), allowance), Some(record));
+        // Within the allowance (clocks a little apart) and in the past (late delivery): kept.
+        let skewed = record + chrono::Duration::seconds(299);
+        assert_eq!(bounded_observed_at(skewed, Some(record_ms), allowance), None);
+        assert_eq!(bounded_observed_at(record - chrono::Duration::days(3), Some(record_ms), allowance), None);
+        // A record without a timestamp gives nothing to bound by.
+        assert_eq!(bounded_observed_at(day_ahead, None, allowance), None);
     }
 }

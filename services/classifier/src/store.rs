@@ -347,6 +347,37 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
     Ok(Written { new_events })
 }
 
+/// Which of `events` (event id, observed_at) are already recorded in `health_events`.
+///
+/// An event is written only after the verdicts it led to were published (in the same transaction
+/// as those verdicts), so an event found here has been classified before, however long ago: the
+/// engine must not observe it again. The pairs are the table's primary key, and the batch's time
+/// range is given as bounds of its own so Postgres prunes the daily partitions outside it; what
+/// remains is one primary-key index probe per event.
+pub async fn recorded(
+    pool: &PgPool,
+    events: &[(Uuid, DateTime<Utc>)],
+) -> Result<std::collections::HashSet<(Uuid, DateTime<Utc>)>, StoreError> {
+    let (Some(from), Some(to)) = (events.iter().map(|e| e.1).min(), events.iter().map(|e| e.1).max()) else {
+        return Ok(Default::default());
+    };
+    let (ids, times): (Vec<Uuid>, Vec<DateTime<Utc>>) = events.iter().copied().unzip();
+    let found: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT h.event_id, h.observed_at
+           FROM health_events h
+           JOIN UNNEST($1::uuid[], $2::timestamptz[]) AS b(event_id, observed_at)
+             ON h.event_id = b.event_id AND h.observed_at = b.observed_at
+          WHERE h.observed_at >= $3 AND h.observed_at <= $4",
+    )
+    .bind(&ids)
+    .bind(&times)
+    .bind(from)
+    .bind(to)
+    .fetch_all(pool)
+    .await?;
+    Ok(found.into_iter().collect())
+}
+
 /// Records decisions made by a tick (no event of their own).
 pub async fn record_decisions(pool: &PgPool, decisions: &[(Decision, Verdict)]) -> Result<(), StoreError> {
     let batch = Batch { decisions: DecisionRows::new(decisions), ..Default::default() };

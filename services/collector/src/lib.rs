@@ -72,9 +72,14 @@ pub struct Args {
     /// A GPU sample taking longer than this is reported as a hung monitor.
     #[arg(long, env = "GPUMEDIC_SAMPLE_TIMEOUT", default_value = "5s")]
     sample_timeout: String,
-    /// The kernel log to follow (`off` to disable).
+    /// The kernel log to follow (`off` to disable): the `/dev/kmsg` device, or a file of records
+    /// in its format (one a line, as `cat /dev/kmsg` prints them), followed as it grows.
     #[arg(long, env = "GPUMEDIC_KMSG_PATH", default_value = "/dev/kmsg")]
     kmsg_path: String,
+    /// On a first run (no saved kernel-log cursor), records older than this are history, not new
+    /// faults: they are counted, not published.
+    #[arg(long, env = "GPUMEDIC_KMSG_LOOK_BACK", default_value = "10m")]
+    kmsg_look_back: String,
     /// Where the collector keeps its state (the kernel-log cursor, the spool); a hostPath in
     /// Kubernetes.
     #[arg(long, env = "GPUMEDIC_STATE_DIR", default_value = "/var/lib/gpumedic")]
@@ -140,6 +145,8 @@ pub struct Config {
     pub sample_timeout: Duration,
     /// The kernel log, when followed.
     pub kmsg_path: Option<PathBuf>,
+    /// How far back a first run publishes kernel-log records.
+    pub kmsg_look_back: Duration,
     /// The state folder.
     pub state_dir: PathBuf,
     /// The spool's bound in bytes.
@@ -190,6 +197,7 @@ impl Validate for Args {
         let sample_interval = p.check("--sample-interval", parse_duration(&self.sample_interval));
         let heartbeat_interval = p.check("--heartbeat-interval", parse_duration(&self.heartbeat_interval));
         let sample_timeout = p.check("--sample-timeout", parse_duration(&self.sample_timeout));
+        let kmsg_look_back = p.check("--kmsg-look-back", parse_duration(&self.kmsg_look_back));
         let spool_max_bytes = p.check(
             "--spool-max-bytes",
             parse_bytes(&self.spool_max_bytes).and_then(|b| {
@@ -248,6 +256,7 @@ impl Validate for Args {
             heartbeat_interval: heartbeat_interval.expect("checked"),
             sample_timeout: sample_timeout.expect("checked"),
             kmsg_path: (self.kmsg_path != "off" && !self.kmsg_path.is_empty()).then(|| PathBuf::from(self.kmsg_path)),
+            kmsg_look_back: kmsg_look_back.expect("checked"),
             state_dir: self.state_dir,
             spool_max_bytes: spool_max_bytes.expect("checked"),
             delivery_timeout: delivery_timeout.expect("checked"),
@@ -428,11 +437,15 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         service.shutdown.spawn(
             "kernel-log",
             sources::follow_kernel_log(
-                config.node_name.clone(),
-                path,
-                config.state_dir.clone(),
-                // The kernel log's cursor is the host's, whatever a simulated node says.
-                config.boot_id.clone(),
+                sources::KernelLog {
+                    node: config.node_name.clone(),
+                    path,
+                    state_dir: config.state_dir.clone(),
+                    // The kernel log's cursor and event ids are the host's boot's, whatever a
+                    // simulated node says.
+                    boot_id: config.boot_id.clone(),
+                    look_back: config.kmsg_look_back,
+                },
                 sink.clone(),
                 token.clone(),
             ),

@@ -2,7 +2,7 @@
 //! without the spool (for `gpumedic inject`; the service's sources publish through
 //! [`crate::publisher::Sink`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{self, KafkaError, Producer};
@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::gpu::GpuBackend;
 use crate::inventory::Inventory;
-use crate::kernel_log::kmsg::{Cursor, KmsgReader, Resume};
-use crate::kernel_log::{LogParser, event::to_health_event};
+use crate::kernel_log::kmsg::{self, Admission, Cursor, KmsgReader, Resume, Skip, read_boot_time, wall_time};
+use crate::kernel_log::{LineOrigin, LogParser, event::to_health_event};
 use crate::publisher::{Outbox, Sink};
 use crate::sampler::Sampler;
 
@@ -167,21 +167,45 @@ pub async fn sample_gpus(
     }
 }
 
-/// Reads the kernel log at `path`, publishes what it recognises, and saves the cursor (`boot_id`,
-/// the host's, and the sequence) in `state_dir` after each publish, so a restart neither
-/// re-reports nor misses.
+/// Where the kernel's boot time is read (`btime`), when this boot's cursor has none yet.
+const PROC_STAT: &str = "/proc/stat";
+
+/// Where and how the kernel log is followed.
+#[derive(Debug, Clone)]
+pub struct KernelLog {
+    /// This node's name.
+    pub node: String,
+    /// `/dev/kmsg`, or a file of records in its format.
+    pub path: PathBuf,
+    /// Where the cursor is kept.
+    pub state_dir: PathBuf,
+    /// The host's boot id: the cursor's, and part of every event id.
+    pub boot_id: String,
+    /// On a first run, how far back records are published.
+    pub look_back: Duration,
+}
+
+/// Reads the kernel log, publishes what it recognises in the kernel's own records, and saves the
+/// cursor (`boot_id`, the host's, the sequence and the boot time) in the state folder after each
+/// publish, so a restart neither re-reports nor misses. Each event's id comes from (node, boot
+/// id, sequence) and its time from the boot time plus the record's timestamp, so a record read
+/// twice (a crash before the save) is the same event both times.
 pub async fn follow_kernel_log(
-    node: String,
-    path: PathBuf,
-    state_dir: PathBuf,
-    boot_id: String,
+    log: KernelLog,
     emitter: Sink,
     token: CancellationToken,
 ) -> Result<(), crate::kernel_log::kmsg::KmsgError> {
+    let KernelLog { node, path, state_dir, boot_id, look_back } = log;
     let cursor_path = state_dir.join("kmsg.cursor");
     let saved = Cursor::load(&cursor_path)?;
     let resume = Resume::decide(saved.as_ref(), &boot_id);
-    tracing::info!(path = %path.display(), ?resume, "Following the kernel log.");
+    // The boot time saved with this boot's cursor, so times stay the same across restarts.
+    let boot_time_us = match saved.as_ref().filter(|c| c.boot_id == boot_id).and_then(|c| c.boot_time_us) {
+        Some(t) => t,
+        None => read_boot_time(Path::new(PROC_STAT))?,
+    };
+    let admission = Admission::new(resume, chrono::Utc::now(), look_back);
+    tracing::info!(path = %path.display(), ?resume, look_back_s = look_back.as_secs(), "Following the kernel log.");
     let mut reader = KmsgReader::open(&path)?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
     // Reads block until the kernel logs something, so they live on a thread of their own; it
@@ -208,35 +232,55 @@ pub async fn follow_kernel_log(
             () = token.cancelled() => return Ok(()),
             r = tokio::time::timeout(Duration::from_millis(250), rx.recv()) => r,
         };
-        let raw_line;
+        let mut current: Option<(u64, String)> = None;
         match next {
-            Err(_) => {
-                parser.flush(&mut found);
-                raw_line = String::new();
-            }
+            Err(_) => parser.flush_from(&mut found),
             Ok(None) => return Ok(()),
             Ok(Some(Err(e))) => return Err(e),
             Ok(Some(Ok(record))) => {
-                if !resume.wants(record.seq) {
-                    continue;
+                let at = wall_time(boot_time_us, record.timestamp_us);
+                match admission.check(&record, at) {
+                    Ok(()) => {
+                        let origin = LineOrigin { seq: record.seq, timestamp_us: record.timestamp_us };
+                        parser.feed_from(&record.text, origin, &mut found);
+                        current = Some((record.seq, record.text));
+                    }
+                    Err(Skip::Seen) => continue,
+                    Err(skip) => {
+                        metrics::counter!("gpumedic_collector_kmsg_records_skipped_total", "reason" => skip.as_str())
+                            .increment(1);
+                        tracing::debug!(
+                            seq = record.seq,
+                            reason = skip.as_str(),
+                            "A kernel-log record is not published."
+                        );
+                    }
                 }
-                parser.feed(&record.text, &mut found);
+                // Skipped records are handled too: the cursor moves past them.
                 last_seq = Some(record.seq);
-                raw_line = record.text;
             }
         }
-        for k in found.drain(..) {
-            let event = to_health_event(&node, &k, if raw_line.is_empty() { &k.message } else { &raw_line });
+        for (k, origin) in found.drain(..) {
+            // The line the event started on is its raw text; an event completed by a later line
+            // (or by a pause) has only its joined message.
+            let raw = match &current {
+                Some((seq, text)) if *seq == origin.seq => text.as_str(),
+                _ => k.message.as_str(),
+            };
+            let mut event = to_health_event(&node, &k, raw);
+            event.event_id = kmsg::event_id(&node, &boot_id, origin.seq);
+            event.observed_at = wall_time(boot_time_us, origin.timestamp_us);
             if !emitter.emit_until_done(&event, &token).await {
                 return Ok(());
             }
         }
         // Everything up to `last_seq` is published, unless a multi-line record is still open.
-        // A crash before the save re-reads at most the records since the last one (at least once).
+        // A crash before the save re-reads at most the records since the last one (at least once,
+        // with the same ids).
         if parser.is_idle()
             && let Some(seq) = last_seq.take()
         {
-            Cursor { boot_id: boot_id.clone(), seq }.save(&cursor_path)?;
+            Cursor { boot_id: boot_id.clone(), seq, boot_time_us: Some(boot_time_us) }.save(&cursor_path)?;
         }
     }
 }

@@ -6,9 +6,19 @@
 //! matching boot id resumes after that sequence (nothing re-reported, nothing missed while the
 //! ring buffer still holds it); a different boot id means the node rebooted, and the whole buffer
 //! of the new boot is read.
+//!
+//! The kernel's records are also what an event's identity and time come from, never the moment
+//! the collector read them: only records of the kernel facility count (a userspace write to
+//! `/dev/kmsg` cannot claim it), an event's id is derived from (node, boot id, sequence number), so
+//! re-reading a record gives the same id, and its time is the boot time plus the record's
+//! timestamp. On a first run, records older than a look-back are not published as new faults.
 
-use std::io::{self, Read as _};
+use std::io::{self, BufRead as _, Read as _};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
 
 /// What went wrong with the kernel log or its cursor.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +42,41 @@ pub enum KmsgError {
         /// The I/O error.
         source: io::Error,
     },
+    /// The boot time could not be read from `/proc/stat`.
+    #[error("no boot time (btime) in {0}")]
+    BootTime(PathBuf),
+}
+
+/// The syslog facility of the kernel's own messages. Userspace writes to `/dev/kmsg` get the
+/// facility they ask for, or `user` (1), never this one.
+pub const KERNEL_FACILITY: u8 = 0;
+
+/// The namespace of kernel-log event ids (UUID v5).
+const EVENT_NAMESPACE: Uuid = Uuid::from_u128(0x6770_756d_6564_6963_6b6d_7367_6576_6e74);
+
+/// The id of the event that the record `seq` of boot `boot_id` on `node` starts: the same however
+/// often the record is read, so a re-read (a restart before the cursor was saved) is recognised
+/// downstream as the event already seen.
+pub fn event_id(node: &str, boot_id: &str, seq: u64) -> Uuid {
+    Uuid::new_v5(&EVENT_NAMESPACE, format!("{node}\n{boot_id}\n{seq}").as_bytes())
+}
+
+/// The wall-clock time of a record: the boot time plus the record's timestamp (microseconds since
+/// boot, as the kernel stamped it when it logged the line).
+pub fn wall_time(boot_time_us: i64, timestamp_us: u64) -> DateTime<Utc> {
+    let at = boot_time_us.saturating_add(i64::try_from(timestamp_us).unwrap_or(i64::MAX));
+    DateTime::from_timestamp_micros(at).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// The boot time in microseconds since the epoch, from the `btime` line of `/proc/stat` (whole
+/// seconds: the kernel's realtime clock minus the time since boot).
+pub fn read_boot_time(proc_stat: &Path) -> Result<i64, KmsgError> {
+    let text =
+        std::fs::read_to_string(proc_stat).map_err(|source| KmsgError::Read { path: proc_stat.to_owned(), source })?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<i64>().ok()))
+        .map(|s| s.saturating_mul(1_000_000))
+        .ok_or_else(|| KmsgError::BootTime(proc_stat.to_owned()))
 }
 
 /// One kernel log record.
@@ -47,6 +92,13 @@ pub struct KmsgRecord {
     pub timestamp_us: u64,
     /// The record's text, without the key/value lines.
     pub text: String,
+}
+
+impl KmsgRecord {
+    /// Whether the kernel itself logged the record (not a userspace write to `/dev/kmsg`).
+    pub fn is_kernel(&self) -> bool {
+        self.facility == KERNEL_FACILITY
+    }
 }
 
 /// Parses one record as `/dev/kmsg` returns it.
@@ -79,6 +131,9 @@ pub struct Cursor {
     pub boot_id: String,
     /// The last sequence number whose events were published.
     pub seq: u64,
+    /// The boot time (microseconds since the epoch) used for this boot's event times, kept so a
+    /// restart gives a re-read record the same time even if the clock was stepped since.
+    pub boot_time_us: Option<i64>,
 }
 
 impl Cursor {
@@ -91,15 +146,17 @@ impl Cursor {
         };
         let mut boot_id = None;
         let mut seq = None;
+        let mut boot_time_us = None;
         for line in text.lines() {
             match line.split_once('=') {
                 Some(("boot_id", v)) => boot_id = Some(v.trim().to_owned()),
                 Some(("seq", v)) => seq = v.trim().parse().ok(),
+                Some(("boot_time_us", v)) => boot_time_us = v.trim().parse().ok(),
                 _ => {}
             }
         }
         match (boot_id, seq) {
-            (Some(boot_id), Some(seq)) => Ok(Some(Cursor { boot_id, seq })),
+            (Some(boot_id), Some(seq)) => Ok(Some(Cursor { boot_id, seq, boot_time_us })),
             // A torn or foreign file: start as after a reboot rather than guess.
             _ => Ok(None),
         }
@@ -113,6 +170,9 @@ impl Cursor {
         let tmp = path.with_extension("tmp");
         let mut f = std::fs::File::create(&tmp).map_err(err)?;
         write!(f, "boot_id={}\nseq={}\n", self.boot_id, self.seq).map_err(err)?;
+        if let Some(t) = self.boot_time_us {
+            writeln!(f, "boot_time_us={t}").map_err(err)?;
+        }
         f.sync_all().map_err(err)?;
         std::fs::rename(&tmp, path).map_err(err)
     }
@@ -148,27 +208,103 @@ impl Resume {
     }
 }
 
-/// Reads records from `/dev/kmsg` (one per `read`). Blocks until the next record arrives, so it
-/// runs on a thread of its own.
+/// Why a record read from the kernel log is not published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    /// Handled before the saved cursor: already published.
+    Seen,
+    /// Not of the kernel facility: a userspace write, which must not pass as a driver message.
+    NotKernel,
+    /// On a first run, older than the look-back: history, not a new fault.
+    BeforeLookBack,
+}
+
+impl Skip {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::Seen => "seen",
+            Skip::NotKernel => "not_kernel",
+            Skip::BeforeLookBack => "before_look_back",
+        }
+    }
+}
+
+/// Which records of the log are published: the new ones (by the cursor) of the kernel facility,
+/// and on a first run only those within the look-back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// Where reading resumes.
+    pub resume: Resume,
+    /// On a first run, the oldest time a record may have to be published.
+    pub first_run_since: Option<DateTime<Utc>>,
+}
+
+impl Admission {
+    /// The admission for `resume`, started at `now`: on a first run, records from before
+    /// `now - look_back` are history. After a reboot the whole new boot is read, as before.
+    pub fn new(resume: Resume, now: DateTime<Utc>, look_back: Duration) -> Self {
+        let first_run_since = (resume == Resume::FirstRun)
+            .then(|| now - chrono::Duration::from_std(look_back).unwrap_or(chrono::Duration::MAX));
+        Admission { resume, first_run_since }
+    }
+
+    /// Whether `record`, which happened at `at`, is published.
+    pub fn check(&self, record: &KmsgRecord, at: DateTime<Utc>) -> Result<(), Skip> {
+        if !self.resume.wants(record.seq) {
+            return Err(Skip::Seen);
+        }
+        if !record.is_kernel() {
+            return Err(Skip::NotKernel);
+        }
+        if self.first_run_since.is_some_and(|since| at < since) {
+            return Err(Skip::BeforeLookBack);
+        }
+        Ok(())
+    }
+}
+
+/// Reads records from `/dev/kmsg` (one per `read`), or from a file of records in its format (one
+/// a line, as `cat /dev/kmsg` prints them), followed as it grows. Blocks until the next record
+/// arrives, so it runs on a thread of its own.
 pub struct KmsgReader {
-    file: std::fs::File,
+    input: Input,
     path: PathBuf,
     buf: Vec<u8>,
 }
 
+enum Input {
+    /// The kernel's device: one record per `read`.
+    Device(std::fs::File),
+    /// A file (or pipe) of records, one a line; `partial` holds a line not yet complete.
+    Lines { reader: io::BufReader<std::fs::File>, partial: String },
+}
+
 impl KmsgReader {
-    /// Opens the device (or a character device like it) at `path`, from the oldest record.
+    /// Opens the device (or a character device like it) at `path`, from the oldest record; any
+    /// other file is read as lines of records, from its start.
     pub fn open(path: &Path) -> Result<Self, KmsgError> {
-        let file = std::fs::File::open(path).map_err(|source| KmsgError::Read { path: path.to_owned(), source })?;
+        use std::os::unix::fs::FileTypeExt as _;
+        let err = |source| KmsgError::Read { path: path.to_owned(), source };
+        let file = std::fs::File::open(path).map_err(err)?;
+        let input = if file.metadata().map_err(err)?.file_type().is_char_device() {
+            Input::Device(file)
+        } else {
+            Input::Lines { reader: io::BufReader::new(file), partial: String::new() }
+        };
         // A record is at most 8 KiB (the kernel's CONSOLE_EXT_LOG_MAX).
-        Ok(Self { file, path: path.to_owned(), buf: vec![0; 8192] })
+        Ok(Self { input, path: path.to_owned(), buf: vec![0; 8192] })
     }
 
     /// The next record. When the ring buffer overwrote records before we read them, the kernel
     /// answers EPIPE once; that is counted and reading goes on with the oldest record left.
     pub fn next_record(&mut self) -> Result<KmsgRecord, KmsgError> {
+        let file = match &mut self.input {
+            Input::Device(file) => file,
+            Input::Lines { reader, partial } => return next_line_record(reader, partial, &self.path),
+        };
         loop {
-            match self.file.read(&mut self.buf) {
+            match file.read(&mut self.buf) {
                 Ok(0) => {
                     return Err(KmsgError::Read {
                         path: self.path.clone(),
@@ -184,6 +320,30 @@ impl KmsgReader {
                 Err(source) => return Err(KmsgError::Read { path: self.path.clone(), source }),
             }
         }
+    }
+}
+
+/// The next record of a file of records: waits for more at its end (a growing file), skips the
+/// device's ` KEY=value` continuation lines and blank ones.
+fn next_line_record(
+    reader: &mut io::BufReader<std::fs::File>,
+    partial: &mut String,
+    path: &Path,
+) -> Result<KmsgRecord, KmsgError> {
+    loop {
+        let n = reader.read_line(partial).map_err(|source| KmsgError::Read { path: path.to_owned(), source })?;
+        if n == 0 {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        if !partial.ends_with('\n') {
+            continue;
+        }
+        let line = std::mem::take(partial);
+        if line.starts_with(' ') || line.trim().is_empty() {
+            continue;
+        }
+        return parse_record(line.as_bytes());
     }
 }
 
@@ -217,7 +377,7 @@ mod tests {
         assert_eq!(Cursor::load(&path).unwrap(), None);
         assert_eq!(Resume::decide(None, "boot-a"), Resume::FirstRun);
 
-        let c = Cursor { boot_id: "boot-a".into(), seq: 41 };
+        let c = Cursor { boot_id: "boot-a".into(), seq: 41, boot_time_us: Some(1_764_547_200_000_000) };
         c.save(&path).unwrap();
         let loaded = Cursor::load(&path).unwrap().expect("saved");
         assert_eq!(loaded, c);
@@ -231,8 +391,97 @@ mod tests {
         assert_eq!(rebooted, Resume::Rebooted);
         assert!(rebooted.wants(0));
 
+        // A cursor saved before boot times were kept still resumes.
+        std::fs::write(&path, "boot_id=boot-a\nseq=41\n").unwrap();
+        assert_eq!(Cursor::load(&path).unwrap(), Some(Cursor { boot_time_us: None, ..c }));
+
         std::fs::write(&path, "garbage").unwrap();
         assert_eq!(Cursor::load(&path).unwrap(), None, "a torn cursor reads as none");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn record(prefix: u64, seq: u64) -> KmsgRecord {
+        let raw = format!("{prefix},{seq},5523234118,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n");
+        parse_record(raw.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn only_the_kernel_facility_counts() {
+        // The kernel's own Xid line (priority 3, facility 0).
+        assert!(record(3, 1).is_kernel());
+        // `echo '<3>NVRM: Xid ...' > /dev/kmsg` from userspace: the kernel files it under `user`
+        // (facility 1, prefix 11); a writer that asks for another facility gets that one.
+        assert!(!record(11, 2).is_kernel());
+        assert!(!record(30, 3).is_kernel());
+        let all = Admission::new(Resume::Rebooted, Utc::now(), Duration::from_secs(600));
+        assert_eq!(all.check(&record(11, 2), Utc::now()), Err(Skip::NotKernel));
+        assert_eq!(all.check(&record(3, 2), Utc::now()), Ok(()));
+    }
+
+    #[test]
+    fn event_ids_are_derived_from_node_boot_and_sequence() {
+        let id = event_id("gpu-1", "boot-a", 1342);
+        assert_eq!(id, event_id("gpu-1", "boot-a", 1342), "a re-read record has the same id");
+        assert_eq!(id.get_version_num(), 5);
+        assert_ne!(id, event_id("gpu-1", "boot-a", 1343));
+        assert_ne!(id, event_id("gpu-1", "boot-b", 1342), "sequence numbers restart at a reboot");
+        assert_ne!(id, event_id("gpu-2", "boot-a", 1342));
+    }
+
+    #[test]
+    fn a_records_time_is_the_boot_time_plus_its_timestamp() {
+        let boot = DateTime::parse_from_rfc3339("2026-12-01T00:00:00Z").unwrap().with_timezone(&Utc);
+        let r = record(3, 1);
+        let at = wall_time(boot.timestamp_micros(), r.timestamp_us);
+        assert_eq!(at, boot + chrono::Duration::microseconds(5_523_234_118));
+        assert_eq!(wall_time(i64::MAX, u64::MAX), DateTime::<Utc>::MAX_UTC, "never wraps");
+
+        let dir = std::env::temp_dir().join(format!("gpumedic-btime-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let stat = dir.join("stat");
+        std::fs::write(&stat, "cpu  1 2 3\nintr 5\nbtime 1764547200\nprocesses 9\n").unwrap();
+        assert_eq!(read_boot_time(&stat).unwrap(), 1_764_547_200_000_000);
+        std::fs::write(&stat, "cpu  1 2 3\n").unwrap();
+        assert!(matches!(read_boot_time(&stat), Err(KmsgError::BootTime(_))));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let here = read_boot_time(Path::new("/proc/stat")).expect("this machine's boot time");
+        assert!(here > 0 && here < Utc::now().timestamp_micros());
+    }
+
+    #[test]
+    fn a_first_run_publishes_only_records_within_the_look_back() {
+        let now = DateTime::parse_from_rfc3339("2026-12-01T12:00:00Z").unwrap().with_timezone(&Utc);
+        let look_back = Duration::from_secs(600);
+        let first = Admission::new(Resume::FirstRun, now, look_back);
+        let r = record(3, 7);
+        assert_eq!(first.check(&r, now - chrono::Duration::minutes(11)), Err(Skip::BeforeLookBack));
+        assert_eq!(first.check(&r, now - chrono::Duration::minutes(9)), Ok(()));
+        // After a reboot every record is of the new boot, and new: all of it is read.
+        let rebooted = Admission::new(Resume::Rebooted, now, look_back);
+        assert_eq!(rebooted.check(&r, now - chrono::Duration::hours(3)), Ok(()));
+        // Same boot: the cursor decides, whatever the time.
+        let same = Admission::new(Resume::After(7), now, look_back);
+        assert_eq!(same.check(&r, now), Err(Skip::Seen));
+        assert_eq!(same.check(&record(3, 8), now - chrono::Duration::hours(3)), Ok(()));
+    }
+
+    #[test]
+    fn a_file_of_records_is_read_line_by_line_as_it_grows() {
+        use std::io::Write as _;
+        let dir = std::env::temp_dir().join(format!("gpumedic-kmsg-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kmsg");
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.write_all(b"6,339,5140900,-;pcieport 0000:00:01.0: AER: enabled\n SUBSYSTEM=pci\n\n3,340,5140901,-;NVRM: Xi")
+            .unwrap();
+        let mut reader = KmsgReader::open(&path).unwrap();
+        let first = reader.next_record().unwrap();
+        assert_eq!((first.seq, first.text.as_str()), (339, "pcieport 0000:00:01.0: AER: enabled"));
+        // The rest of a line written later completes it.
+        f.write_all(b"d (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n").unwrap();
+        let second = reader.next_record().unwrap();
+        assert_eq!(second.seq, 340);
+        assert!(second.text.starts_with("NVRM: Xid (PCI:0000:3b:00): 79"), "{}", second.text);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

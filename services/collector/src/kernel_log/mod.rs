@@ -9,4 +9,4 @@ pub mod event;
 pub mod kmsg;
 pub mod parse;
 
-pub use parse::{KernelEvent, KernelEventKind, LogParser, MigInstance, NvlinkFields};
+pub use parse::{KernelEvent, KernelEventKind, LineOrigin, LogParser, MigInstance, NvlinkFields};

@@ -113,10 +113,21 @@ impl KernelEvent {
     }
 }
 
+/// Where a line came from, carried to the event it starts: the kernel log's sequence number and
+/// timestamp for a `/dev/kmsg` record, nothing for plain text. An event joined from several lines
+/// (an SXid with its `Severity` and `Data` lines) keeps the origin of its first line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LineOrigin {
+    /// The record's sequence number within its boot.
+    pub seq: u64,
+    /// The record's timestamp, microseconds since boot.
+    pub timestamp_us: u64,
+}
+
 /// A line-at-a-time parser that joins multi-line records.
 #[derive(Debug, Default)]
 pub struct LogParser {
-    pending: Option<KernelEvent>,
+    pending: Option<(KernelEvent, LineOrigin)>,
 }
 
 impl LogParser {
@@ -127,21 +138,31 @@ impl LogParser {
 
     /// Feeds one line; completed events are appended to `out`.
     pub fn feed(&mut self, line: &str, out: &mut Vec<KernelEvent>) {
+        self.feed_with(line, LineOrigin::default(), &mut |e, _| out.push(e));
+    }
+
+    /// Feeds one line that came from `origin`; completed events are appended to `out` with the
+    /// origin of the line each started on.
+    pub fn feed_from(&mut self, line: &str, origin: LineOrigin, out: &mut Vec<(KernelEvent, LineOrigin)>) {
+        self.feed_with(line, origin, &mut |e, o| out.push((e, o)));
+    }
+
+    fn feed_with(&mut self, line: &str, origin: LineOrigin, emit: &mut dyn FnMut(KernelEvent, LineOrigin)) {
         if let Some(event) = line.find("SXid").and_then(|at| parse_sxid(line, at)) {
-            if let Some(pending) = self.pending.as_mut()
+            if let Some((pending, _)) = self.pending.as_mut()
                 && is_sxid_continuation(pending, &event)
             {
                 pending.message.push_str(" | ");
                 pending.message.push_str(&event.message);
                 return;
             }
-            self.flush(out);
-            self.pending = Some(event);
+            self.flush_with(emit);
+            self.pending = Some((event, origin));
             return;
         }
-        self.flush(out);
+        self.flush_with(emit);
         if let Some(event) = parse_line(line) {
-            out.push(event);
+            emit(event, origin);
         }
     }
 
@@ -152,8 +173,17 @@ impl LogParser {
 
     /// Emits a record kept open for continuation lines. Call when the input ends or pauses.
     pub fn flush(&mut self, out: &mut Vec<KernelEvent>) {
-        if let Some(event) = self.pending.take() {
-            out.push(event);
+        self.flush_with(&mut |e, _| out.push(e));
+    }
+
+    /// [`LogParser::flush`], with the origin of the line the record started on.
+    pub fn flush_from(&mut self, out: &mut Vec<(KernelEvent, LineOrigin)>) {
+        self.flush_with(&mut |e, o| out.push((e, o)));
+    }
+
+    fn flush_with(&mut self, emit: &mut dyn FnMut(KernelEvent, LineOrigin)) {
+        if let Some((event, origin)) = self.pending.take() {
+            emit(event, origin);
         }
     }
 }

@@ -168,6 +168,25 @@ fn sxid_multi_line_record_is_one_event() {
 }
 
 #[test]
+fn a_joined_record_keeps_the_origin_of_its_first_line() {
+    let lines = [
+        "nvidia-nvswitch3: SXid (PCI:0000:c8:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)",
+        "nvidia-nvswitch3: SXid (PCI:0000:c8:00.0): 12028, Severity 0 Engine instance 32 Sub-engine instance 00",
+        "NVRM: Xid (PCI:0000:3b:00): 74, pid=1, name=x, NVLink: Link 2",
+    ];
+    let mut parser = LogParser::new();
+    let mut out = Vec::new();
+    for (n, line) in lines.iter().enumerate() {
+        let n = n as u64;
+        parser.feed_from(line, LineOrigin { seq: 10 + n, timestamp_us: 1_000 * n }, &mut out);
+    }
+    parser.flush_from(&mut out);
+    let origins: Vec<(Option<u32>, Option<u32>, u64, u64)> =
+        out.iter().map(|(e, o)| (e.sxid, e.xid, o.seq, o.timestamp_us)).collect();
+    assert_eq!(origins, vec![(Some(12028), None, 10, 0), (None, Some(74), 12, 2_000)]);
+}
+
+#[test]
 fn machine_checks() {
     let e = one("mce: [Hardware Error]: CPU 3: Machine Check Exception: 5 Bank 7: be00000000800400");
     assert_eq!((e.kind, e.cpu, e.mce_bank), (KernelEventKind::Mce, Some(3), Some(7)));

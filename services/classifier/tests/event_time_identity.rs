@@ -1,0 +1,223 @@
+//! Time and identity from the payload are not trusted, against the real Kafka and PostgreSQL:
+//! an event stamped a day ahead (a node's clock far off) is bounded by its record's Kafka
+//! timestamp, so it does not move the node's engine clock and a later quiet period still ends;
+//! and an old event published again, after the engine's in-memory window of recent ids has moved
+//! past it, is recognised by Postgres and produces no second verdict.
+
+use std::time::Duration;
+
+use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::enriched::NodeContext;
+use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
+const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+
+/// Xid 79 opens a node incident; healthy evidence held for 3 s resolves it (no reboot proof, so
+/// the test needs no boot ids).
+const RULE: &str = "rules:\n  - id: xid-79-test\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n    severity: critical\n    action: cordon\n    clear: {evidence: {healthy: true}, quiet: 3s}\n";
+
+fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
+    EnrichedHealthEvent {
+        event,
+        node_context: NodeContext::default(),
+        node_unknown: false,
+        xid_catalog: None,
+        workloads: vec![],
+        enriched_at: chrono::Utc::now(),
+        gpu: None,
+        gpu_unresolved: false,
+    }
+}
+
+fn xid(node: &str, code: i32, pid: i32) -> HealthEvent {
+    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
+    let detail = Detail::Xid(XidDetail {
+        code,
+        text: "GPU has fallen off the bus.".into(),
+        pid: Some(pid),
+        process: None,
+        nvlink5: None,
+        recovery_action: None,
+    });
+    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+}
+
+fn healthy(node: &str) -> HealthEvent {
+    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
+    let detail =
+        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
+    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
+    e.healthy = true;
+    e
+}
+
+struct Bed {
+    classifier: testbed::ServiceProcess,
+    producer: Producer,
+    enriched: String,
+    verdicts: String,
+    url: String,
+    rules: std::path::PathBuf,
+}
+
+impl Bed {
+    async fn start(name: &str) -> Bed {
+        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testbed::unique_name(name).replace('-', "_");
+        let url = testbed::fresh_database(&admin, &db).await.expect("database");
+        let enriched = testbed::unique_name(&format!("{name}-enriched"));
+        let verdicts = testbed::unique_name(&format!("{name}-verdicts"));
+        let actions = testbed::unique_name(&format!("{name}-actions"));
+        let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+        settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 12)).await.expect("topics");
+        let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+        std::fs::create_dir_all(&rules).unwrap();
+        std::fs::write(rules.join("79.yaml"), RULE).unwrap();
+        let classifier = testbed::ServiceProcess::start(
+            BIN,
+            &[],
+            &[
+                ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+                ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+                ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
+                ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+                ("GPUMEDIC_ACTIONS_TOPIC", actions),
+                ("GPUMEDIC_DATABASE_URL", url.clone()),
+                ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
+                ("GPUMEDIC_TICK", "500ms".into()),
+            ],
+        )
+        .expect("starts");
+        let mut bed =
+            Bed { classifier, producer: settings.producer("event-time-test").unwrap(), enriched, verdicts, url, rules };
+        bed.classifier.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+        bed
+    }
+
+    async fn send(&self, e: &HealthEvent) {
+        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        publish(&self.producer, &self.enriched, &e.node, &bytes, &[]).await.unwrap();
+    }
+
+    /// Waits up to `wait` for a verdict about `node` that `pick` accepts.
+    async fn verdict(&self, node: &str, wait: Duration, pick: impl Fn(&Verdict) -> bool) -> Option<Verdict> {
+        let found =
+            testbed::wait_for_record(&self.verdicts, |r: &Record| of_node(r, node).is_some_and(|v| pick(&v)), wait)
+                .await
+                .ok()?;
+        of_node(&found, node)
+    }
+
+    /// Every verdict record about `node` on the topic (after `wait` for more to arrive).
+    async fn verdicts(&self, node: &str, wait: Duration) -> Vec<Verdict> {
+        let mut all = Vec::new();
+        let _ = testbed::wait_for_record(
+            &self.verdicts,
+            |r| {
+                all.extend(of_node(r, node));
+                false
+            },
+            wait,
+        )
+        .await;
+        all
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let Ok((_, body)) = testbed::http_get(self.classifier.admin_addr(), "/metrics").await else { return 0.0 };
+        body.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+            .sum()
+    }
+
+    async fn stop(mut self) {
+        self.classifier.terminate(Duration::from_secs(15)).await.expect("stops");
+        std::fs::remove_dir_all(&self.rules).ok();
+    }
+}
+
+fn of_node(r: &Record, node: &str) -> Option<Verdict> {
+    (r.key.as_deref() == Some(node.as_bytes()))
+        .then(|| gpumedic_schemas::decode::<Verdict>(r.payload.as_deref().unwrap_or_default()).ok())
+        .flatten()
+}
+
+#[tokio::test]
+async fn an_event_from_a_day_ahead_does_not_move_the_node_clock() {
+    let bed = Bed::start("skew").await;
+    let node = testbed::unique_name("skew-node");
+
+    // A node whose clock is a day fast stamps both times of its event a day ahead.
+    let mut ahead = healthy(&node);
+    let day = chrono::Duration::days(1);
+    ahead.observed_at += day;
+    ahead.published_at += day;
+    bed.send(&ahead).await;
+
+    // Normal events after it: the fault opens its incident, and healthy evidence held for the
+    // quiet period (3 s of the node's time) resolves it. Had the first event moved the node's
+    // clock a day ahead, the quiet period would end only a day from now.
+    let fault = xid(&node, 79, 1);
+    bed.send(&fault).await;
+    let opened =
+        bed.verdict(&node, Duration::from_secs(60), |v| !v.recovery).await.expect("the fault opens its incident");
+    bed.send(&healthy(&node)).await;
+    let recovered = bed
+        .verdict(&node, Duration::from_secs(30), |v| v.recovery)
+        .await
+        .expect("the quiet period ends on time: the day-ahead event did not move the node's clock");
+    assert_eq!(recovered.incident_id, opened.incident_id);
+
+    // It was recorded at its record's time, not a day ahead, and counted.
+    let pool = gpumedic_runtime::postgres::connect(&bed.url, 2).await.unwrap();
+    let at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT observed_at FROM health_events WHERE event_id = $1")
+            .bind(ahead.event_id)
+            .fetch_one(&pool)
+            .await
+            .expect("the event is recorded");
+    assert!(at < chrono::Utc::now() + chrono::Duration::minutes(5), "recorded at {at}");
+    assert!(bed.metric("gpumedic_classifier_clock_skew_clamped_total").await >= 1.0);
+    pool.close().await;
+    bed.stop().await;
+}
+
+#[tokio::test]
+async fn an_old_event_published_again_produces_no_second_verdict() {
+    let bed = Bed::start("replay").await;
+    let node = testbed::unique_name("replay-node");
+
+    let fault = xid(&node, 79, 1);
+    bed.send(&fault).await;
+    bed.verdict(&node, Duration::from_secs(60), |v| !v.recovery).await.expect("the fault opens its incident");
+    bed.send(&healthy(&node)).await;
+    bed.verdict(&node, Duration::from_secs(30), |v| v.recovery).await.expect("and is resolved");
+
+    // More events of the node than the engine remembers ids of (1024), each its own Xid line (a
+    // code no rule matches), so neither the id window nor the repeated-line window holds the fault.
+    let others: Vec<HealthEvent> = (0..1100).map(|pid| xid(&node, 63, 1000 + pid)).collect();
+    let sends = others.iter().map(|e| {
+        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        let (producer, topic, key) = (&bed.producer, &bed.enriched, e.node.clone());
+        async move { publish(producer, topic, &key, &bytes, &[]).await }
+    });
+    futures::future::try_join_all(sends).await.unwrap();
+
+    // The same fault again (same id and time): a replay, a re-publish, a re-read log line.
+    let before = bed.metric("gpumedic_classifier_duplicate_events_total").await;
+    bed.send(&fault).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while bed.metric("gpumedic_classifier_duplicate_events_total").await <= before {
+        assert!(tokio::time::Instant::now() < deadline, "the replayed event was not handled within 60 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let opened: Vec<Verdict> =
+        bed.verdicts(&node, Duration::from_secs(3)).await.into_iter().filter(|v| !v.recovery).collect();
+    assert_eq!(opened.len(), 1, "the replayed fault produced another verdict: {opened:#?}");
+    bed.stop().await;
+}
