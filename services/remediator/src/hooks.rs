@@ -898,9 +898,9 @@ mod tests {
             assert_eq!(verify(&delivery(&h, b"body"), &knows, FIVE_MINUTES, NOW).unwrap().key_id, id);
         }
         // A receiver that already dropped the old key refuses what only the old key signed.
-        let old_only = sign(&[old.clone()], NOW, b"body");
+        let old_only = sign(std::slice::from_ref(&old), NOW, b"body");
         assert_eq!(
-            verify(&delivery(&old_only, b"body"), &[new.clone()], FIVE_MINUTES, NOW),
+            verify(&delivery(&old_only, b"body"), std::slice::from_ref(&new), FIVE_MINUTES, NOW),
             Err(VerifyError::UnknownKeyId("default".into()))
         );
         assert_eq!(Keyring::new(new.clone(), Some(key("2026-12", "x"))), Err(KeyError::DuplicateId("2026-12".into())));
