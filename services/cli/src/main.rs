@@ -2,11 +2,12 @@
 //!
 //! Subcommands grow with the pipeline: the pipeline's Kafka topics, kernel logs checked with the
 //! collector's own parser, synthetic faults, incident history, rule checks, replay and backtest, the
-//! demo, and the remediator's control surface (circuit breaker status and reset, global pause and
-//! resume).
+//! demo, the remediator's control surface (circuit breaker status and reset, global pause and
+//! resume), and the repair webhook's signature as a receiver checks it.
 
 mod control;
 mod demo;
+mod hooks;
 mod incidents;
 mod inject;
 mod replay;
@@ -85,6 +86,12 @@ enum Command {
         target: control::Target,
         #[command(flatten)]
         who: control::Who,
+    },
+    /// The repair webhook's signature as a receiver sees it: `verify` checks a dumped request
+    /// (signature, key id, replay window), `sign` makes one for a receiver's tests.
+    Hooks {
+        #[command(subcommand)]
+        command: hooks::HooksCommand,
     },
     /// Manage the pipeline's Kafka topics.
     Topics {
@@ -184,6 +191,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Hooks { command } => hooks::run(command),
         Command::Topics { command: TopicsCommand::List } => {
             for t in topics::ALL {
                 println!("{t}");

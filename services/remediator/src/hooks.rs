@@ -2,9 +2,11 @@
 //! nodes. Two kinds, either or both:
 //!
 //! - a **webhook**: an HTTPS POST of a JSON body ([`WebhookBody`]) signed with HMAC-SHA256 under
-//!   a shared secret (`X-Gpumedic-Signature: sha256=<hex>`), with `X-Gpumedic-Timestamp` and an
-//!   `Idempotency-Key` of `<verdict id>:<step>`, the same across retries, restarts and failovers,
-//!   so the receiver does each step once. Connection errors, timeouts, 5xx and 429 are retried
+//!   shared keys ([`sign`]: `X-Gpumedic-Timestamp`, `X-Gpumedic-Key-Id`,
+//!   `X-Gpumedic-Signature: v1=<hex>` over `<key id>.<timestamp>.<body>`, one signature per key
+//!   during a rotation), with an `Idempotency-Key` of `<verdict id>:<step>`, the same across
+//!   retries, restarts and failovers, so the receiver does each step once. [`verify`] is what a
+//!   receiver does (`gpumedic hooks verify` runs it on a dumped request). Connection errors, timeouts, 5xx and 429 are retried
 //!   with exponential backoff; any other answer but 2xx fails the step at once. A 2xx means the
 //!   receiver took the work, not that the node is repaired: success then comes from healthy
 //!   evidence (a recovery verdict) before the step's timeout.
@@ -14,7 +16,7 @@
 //!   instead of creating a second. The controller reports through a status field (`status.phase`
 //!   by default): `Succeeded` ends the ladder, `Failed` escalates.
 //!
-//! The signature, the body, the retry classification, the template rendering and the phase
+//! The signature and its check, the body, the retry classification, the template rendering and the phase
 //! reading are pure and tested here; [`Webhook`], [`CustomResource`] and [`Hooks`] are the edge.
 
 use std::sync::Arc;
@@ -29,16 +31,27 @@ use serde_json::{Value, json};
 
 use crate::ladder::{Ladder, Report};
 
-/// The header carrying the body's signature.
+/// The header carrying the signatures: `v1=<hex>`, one per signing key, comma separated, in the
+/// order of [`KEY_ID_HEADER`].
 pub const SIGNATURE_HEADER: &str = "X-Gpumedic-Signature";
-/// The header carrying the time of the attempt (Unix seconds).
+/// The header carrying the time of the attempt (Unix seconds); it is signed.
 pub const TIMESTAMP_HEADER: &str = "X-Gpumedic-Timestamp";
+/// The header naming the keys that signed, comma separated (the current key first); each id is
+/// signed by its own signature.
+pub const KEY_ID_HEADER: &str = "X-Gpumedic-Key-Id";
 /// The header carrying the idempotency key.
 pub const IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
+/// The id of a key configured without one (the single secret of `--repair-webhook-secret`).
+pub const DEFAULT_KEY_ID: &str = "default";
+/// The longest key id.
+pub const MAX_KEY_ID_LEN: usize = 64;
 /// The label on every custom resource gpumedic creates, naming the node.
 pub const NODE_LABEL: &str = "gpumedic.io/node";
 /// The label on every custom resource gpumedic creates, naming the verdict (sanitised).
 pub const VERDICT_LABEL: &str = "gpumedic.io/verdict-id";
+
+/// The prefix of a signature of the current scheme (HMAC-SHA256 of `<key id>.<timestamp>.<body>`).
+const SCHEME_V1: &str = "v1=";
 
 /// Why a step could not be handed to the hooks.
 #[derive(Debug, thiserror::Error)]
@@ -66,17 +79,292 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// `sha256=<hex>`: the HMAC-SHA256 of `body` under `secret`, as sent in [`SIGNATURE_HEADER`].
-pub fn signature(secret: &[u8], body: &[u8]) -> String {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
-    format!("sha256={}", hex::encode(ring::hmac::sign(&key, body).as_ref()))
+/// Reads a secret from a file (a mounted Secret); trailing newlines are not part of it.
+pub fn read_secret(path: &std::path::Path) -> Result<Secret, String> {
+    let mut bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    while bytes.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
+        bytes.pop();
+    }
+    Ok(Secret(bytes))
 }
 
-/// Checks a [`SIGNATURE_HEADER`] value against `body` in constant time (what a receiver does).
-pub fn verify(secret: &[u8], body: &[u8], header: &str) -> bool {
-    let Some(tag) = header.strip_prefix("sha256=").and_then(|h| hex::decode(h).ok()) else { return false };
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
-    ring::hmac::verify(&key, body, &tag).is_ok()
+/// Why a signing key is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The id is empty.
+    #[error("the key id is empty")]
+    EmptyId,
+    /// The id is longer than [`MAX_KEY_ID_LEN`].
+    #[error("the key id '{0}' is longer than {MAX_KEY_ID_LEN} characters")]
+    LongId(String),
+    /// The id holds a character outside `[A-Za-z0-9._-]` (a comma would split the header).
+    #[error("the key id '{id}' holds {bad:?}; use letters, digits, '.', '_' and '-' only")]
+    BadId {
+        /// The id as given.
+        id: String,
+        /// The first character not allowed.
+        bad: char,
+    },
+    /// The secret is empty.
+    #[error("the key '{0}' is empty")]
+    EmptySecret(String),
+    /// Two keys share an id, so a receiver could not tell them apart.
+    #[error("two keys have the id '{0}'")]
+    DuplicateId(String),
+}
+
+/// Checks a key id: 1 to [`MAX_KEY_ID_LEN`] characters of `[A-Za-z0-9._-]`.
+pub fn check_key_id(id: &str) -> Result<(), KeyError> {
+    if id.is_empty() {
+        return Err(KeyError::EmptyId);
+    }
+    if let Some(bad) = id.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
+        return Err(KeyError::BadId { id: id.to_owned(), bad });
+    }
+    if id.len() > MAX_KEY_ID_LEN {
+        return Err(KeyError::LongId(id.to_owned()));
+    }
+    Ok(())
+}
+
+/// A signing key and the id receivers know it by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Key {
+    id: String,
+    secret: Secret,
+}
+
+impl Key {
+    /// A key named `id`; refuses a bad id ([`check_key_id`]) or an empty secret.
+    pub fn new(id: &str, secret: Secret) -> Result<Self, KeyError> {
+        check_key_id(id)?;
+        if secret.0.is_empty() {
+            return Err(KeyError::EmptySecret(id.to_owned()));
+        }
+        Ok(Self { id: id.to_owned(), secret })
+    }
+
+    /// The key's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn hmac_key(&self) -> ring::hmac::Key {
+        ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.secret.0)
+    }
+}
+
+/// The signed content: `<key id>.<timestamp>.<body>`, so neither the time nor the key id can be
+/// changed without the key.
+fn signed_content(key_id: &str, timestamp: &str, body: &[u8]) -> Vec<u8> {
+    let mut content = Vec::with_capacity(key_id.len() + timestamp.len() + body.len() + 2);
+    content.extend_from_slice(key_id.as_bytes());
+    content.push(b'.');
+    content.extend_from_slice(timestamp.as_bytes());
+    content.push(b'.');
+    content.extend_from_slice(body);
+    content
+}
+
+/// The keys the remediator signs with: the current one and, during a rotation, the previous one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keyring {
+    keys: Vec<Key>,
+}
+
+impl Keyring {
+    /// The keys `current` and, while receivers move to it, `previous`; their ids must differ.
+    pub fn new(current: Key, previous: Option<Key>) -> Result<Self, KeyError> {
+        if let Some(p) = &previous
+            && p.id == current.id
+        {
+            return Err(KeyError::DuplicateId(p.id.clone()));
+        }
+        Ok(Self { keys: std::iter::once(current).chain(previous).collect() })
+    }
+
+    /// The keys, the current one first.
+    pub fn keys(&self) -> &[Key] {
+        &self.keys
+    }
+}
+
+/// The values of the three signature headers of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignatureHeaders {
+    /// [`TIMESTAMP_HEADER`]: Unix seconds.
+    pub timestamp: String,
+    /// [`KEY_ID_HEADER`]: the signing keys' ids, comma separated.
+    pub key_ids: String,
+    /// [`SIGNATURE_HEADER`]: `v1=<hex>` per key, comma separated, in the order of the ids.
+    pub signatures: String,
+}
+
+impl SignatureHeaders {
+    /// The headers as (name, value) pairs.
+    pub fn pairs(&self) -> [(&'static str, &str); 3] {
+        [(TIMESTAMP_HEADER, &self.timestamp), (KEY_ID_HEADER, &self.key_ids), (SIGNATURE_HEADER, &self.signatures)]
+    }
+}
+
+/// Signs `body` sent at `timestamp` (Unix seconds) with every key in `keys`: for each key, the
+/// HMAC-SHA256 of `<key id>.<timestamp>.<body>`, so a receiver holding any one of them verifies.
+pub fn sign(keys: &[Key], timestamp: i64, body: &[u8]) -> SignatureHeaders {
+    let timestamp = timestamp.to_string();
+    let key_ids = keys.iter().map(Key::id).collect::<Vec<_>>().join(",");
+    let signatures = keys
+        .iter()
+        .map(|k| {
+            let tag = ring::hmac::sign(&k.hmac_key(), &signed_content(&k.id, &timestamp, body));
+            format!("{SCHEME_V1}{}", hex::encode(tag.as_ref()))
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    SignatureHeaders { timestamp, key_ids, signatures }
+}
+
+/// A request as a receiver got it: the three signature headers (`None` when absent) and the raw
+/// body bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery<'a> {
+    /// The [`TIMESTAMP_HEADER`] value.
+    pub timestamp: Option<&'a str>,
+    /// The [`KEY_ID_HEADER`] value.
+    pub key_ids: Option<&'a str>,
+    /// The [`SIGNATURE_HEADER`] value.
+    pub signatures: Option<&'a str>,
+    /// The body, exactly as received.
+    pub body: &'a [u8],
+}
+
+impl<'a> Delivery<'a> {
+    /// The delivery of `body` with the headers `header` finds by name (HTTP header names are
+    /// case-insensitive: the lookup should be too).
+    pub fn from_headers(body: &'a [u8], header: impl Fn(&str) -> Option<&'a str>) -> Self {
+        Self {
+            timestamp: header(TIMESTAMP_HEADER),
+            key_ids: header(KEY_ID_HEADER),
+            signatures: header(SIGNATURE_HEADER),
+            body,
+        }
+    }
+}
+
+/// A request that passed [`verify`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// The id of the key whose signature matched.
+    pub key_id: String,
+    /// Seconds between the signed timestamp and now; negative when the sender's clock is ahead.
+    pub age_seconds: i64,
+}
+
+/// Why a receiver must refuse a request; each message starts with the short reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    /// A signature header is missing or empty.
+    #[error("missing header: the request has no {0}")]
+    MissingHeader(&'static str),
+    /// A signature header cannot be read.
+    #[error("malformed header: {header}: {why}")]
+    Malformed {
+        /// The header.
+        header: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// None of the keys that signed is known here.
+    #[error("unknown key id: the request is signed by {0}, and no key here has that id")]
+    UnknownKeyId(String),
+    /// A known key signed, but the signature does not match what arrived.
+    #[error(
+        "bad signature: the signature by key {0} does not match the body, timestamp and key id \
+         (changed on the way, or signed with another key under that id)"
+    )]
+    BadSignature(String),
+    /// Signed longer ago than the tolerance.
+    #[error("too old: signed {} ago, more than the {} tolerance (a replay, or a request held too long)", human_seconds(*age_seconds), human_seconds(*tolerance_seconds))]
+    TooOld {
+        /// How long ago it was signed.
+        age_seconds: u64,
+        /// The tolerance.
+        tolerance_seconds: u64,
+    },
+    /// Signed further in the future than the tolerance.
+    #[error("too far in the future: signed {} ahead of this clock, more than the {} tolerance (check both clocks)", human_seconds(*ahead_seconds), human_seconds(*tolerance_seconds))]
+    TooNew {
+        /// How far ahead of now it was signed.
+        ahead_seconds: u64,
+        /// The tolerance.
+        tolerance_seconds: u64,
+    },
+}
+
+/// What a receiver does with a request: checks that a key it knows (`keys`, by id) signed the
+/// timestamp, the key id and the body, in constant time, and then that the timestamp is within
+/// `tolerance` of `now` (Unix seconds) either way, so a captured request cannot be replayed later.
+/// The signature is checked first: a refusal for age is about a request that is authentic.
+pub fn verify(delivery: &Delivery<'_>, keys: &[Key], tolerance: Duration, now: i64) -> Result<Verified, VerifyError> {
+    fn present<'v>(value: Option<&'v str>, header: &'static str) -> Result<&'v str, VerifyError> {
+        value.map(str::trim).filter(|v| !v.is_empty()).ok_or(VerifyError::MissingHeader(header))
+    }
+    let timestamp = present(delivery.timestamp, TIMESTAMP_HEADER)?;
+    let key_ids = present(delivery.key_ids, KEY_ID_HEADER)?;
+    let signatures = present(delivery.signatures, SIGNATURE_HEADER)?;
+    let signed_at =
+        timestamp.bytes().all(|b| b.is_ascii_digit()).then(|| timestamp.parse::<i64>().ok()).flatten().ok_or_else(
+            || VerifyError::Malformed { header: TIMESTAMP_HEADER, why: format!("'{timestamp}' is not Unix seconds") },
+        )?;
+    let ids: Vec<&str> = key_ids.split(',').map(str::trim).collect();
+    let tags: Vec<&str> = signatures.split(',').map(str::trim).collect();
+    if ids.len() != tags.len() {
+        return Err(VerifyError::Malformed {
+            header: SIGNATURE_HEADER,
+            why: format!("{} signature(s) for {} key id(s) in {KEY_ID_HEADER}", tags.len(), ids.len()),
+        });
+    }
+    let mut known = Vec::new();
+    let mut matched = None;
+    for (id, tag) in ids.iter().zip(&tags) {
+        let Some(key) = keys.iter().find(|k| k.id == *id) else { continue };
+        known.push(*id);
+        // Another scheme's signature (a later version) is no match for this one.
+        let Some(tag) = tag.strip_prefix(SCHEME_V1).and_then(|h| hex::decode(h).ok()) else { continue };
+        if ring::hmac::verify(&key.hmac_key(), &signed_content(id, timestamp, delivery.body), &tag).is_ok() {
+            matched = Some(key.id.clone());
+            break;
+        }
+    }
+    let Some(key_id) = matched else {
+        return Err(if known.is_empty() {
+            VerifyError::UnknownKeyId(ids.join(", "))
+        } else {
+            VerifyError::BadSignature(known.join(", "))
+        });
+    };
+    let age_seconds = now.saturating_sub(signed_at);
+    let tolerance_seconds = tolerance.as_secs();
+    if age_seconds.unsigned_abs() > tolerance_seconds {
+        return Err(if age_seconds > 0 {
+            VerifyError::TooOld { age_seconds: age_seconds.unsigned_abs(), tolerance_seconds }
+        } else {
+            VerifyError::TooNew { ahead_seconds: age_seconds.unsigned_abs(), tolerance_seconds }
+        });
+    }
+    Ok(Verified { key_id, age_seconds })
+}
+
+/// Seconds as a short human duration: `45s`, `10m`, `9m 58s`, `2h 5m`, `3d 4h`.
+pub fn human_seconds(secs: u64) -> String {
+    let (d, h, m, s) = (secs / 86_400, secs / 3_600 % 24, secs / 60 % 60, secs % 60);
+    let parts: Vec<String> = [(d, "d"), (h, "h"), (m, "m"), (s, "s")]
+        .iter()
+        .skip_while(|(n, _)| *n == 0)
+        .take(2)
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect();
+    if parts.is_empty() { "0s".to_owned() } else { parts.join(" ") }
 }
 
 /// The idempotency key of step `step` (from 1) of the ladder started by `verdict_id`.
@@ -181,8 +469,8 @@ pub fn backoff(initial: Duration, attempt: u32) -> Duration {
 pub struct WebhookSettings {
     /// Where to POST.
     pub url: reqwest::Url,
-    /// The shared HMAC secret.
-    pub secret: Secret,
+    /// The keys shared with the receiver: every request is signed with each.
+    pub keys: Keyring,
     /// One request's time limit.
     pub timeout: Duration,
     /// Attempts per call, the first included.
@@ -218,6 +506,8 @@ impl Webhook {
             }
         }
         let client = builder.build().map_err(|e| HookError::Client(e.to_string()))?;
+        let key_ids: Vec<&str> = settings.keys.keys().iter().map(Key::id).collect();
+        tracing::info!(url = %settings.url, key_ids = %key_ids.join(","), "The repair webhook signs every request with each of these keys.");
         Ok(Self { client, settings })
     }
 
@@ -232,16 +522,15 @@ impl Webhook {
             }
             let now = Utc::now();
             let body = serde_json::to_vec(&WebhookBody::new(ladder, attempt, now)).expect("the body serializes");
-            let sent = self
+            let mut request = self
                 .client
                 .post(self.settings.url.clone())
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .header(SIGNATURE_HEADER, signature(&self.settings.secret.0, &body))
-                .header(TIMESTAMP_HEADER, now.timestamp().to_string())
-                .header(IDEMPOTENCY_HEADER, &key)
-                .body(body)
-                .send()
-                .await;
+                .header(IDEMPOTENCY_HEADER, &key);
+            for (name, value) in sign(self.settings.keys.keys(), now.timestamp(), &body).pairs() {
+                request = request.header(name, value);
+            }
+            let sent = request.body(body).send().await;
             let (answer, what) = match sent {
                 Ok(response) => {
                     let status = response.status().as_u16();
@@ -506,15 +795,153 @@ mod tests {
         Ladder::new(&request.verdict_id, RecommendedAction::ResetGpu, &request, &steps, Utc::now())
     }
 
+    fn key(id: &str, secret: &str) -> Key {
+        Key::new(id, Secret(secret.as_bytes().to_vec())).unwrap()
+    }
+
+    const NOW: i64 = 1_700_000_000;
+    const FIVE_MINUTES: Duration = Duration::from_secs(300);
+
+    fn delivery<'a>(h: &'a SignatureHeaders, body: &'a [u8]) -> Delivery<'a> {
+        Delivery { timestamp: Some(&h.timestamp), key_ids: Some(&h.key_ids), signatures: Some(&h.signatures), body }
+    }
+
     #[test]
-    fn signature_matches_a_known_vector_and_verifies() {
-        // RFC 4231 test case 2.
-        let sig = signature(b"Jefe", b"what do ya want for nothing?");
-        assert_eq!(sig, "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-        assert!(verify(b"Jefe", b"what do ya want for nothing?", &sig));
-        assert!(!verify(b"Jefe", b"what do ya want for something?", &sig));
-        assert!(!verify(b"other", b"what do ya want for nothing?", &sig));
-        assert!(!verify(b"Jefe", b"what do ya want for nothing?", "5bdcc146"));
+    fn the_signature_covers_key_id_timestamp_and_body_as_documented() {
+        // Computed with Python's hmac, as in the receiver snippet of docs/operations.md:
+        // hmac.new(b"Jefe", b'k-1.1700000000.{"a":1}', hashlib.sha256).hexdigest()
+        let h = sign(&[key("k-1", "Jefe")], NOW, br#"{"a":1}"#);
+        assert_eq!(h.timestamp, "1700000000");
+        assert_eq!(h.key_ids, "k-1");
+        assert_eq!(h.signatures, "v1=050040fa18ac5d95c7cb4cacb275c1277cfa6aaccbb845bb3f2c3aa3b0a85030");
+        let ok = verify(&delivery(&h, br#"{"a":1}"#), &[key("k-1", "Jefe")], FIVE_MINUTES, NOW + 3).unwrap();
+        assert_eq!(ok, Verified { key_id: "k-1".into(), age_seconds: 3 });
+    }
+
+    #[test]
+    fn a_changed_body_timestamp_or_key_id_is_a_bad_signature() {
+        let keys = [key("k-1", "Jefe")];
+        let h = sign(&keys, NOW, b"body");
+        assert_eq!(
+            verify(&delivery(&h, b"bodY"), &keys, FIVE_MINUTES, NOW),
+            Err(VerifyError::BadSignature("k-1".into()))
+        );
+        // A replay with a fresh timestamp: the old signature does not cover it.
+        let mut fresh = h.clone();
+        fresh.timestamp = (NOW + 600).to_string();
+        assert_eq!(
+            verify(&delivery(&fresh, b"body"), &keys, FIVE_MINUTES, NOW + 600),
+            Err(VerifyError::BadSignature("k-1".into()))
+        );
+        // The same signature presented under another known key's id.
+        let two = [key("k-1", "Jefe"), key("k-2", "Jefe")];
+        let mut renamed = h.clone();
+        renamed.key_ids = "k-2".into();
+        assert_eq!(
+            verify(&delivery(&renamed, b"body"), &two, FIVE_MINUTES, NOW),
+            Err(VerifyError::BadSignature("k-2".into()))
+        );
+        // Signed with another secret under the right id.
+        assert_eq!(
+            verify(&delivery(&h, b"body"), &[key("k-1", "other")], FIVE_MINUTES, NOW),
+            Err(VerifyError::BadSignature("k-1".into()))
+        );
+        let mut old_scheme = h.clone();
+        old_scheme.signatures = old_scheme.signatures.replace("v1=", "sha256=");
+        assert_eq!(
+            verify(&delivery(&old_scheme, b"body"), &keys, FIVE_MINUTES, NOW),
+            Err(VerifyError::BadSignature("k-1".into()))
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_id_or_a_missing_header_is_refused_with_its_reason() {
+        let h = sign(&[key("k-1", "Jefe")], NOW, b"body");
+        let err = verify(&delivery(&h, b"body"), &[key("k-9", "Jefe")], FIVE_MINUTES, NOW).unwrap_err();
+        assert_eq!(err, VerifyError::UnknownKeyId("k-1".into()));
+        assert!(err.to_string().starts_with("unknown key id:"), "{err}");
+        for (missing, header) in [(0, TIMESTAMP_HEADER), (1, KEY_ID_HEADER), (2, SIGNATURE_HEADER)] {
+            let mut d = delivery(&h, b"body");
+            match missing {
+                0 => d.timestamp = None,
+                1 => d.key_ids = Some(" "),
+                _ => d.signatures = None,
+            }
+            assert_eq!(verify(&d, &[key("k-1", "Jefe")], FIVE_MINUTES, NOW), Err(VerifyError::MissingHeader(header)));
+        }
+        let mut d = delivery(&h, b"body");
+        d.timestamp = Some("2023-11-14T22:13:20Z");
+        assert!(matches!(
+            verify(&d, &[key("k-1", "Jefe")], FIVE_MINUTES, NOW),
+            Err(VerifyError::Malformed { header: TIMESTAMP_HEADER, .. })
+        ));
+        d = delivery(&h, b"body");
+        d.key_ids = Some("k-1,k-2");
+        assert!(matches!(
+            verify(&d, &[key("k-1", "Jefe")], FIVE_MINUTES, NOW),
+            Err(VerifyError::Malformed { header: SIGNATURE_HEADER, .. })
+        ));
+    }
+
+    #[test]
+    fn during_a_rotation_a_receiver_with_either_key_verifies() {
+        let (new, old) = (key("2026-12", "new-secret"), key("default", "old-secret"));
+        let ring = Keyring::new(new.clone(), Some(old.clone())).unwrap();
+        let h = sign(ring.keys(), NOW, b"body");
+        assert_eq!(h.key_ids, "2026-12,default");
+        assert_eq!(h.signatures.split(',').count(), 2);
+        for (knows, id) in [
+            (vec![old.clone()], "default"),
+            (vec![new.clone()], "2026-12"),
+            (vec![old.clone(), new.clone()], "2026-12"),
+        ] {
+            assert_eq!(verify(&delivery(&h, b"body"), &knows, FIVE_MINUTES, NOW).unwrap().key_id, id);
+        }
+        // A receiver that already dropped the old key refuses what only the old key signed.
+        let old_only = sign(std::slice::from_ref(&old), NOW, b"body");
+        assert_eq!(
+            verify(&delivery(&old_only, b"body"), std::slice::from_ref(&new), FIVE_MINUTES, NOW),
+            Err(VerifyError::UnknownKeyId("default".into()))
+        );
+        assert_eq!(Keyring::new(new.clone(), Some(key("2026-12", "x"))), Err(KeyError::DuplicateId("2026-12".into())));
+    }
+
+    #[test]
+    fn a_request_older_or_further_ahead_than_the_tolerance_is_refused() {
+        let keys = [key("k-1", "Jefe")];
+        let h = sign(&keys, NOW, b"body");
+        assert_eq!(verify(&delivery(&h, b"body"), &keys, FIVE_MINUTES, NOW + 300).unwrap().age_seconds, 300);
+        let old = verify(&delivery(&h, b"body"), &keys, FIVE_MINUTES, NOW + 600).unwrap_err();
+        assert_eq!(old, VerifyError::TooOld { age_seconds: 600, tolerance_seconds: 300 });
+        assert!(old.to_string().starts_with("too old: signed 10m ago, more than the 5m tolerance"), "{old}");
+        assert_eq!(verify(&delivery(&h, b"body"), &keys, FIVE_MINUTES, NOW - 300).unwrap().age_seconds, -300);
+        let ahead = verify(&delivery(&h, b"body"), &keys, FIVE_MINUTES, NOW - 301).unwrap_err();
+        assert_eq!(ahead, VerifyError::TooNew { ahead_seconds: 301, tolerance_seconds: 300 });
+        assert!(ahead.to_string().starts_with("too far in the future: signed 5m 1s ahead"), "{ahead}");
+        // A forged request is refused for its signature, whatever its age.
+        assert_eq!(
+            verify(&delivery(&h, b"forged"), &keys, FIVE_MINUTES, NOW + 600),
+            Err(VerifyError::BadSignature("k-1".into()))
+        );
+    }
+
+    #[test]
+    fn key_ids_are_checked() {
+        assert_eq!(check_key_id("2026-12_a.b"), Ok(()));
+        assert_eq!(check_key_id(""), Err(KeyError::EmptyId));
+        assert_eq!(check_key_id("a,b"), Err(KeyError::BadId { id: "a,b".into(), bad: ',' }));
+        assert!(matches!(check_key_id("a b"), Err(KeyError::BadId { bad: ' ', .. })));
+        assert!(matches!(check_key_id(&"k".repeat(65)), Err(KeyError::LongId(_))));
+        assert_eq!(Key::new("k", Secret(vec![])), Err(KeyError::EmptySecret("k".into())));
+        assert!(!format!("{:?}", key("k", "hunter2")).contains("hunter2"), "the secret never prints");
+    }
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        let cases = [(0, "0s"), (45, "45s"), (600, "10m"), (598, "9m 58s"), (7_500, "2h 5m"), (273_600, "3d 4h")];
+        for (secs, text) in cases {
+            assert_eq!(human_seconds(secs), text);
+        }
     }
 
     #[test]

@@ -165,12 +165,8 @@ pub struct Args {
     /// The repair webhook: an https:// URL each ladder step is POSTed to, signed.
     #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_URL")]
     repair_webhook_url: Option<String>,
-    /// The webhook's HMAC-SHA256 secret (prefer --repair-webhook-secret-file, from a Secret).
-    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET", hide_env_values = true)]
-    repair_webhook_secret: Option<String>,
-    /// A file holding the webhook's secret (a mounted Secret); a trailing newline is ignored.
-    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE")]
-    repair_webhook_secret_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    repair_webhook_keys: WebhookKeyArgs,
     /// Extra CA certificates (PEM) the webhook's certificate may chain to, beside the public roots.
     #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_CA_FILE")]
     repair_webhook_ca_file: Option<std::path::PathBuf>,
@@ -193,6 +189,31 @@ pub struct Args {
     /// The dotted path of the field a repair controller reports `Succeeded` or `Failed` in.
     #[arg(long, env = "GPUMEDIC_REPAIR_RESOURCE_STATUS_PATH", default_value = "status.phase")]
     repair_resource_status_path: String,
+}
+
+/// The repair webhook's keys: the current one and, during a rotation, the previous one.
+#[derive(Debug, clap::Args)]
+struct WebhookKeyArgs {
+    /// The webhook's current HMAC-SHA256 key (prefer --repair-webhook-secret-file, from a Secret).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET", hide_env_values = true)]
+    repair_webhook_secret: Option<String>,
+    /// A file holding the webhook's current key (a mounted Secret); a trailing newline is ignored.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE")]
+    repair_webhook_secret_file: Option<std::path::PathBuf>,
+    /// The id receivers know the current key by, sent in X-Gpumedic-Key-Id and signed
+    /// (letters, digits, `.`, `_`, `-`; at most 64).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_KEY_ID", default_value = hooks::DEFAULT_KEY_ID)]
+    repair_webhook_key_id: String,
+    /// During a key rotation: the id of the previous key, which signs every request too until
+    /// every receiver knows the current one.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_PREVIOUS_KEY_ID")]
+    repair_webhook_previous_key_id: Option<String>,
+    /// During a key rotation: the previous key (prefer --repair-webhook-previous-secret-file).
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_PREVIOUS_SECRET", hide_env_values = true)]
+    repair_webhook_previous_secret: Option<String>,
+    /// During a key rotation: a file holding the previous key; a trailing newline is ignored.
+    #[arg(long, env = "GPUMEDIC_REPAIR_WEBHOOK_PREVIOUS_SECRET_FILE")]
+    repair_webhook_previous_secret_file: Option<std::path::PathBuf>,
 }
 
 /// The validated configuration.
@@ -331,31 +352,7 @@ impl Validate for Args {
                     other => Err(format!("'{other}' is not an http(s) scheme")),
                 }),
             );
-            let secret = match (&self.repair_webhook_secret, &self.repair_webhook_secret_file) {
-                (Some(_), Some(_)) => {
-                    p.push("--repair-webhook-secret", "give the secret or its file, not both");
-                    None
-                }
-                (Some(s), None) => Some(s.clone().into_bytes()),
-                (None, Some(file)) => p.check(
-                    "--repair-webhook-secret-file",
-                    std::fs::read(file)
-                        .map(|mut b| {
-                            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
-                                b.pop();
-                            }
-                            b
-                        })
-                        .map_err(|e| format!("cannot read {}: {e}", file.display())),
-                ),
-                (None, None) => {
-                    p.push("--repair-webhook-secret", "the webhook needs a secret (or --repair-webhook-secret-file)");
-                    None
-                }
-            };
-            if secret.as_ref().is_some_and(Vec::is_empty) {
-                p.push("--repair-webhook-secret", "the secret must not be empty");
-            }
+            let keys = self.repair_webhook_keys.keyring(&mut p);
             let ca_pem = self.repair_webhook_ca_file.as_ref().and_then(|file| {
                 p.check(
                     "--repair-webhook-ca-file",
@@ -365,12 +362,11 @@ impl Validate for Args {
             if self.repair_webhook_attempts == 0 {
                 p.push("--repair-webhook-attempts", "must be at least 1");
             }
-            if let (Some(url), Some(secret), Some(timeout), Some(backoff)) =
-                (url, secret, webhook_timeout, webhook_backoff)
+            if let (Some(url), Some(keys), Some(timeout), Some(backoff)) = (url, keys, webhook_timeout, webhook_backoff)
             {
                 webhook = Some(hooks::WebhookSettings {
                     url,
-                    secret: hooks::Secret(secret),
+                    keys,
                     timeout,
                     attempts: self.repair_webhook_attempts,
                     backoff,
@@ -452,6 +448,102 @@ impl Validate for Args {
             resource,
             webhook,
         })
+    }
+}
+
+/// One webhook key's secret from its value flag or its file flag (not both); `None` when neither
+/// is given or it cannot be read (recorded). Returns the flag it came from with it.
+fn webhook_secret<'f>(
+    p: &mut Problems,
+    value: Option<&str>,
+    file: Option<&std::path::Path>,
+    (value_flag, file_flag): (&'f str, &'f str),
+) -> Option<(hooks::Secret, &'f str)> {
+    match (value, file) {
+        (Some(_), Some(_)) => {
+            p.push(value_flag, format!("give the secret or {file_flag}, not both"));
+            None
+        }
+        (Some(s), None) => Some((hooks::Secret(s.as_bytes().to_vec()), value_flag)),
+        (None, Some(f)) => p.check(file_flag, hooks::read_secret(f)).map(|s| (s, file_flag)),
+        (None, None) => None,
+    }
+}
+
+impl WebhookKeyArgs {
+    /// The webhook's signing keys: the current one (from --repair-webhook-secret or its file, named
+    /// by --repair-webhook-key-id, `default` unless set) and, during a rotation, the previous one.
+    /// Every problem is recorded, so one start lists them all.
+    fn keyring(&self, p: &mut Problems) -> Option<hooks::Keyring> {
+        /// The key `id` with `secret`, its problems recorded against the flags they came from.
+        fn key(p: &mut Problems, id_flag: &str, id: &str, secret: Option<(hooks::Secret, &str)>) -> Option<hooks::Key> {
+            let id_ok = p.check(id_flag, hooks::check_key_id(id).map_err(|e| e.to_string())).is_some();
+            let (secret, flag) = secret?;
+            if secret.0.is_empty() {
+                p.push(flag, "the key must not be empty");
+                return None;
+            }
+            if !id_ok {
+                return None;
+            }
+            hooks::Key::new(id, secret).map_err(|e| p.push(flag, e.to_string())).ok()
+        }
+        let current_flags = ("--repair-webhook-secret", "--repair-webhook-secret-file");
+        let current_secret = webhook_secret(
+            p,
+            self.repair_webhook_secret.as_deref(),
+            self.repair_webhook_secret_file.as_deref(),
+            current_flags,
+        );
+        if self.repair_webhook_secret.is_none() && self.repair_webhook_secret_file.is_none() {
+            p.push("--repair-webhook-secret", "the webhook needs a secret (or --repair-webhook-secret-file)");
+        }
+        let current_id = self.repair_webhook_key_id.trim();
+        let current = key(p, "--repair-webhook-key-id", current_id, current_secret.clone());
+
+        // An empty value (a ConfigMap entry left blank after a rotation) means unset.
+        let previous_id = self.repair_webhook_previous_key_id.as_deref().map(str::trim).filter(|i| !i.is_empty());
+        let previous_value = self.repair_webhook_previous_secret.as_deref().filter(|s| !s.is_empty());
+        let previous_file = self.repair_webhook_previous_secret_file.as_deref().filter(|f| !f.as_os_str().is_empty());
+        // `None`: a problem; `Some(None)`: no rotation under way.
+        let previous = match (previous_id, previous_value.is_some() || previous_file.is_some()) {
+            (None, false) => Some(None),
+            (Some(_), false) => {
+                p.push(
+                    "--repair-webhook-previous-key-id",
+                    "names a previous key but none is given (--repair-webhook-previous-secret-file)",
+                );
+                None
+            }
+            (None, true) => {
+                p.push("--repair-webhook-previous-key-id", "the previous key needs the id receivers know it by");
+                None
+            }
+            (Some(id), true) => {
+                let secret = webhook_secret(
+                    p,
+                    previous_value,
+                    previous_file,
+                    ("--repair-webhook-previous-secret", "--repair-webhook-previous-secret-file"),
+                );
+                let mut distinct = true;
+                if id == current_id {
+                    p.push("--repair-webhook-previous-key-id", "must differ from --repair-webhook-key-id");
+                    distinct = false;
+                }
+                if let (Some((old, flag)), Some((new, _))) = (&secret, &current_secret)
+                    && old == new
+                {
+                    p.push(*flag, "the previous key is the current key; a rotation needs a new one");
+                    distinct = false;
+                }
+                key(p, "--repair-webhook-previous-key-id", id, secret).filter(|_| distinct).map(Some)
+            }
+        };
+        let (current, previous) = (current?, previous?);
+        hooks::Keyring::new(current, previous)
+            .map_err(|e| p.push("--repair-webhook-previous-key-id", e.to_string()))
+            .ok()
     }
 }
 
@@ -1377,4 +1469,104 @@ async fn write_ladder_if_unchanged(
         }
     }
     Err(format!("node {name} changed under every attempt to write its repair ladder").into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configuration from a webhook URL plus `args`, or its problems as `flag: message`.
+    fn validate(args: &[&str]) -> Result<Config, Vec<String>> {
+        let mut argv = vec!["gpumedic-remediator", "--kafka-bootstrap", "localhost:9092"];
+        argv.extend(["--repair-webhook-url", "https://repair.example.com/v1/repair"]);
+        argv.extend(args);
+        Args::try_parse_from(argv)
+            .expect("the flags parse")
+            .validate()
+            .map_err(|p| p.list().iter().map(|p| format!("{}: {}", p.field, p.message)).collect())
+    }
+
+    fn key_ids(config: &Config) -> Vec<&str> {
+        config.webhook.as_ref().expect("a webhook").keys.keys().iter().map(hooks::Key::id).collect()
+    }
+
+    fn file(name: &str, contents: &str) -> String {
+        let path = std::env::temp_dir().join(format!("gpumedic-remediator-{}-{name}", std::process::id()));
+        std::fs::write(&path, contents).expect("the test file is written");
+        path.display().to_string()
+    }
+
+    #[test]
+    fn a_single_secret_is_the_key_named_default() {
+        let config = validate(&["--repair-webhook-secret", "s3cret"]).expect("valid");
+        assert_eq!(key_ids(&config), ["default"]);
+        let config = validate(&["--repair-webhook-secret-file", &file("only", "s3cret\n")]).expect("valid");
+        assert_eq!(key_ids(&config), ["default"]);
+    }
+
+    #[test]
+    fn during_a_rotation_both_keys_sign_the_current_one_first() {
+        let config = validate(&[
+            "--repair-webhook-key-id",
+            "2026-12",
+            "--repair-webhook-secret-file",
+            &file("new", "new-secret\n"),
+            "--repair-webhook-previous-key-id",
+            "default",
+            "--repair-webhook-previous-secret-file",
+            &file("old", "old-secret\n"),
+        ])
+        .expect("valid");
+        assert_eq!(key_ids(&config), ["2026-12", "default"]);
+        // A blank previous id (a ConfigMap entry emptied after the rotation) is no rotation.
+        let config =
+            validate(&["--repair-webhook-secret", "s3cret", "--repair-webhook-previous-key-id", " "]).expect("valid");
+        assert_eq!(key_ids(&config), ["default"]);
+    }
+
+    #[test]
+    fn every_key_problem_is_listed_against_its_flag() {
+        let problems = validate(&[
+            "--repair-webhook-secret",
+            "",
+            "--repair-webhook-key-id",
+            "new,key",
+            "--repair-webhook-previous-secret-file",
+            "/nonexistent/previous",
+        ])
+        .expect_err("invalid");
+        assert_eq!(problems.len(), 3, "{problems:#?}");
+        assert!(problems[0].starts_with("--repair-webhook-key-id: the key id 'new,key' holds ','"), "{problems:#?}");
+        assert_eq!(problems[1], "--repair-webhook-secret: the key must not be empty");
+        assert!(problems[2].starts_with("--repair-webhook-previous-key-id: the previous key needs"), "{problems:#?}");
+
+        let problems = validate(&[
+            "--repair-webhook-secret",
+            "same",
+            "--repair-webhook-previous-key-id",
+            "default",
+            "--repair-webhook-previous-secret",
+            "same",
+        ])
+        .expect_err("invalid");
+        assert_eq!(
+            problems,
+            [
+                "--repair-webhook-previous-key-id: must differ from --repair-webhook-key-id",
+                "--repair-webhook-previous-secret: the previous key is the current key; a rotation needs a new one",
+            ]
+        );
+
+        let problems =
+            validate(&["--repair-webhook-previous-key-id", "old", "--repair-webhook-key-id", ""]).expect_err("invalid");
+        assert_eq!(
+            problems,
+            [
+                "--repair-webhook-secret: the webhook needs a secret (or --repair-webhook-secret-file)",
+                "--repair-webhook-key-id: the key id is empty",
+                "--repair-webhook-previous-key-id: names a previous key but none is given \
+                 (--repair-webhook-previous-secret-file)",
+            ]
+        );
+    }
 }

@@ -1,11 +1,14 @@
 //! Repair hooks and the escalation ladder, with the remediator binary in full-remediation mode
 //! against the testbed's kube-apiserver and Kafka:
-//! - the signed webhook, received by an HTTPS server in the test (a CA made here with rcgen): a
+//! - the signed webhook, received by an HTTPS server in the test (a CA made here with rcgen) that
+//!   checks every request with the library's receiver check ([`hooks::verify`]): a
 //!   first step answered 500 twice then 200 is retried under one idempotency key, times out
 //!   without healthy evidence and escalates; a recovery verdict then ends the ladder remediated
 //!   and returns the node;
 //! - a webhook that refuses (403) fails every step at once, without retries: the node is `failed`,
 //!   with an Event and a failed outcome;
+//! - during a key rotation (a new current key, the old one as previous), every call verifies at a
+//!   receiver that knows only the old key and at one that knows only the new key;
 //! - the custom resource hook: a CRD installed in the test, the resource created once under its
 //!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`.
 //!
@@ -36,18 +39,54 @@ const SECRET: &str = "s3cret-shared-with-the-receiver";
 #[derive(Debug, Clone)]
 struct Call {
     key: String,
-    signature_valid: bool,
+    /// The id of the receiver's key that verified the call (`None`: refused).
+    verified_by: Option<String>,
+    /// The signature headers (timestamp, key ids, signatures) and the raw body, to verify again
+    /// with other keys.
+    signed: (String, String, String, Vec<u8>),
     body: Value,
     status: u16,
 }
 
-/// The test's HTTPS webhook receiver: verifies each signature with the shared secret, records
-/// every call, and answers from a script per step (`step -> statuses`, then 200).
-#[derive(Clone, Default)]
+impl Call {
+    /// Whether a receiver that knows only `keys` accepts the call.
+    fn verifies_with(&self, keys: &[hooks::Key]) -> bool {
+        let (timestamp, key_ids, signatures, body) = &self.signed;
+        let delivery = hooks::Delivery {
+            timestamp: Some(timestamp.as_str()),
+            key_ids: Some(key_ids.as_str()),
+            signatures: Some(signatures.as_str()),
+            body,
+        };
+        hooks::verify(&delivery, keys, Duration::from_secs(300), chrono::Utc::now().timestamp()).is_ok()
+    }
+}
+
+/// The receiver's key for the shared secret of the old single-secret flags.
+fn default_key() -> hooks::Key {
+    hooks::Key::new(hooks::DEFAULT_KEY_ID, hooks::Secret(SECRET.into())).unwrap()
+}
+
+/// The test's HTTPS webhook receiver: verifies each request with the library's receiver check
+/// (the keys it knows, a 5-minute window), records every call, and answers from a script per
+/// step (`step -> statuses`, then 200).
+#[derive(Clone)]
 struct Receiver {
+    keys: Arc<Mutex<Vec<hooks::Key>>>,
     calls: Arc<Mutex<Vec<Call>>>,
     script: Arc<Mutex<BTreeMap<u64, VecDeque<u16>>>>,
     always: Arc<Mutex<Option<u16>>>,
+}
+
+impl Default for Receiver {
+    fn default() -> Self {
+        Self {
+            keys: Arc::new(Mutex::new(vec![default_key()])),
+            calls: Arc::default(),
+            script: Arc::default(),
+            always: Arc::default(),
+        }
+    }
 }
 
 impl Receiver {
@@ -66,15 +105,21 @@ async fn receive(
     body: axum::body::Bytes,
 ) -> axum::http::StatusCode {
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
-    let signature_valid = hooks::verify(SECRET.as_bytes(), &body, &header(hooks::SIGNATURE_HEADER))
-        && !header(hooks::TIMESTAMP_HEADER).is_empty();
+    let delivery = hooks::Delivery::from_headers(&body[..], |name| headers.get(name).and_then(|v| v.to_str().ok()));
+    let keys = r.keys.lock().unwrap().clone();
+    let verified_by = hooks::verify(&delivery, &keys, Duration::from_secs(300), chrono::Utc::now().timestamp())
+        .map(|v| v.key_id)
+        .map_err(|e| eprintln!("The receiver refused a call: {e}"))
+        .ok();
+    let signed =
+        (header(hooks::TIMESTAMP_HEADER), header(hooks::KEY_ID_HEADER), header(hooks::SIGNATURE_HEADER), body.to_vec());
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let step = body["step"].as_u64().unwrap_or(0);
     let status = match *r.always.lock().unwrap() {
         Some(s) => s,
         None => r.script.lock().unwrap().get_mut(&step).and_then(VecDeque::pop_front).unwrap_or(200),
     };
-    r.calls.lock().unwrap().push(Call { key: header(hooks::IDEMPOTENCY_HEADER), signature_valid, body, status });
+    r.calls.lock().unwrap().push(Call { key: header(hooks::IDEMPOTENCY_HEADER), verified_by, signed, body, status });
     axum::http::StatusCode::from_u16(status).unwrap()
 }
 
@@ -305,7 +350,10 @@ async fn the_webhook_is_retried_under_one_key_escalates_on_timeout_and_a_recover
     assert_eq!(step2.len(), 1, "{step2:?}");
     assert_eq!((step2[0].body["action"].as_str(), step2[0].body["step"].as_u64()), (Some("reboot_node"), Some(2)));
     let all = receiver.calls();
-    assert!(all.iter().all(|c| c.signature_valid), "every call is signed with the shared secret: {all:?}");
+    assert!(
+        all.iter().all(|c| c.verified_by.as_deref() == Some(hooks::DEFAULT_KEY_ID)),
+        "every call is signed with the shared secret: {all:?}"
+    );
     assert!(all.iter().all(|c| c.key == key1 || c.key == key2), "one key per step: {all:?}");
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Failed && o.detail.contains("escalating to reboot_node"))
         .await;
@@ -444,6 +492,42 @@ async fn events_of(client: &kube::Client, node: &str) -> Vec<(String, String)> {
         .await
         .map(|l| l.items.into_iter().map(|e| (e.reason.unwrap_or_default(), e.message.unwrap_or_default())).collect())
         .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn during_a_key_rotation_receivers_with_the_old_or_the_new_key_both_verify_every_call() {
+    let w = World::new().await;
+    let name = w.node().await;
+    // This receiver has not been rolled yet: it knows only the old key.
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    const NEW_SECRET: &str = "the-new-key-after-rotation";
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_KEY_ID", "2026-12".into()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE", w.file("new", &format!("{NEW_SECRET}\n"))),
+            ("GPUMEDIC_REPAIR_WEBHOOK_PREVIOUS_KEY_ID", hooks::DEFAULT_KEY_ID.into()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_PREVIOUS_SECRET_FILE", w.file("previous", &format!("{SECRET}\n"))),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+        ])
+        .await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, false);
+    w.publish(&v).await;
+    let call = eventually("the first step's webhook call", Duration::from_secs(60), async || {
+        receiver.calls_for(&format!("{}:1", v.verdict_id)).into_iter().next()
+    })
+    .await;
+    assert_eq!(call.verified_by.as_deref(), Some(hooks::DEFAULT_KEY_ID), "the old key verifies: {call:?}");
+    assert_eq!(call.signed.1, "2026-12,default", "the current key signs first");
+    let new = hooks::Key::new("2026-12", hooks::Secret(NEW_SECRET.into())).unwrap();
+    assert!(call.verifies_with(std::slice::from_ref(&new)), "a rolled receiver with only the new key verifies");
+    assert!(call.verifies_with(&[new, default_key()]), "so does one with both");
+    let impostor = hooks::Key::new("2026-12", hooks::Secret(b"guessed".to_vec())).unwrap();
+    assert!(!call.verifies_with(&[impostor]), "another secret under the new id does not");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
 const GROUP: &str = "repair.gpumedic-test.io";
