@@ -290,7 +290,11 @@ impl Validate for Args {
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),
-                batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked"), limits: batch_limits.expect("checked") },
+                batch: BatchSettings {
+                    max: self.batch_max,
+                    linger: linger.expect("checked"),
+                    limits: batch_limits.expect("checked"),
+                },
                 event_retention: retention.expect("checked"),
                 rules_dir: self.rules_dir,
                 allow_synthetic: self.allow_synthetic,

@@ -16,9 +16,13 @@
 //!   direct mode when it is empty.
 //!
 //! A record Kafka refuses for good (over the broker's size limit, not authorized:
-//! [`fault::is_permanent`]) is not spooled or retried: it would block the spool's head for ever.
-//! It is counted (`gpumedic_collector_events_refused_total`), logged as an error with its id, and
-//! removed from the spool if it was there, so the records behind it drain.
+//! [`fault::is_permanent`]) must not block the spool's head for ever. Kafka refuses a whole
+//! produce request at once, so a refusal is pinned on a record only when it was sent alone: the
+//! producer refusing it before sending (larger than `message.max.bytes`) answers its source
+//! `Refused` at once; a delivery refused with others in flight sends the spool's records one at
+//! a time (a direct one is spooled first) until one is acknowledged. A record refused alone is
+//! counted (`gpumedic_collector_events_refused_total`), logged as an error with its id, and
+//! removed from the spool, so the records behind it drain.
 //!
 //! When the spool is full of faults the publisher stops taking events from the channel until the
 //! spool drains: sources that wait are held (backpressure), and the GPU sampler, which never
@@ -249,7 +253,7 @@ type Delivery = BoxFuture<'static, Done>;
 
 enum Done {
     Direct { id: u64, result: Result<(), Failure> },
-    Spooled { seq: u64, generation: u64, kind: String, event: String, result: Result<(), Failure> },
+    Spooled { seq: u64, generation: u64, kind: String, event: String, alone: bool, result: Result<(), Failure> },
 }
 
 /// Why Kafka did not take a record, and whether it ever will.
@@ -448,9 +452,9 @@ impl Publisher {
         if !state.topic_ready || !state.direct.is_empty() {
             return;
         }
-        let window = if state.up {
+        let window = if state.up && !state.alone {
             DRAIN_WINDOW
-        } else if state.retry_due && !state.probing {
+        } else if state.up || (state.retry_due && !state.probing) {
             1
         } else {
             return;
@@ -467,17 +471,18 @@ impl Publisher {
             let generation = state.generation;
             match self.send(&record) {
                 Err(f) if f.permanent => {
-                    // Settled in turn, after the records ahead of it: the spool acknowledges in order.
+                    // Refused before sending, for itself alone; settled in turn, after the
+                    // records ahead of it, since the spool acknowledges in order.
                     let (kind, event) = (record.kind, record.id);
                     inflight.push_back(Box::pin(async move {
-                        Done::Spooled { seq, generation, kind, event, result: Err(f) }
+                        Done::Spooled { seq, generation, kind, event, alone: true, result: Err(f) }
                     }));
                     state.spooled_inflight += 1;
                 }
                 Ok(fut) => {
-                    let (kind, event) = (record.kind, record.id);
+                    let (kind, event, alone) = (record.kind, record.id, window == 1);
                     inflight.push_back(Box::pin(async move {
-                        Done::Spooled { seq, generation, kind, event, result: fut.await }
+                        Done::Spooled { seq, generation, kind, event, alone, result: fut.await }
                     }));
                     state.spooled_inflight += 1;
                     if !state.up {
@@ -508,19 +513,19 @@ impl Publisher {
                             let _ = ack.send(Outcome::Published);
                         }
                     }
-                    Err(f) if f.permanent => {
-                        refused(&d.record, &f);
-                        if let Some(ack) = d.ack {
-                            let _ = ack.send(Outcome::Refused);
-                        }
-                    }
                     Err(f) => {
-                        state.failed(&f.error);
+                        if f.permanent {
+                            // Refused with whatever shared its request: spooled, and sent alone
+                            // to find out whether it is the one at fault. Kafka is up.
+                            state.alone = true;
+                        } else {
+                            state.failed(&f.error);
+                        }
                         state.waiting.push_back(Outgoing { record: d.record, ack: d.ack });
                     }
                 }
             }
-            Done::Spooled { seq, generation, kind, event, result } => {
+            Done::Spooled { seq, generation, kind, event, alone, result } => {
                 if generation != state.generation {
                     return Ok(());
                 }
@@ -529,13 +534,22 @@ impl Publisher {
                 match result {
                     Ok(()) => {
                         state.set_up(true);
+                        state.alone = false;
                         self.spool.ack(seq)?;
                         metrics::counter!("gpumedic_collector_events_total", "kind" => kind).increment(1);
                     }
+                    Err(f) if f.permanent && !alone => {
+                        // Refused with the others in its request: send one at a time.
+                        state.alone = true;
+                        state.generation += 1;
+                        state.spooled_inflight = 0;
+                        self.spool.rewind();
+                    }
                     Err(f) if f.permanent => {
-                        // Out of the spool's head, so the records behind it drain.
+                        // Refused alone: out of the spool's head, so the records behind it drain.
                         self.spool.ack(seq)?;
-                        metrics::counter!("gpumedic_collector_events_refused_total", "kind" => kind.clone()).increment(1);
+                        metrics::counter!("gpumedic_collector_events_refused_total", "kind" => kind.clone())
+                            .increment(1);
                         tracing::error!(id = %event, %kind, error = %f.error,
                             "Kafka refuses a spooled health event for good; it is removed from the spool.");
                     }
@@ -608,6 +622,9 @@ struct State {
     /// Bumped on a failed spooled send: deliveries of an older generation are ignored.
     generation: u64,
     spooled_inflight: usize,
+    /// Kafka refused a request for good: spooled records go one at a time until one is
+    /// acknowledged, so the refusal is pinned on the record that earns it.
+    alone: bool,
     direct: VecDeque<Direct>,
     next_direct: u64,
     /// Events to spool, in order, when the spool has room.
@@ -628,6 +645,7 @@ impl Default for State {
             backoff: Duration::from_millis(200),
             generation: 0,
             spooled_inflight: 0,
+            alone: false,
             direct: VecDeque::new(),
             next_direct: 0,
             waiting: VecDeque::new(),

@@ -1,10 +1,10 @@
 //! Against the testbed's Kafka: an event Kafka refuses for good (over the topic's
 //! `max.message.bytes`) does not block the spool's head: it is removed, the events behind it are
-//! published and the spool drains; the same event handed over directly is answered `Refused`.
+//! published and the spool drains, also when it was sent together with a good event.
 
 use std::time::Duration;
 
-use gpumedic_collector::publisher::{Outcome, Publisher, PublisherSettings};
+use gpumedic_collector::publisher::{Publisher, PublisherSettings};
 use gpumedic_collector::spool::{Spool, SpoolRecord};
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, record_headers};
 use gpumedic_runtime::testbed;
@@ -71,16 +71,27 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     .unwrap_or_else(|e| panic!("the event behind the refused one was never published: {e}"));
     assert_eq!(behind.offset, 1, "published after 'first', the refused one in between left no record");
 
-    // Handed over directly, an event that large is answered, not spooled.
-    let mut event = gpumedic_collector::synthetic::xid79_event("node-a", "0000:17:00.0");
-    if let Detail::Xid(x) = &mut event.detail {
-        x.text = incompressible(20_000);
-    }
-    let outcome = tokio::time::timeout(Duration::from_secs(30), sink.emit(&event))
-        .await
-        .expect("answered in time")
-        .expect("handed over");
-    assert_eq!(outcome, Outcome::Refused);
+    // Handed over directly, an event that large is refused by the broker after it left: it is
+    // spooled, sent alone, refused alone and removed; the event behind it is published.
+    let big = || {
+        let mut event = gpumedic_collector::synthetic::xid79_event("node-a", "0000:17:00.0");
+        if let Detail::Xid(x) = &mut event.detail {
+            x.text = incompressible(20_000);
+        }
+        event
+    };
+    let small = gpumedic_collector::synthetic::xid79_event("node-a", "0000:17:00.0");
+    let wanted = small.event_id.to_string();
+    let (big, small) = (big(), small);
+    let outcomes = tokio::join!(sink.emit(&big), sink.emit(&small));
+    assert!(outcomes.0.is_ok() && outcomes.1.is_ok(), "{outcomes:?}");
+    testbed::wait_for_record(
+        &topic,
+        |r| r.header(record_headers::EVENT_ID) == Some(wanted.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
 
     token.cancel();
     task.await.expect("joins").expect("publisher stops cleanly");

@@ -168,7 +168,11 @@ impl Validate for Args {
                 cluster: self.cluster_name,
             },
             catalog: catalog.expect("checked"),
-            batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked"), limits: batch_limits.expect("checked") },
+            batch: BatchSettings {
+                max: self.batch_max,
+                linger: linger.expect("checked"),
+                limits: batch_limits.expect("checked"),
+            },
             inventory: InventoryLimits {
                 max_nodes: self.inventory_max_nodes,
                 max_gpus: self.inventory_max_gpus,

@@ -30,8 +30,8 @@ use tracing::Instrument as _;
 use gpumedic_schemas::{Codec, RegistryOptions};
 
 use crate::admin::ReadyFlag;
-use crate::{BoxError, fault};
 use crate::config::{Problems, Validate};
+use crate::{BoxError, fault};
 
 /// What went wrong talking to Kafka.
 #[derive(Debug, thiserror::Error)]
@@ -235,7 +235,8 @@ impl KafkaSettings {
         }
         let c = self.client_config_with("gpumedic-admin", &[]);
         let brokers = tokio::task::spawn_blocking(move || {
-            let consumer: BaseConsumer = c.create().map_err(|source| KafkaError::Client { what: "consumer", source })?;
+            let consumer: BaseConsumer =
+                c.create().map_err(|source| KafkaError::Client { what: "consumer", source })?;
             consumer
                 .fetch_metadata(None, Duration::from_secs(10))
                 .map(|m| m.brokers().len())
@@ -353,7 +354,8 @@ impl KafkaSettings {
         let new: Vec<NewTopic<'_>> = topics
             .iter()
             .map(|t| {
-                let mut n = NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(t.replication.unwrap_or(default)));
+                let mut n =
+                    NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(t.replication.unwrap_or(default)));
                 for (k, v) in &t.config {
                     n = n.set(k, v);
                 }
@@ -683,7 +685,10 @@ impl<'c> Hold<'c> {
             Ok(tpl) => match self.consumer.pause(&tpl) {
                 Ok(()) => {
                     if !self.paused {
-                        tracing::info!(partitions = tpl.count(), "Partitions paused while the handler waits; polling on.");
+                        tracing::info!(
+                            partitions = tpl.count(),
+                            "Partitions paused while the handler waits; polling on."
+                        );
                     }
                     self.paused = true;
                 }
@@ -703,7 +708,9 @@ impl<'c> Hold<'c> {
                 tracing::info!(partitions, "Partitions resumed.");
                 self.paused = false;
             }
-            Err(e) => tracing::warn!(error = %e, "Could not resume the partitions; trying again after the next record."),
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not resume the partitions; trying again after the next record.")
+            }
         }
     }
 
@@ -846,7 +853,8 @@ pub async fn run_consumer<H: RecordHandler>(
 
 /// Writes `record` to its dead-letter topic, retrying with backoff until Kafka acknowledges it so
 /// the record is never lost. When Kafka refuses it for good (too large for the dead-letter topic,
-/// not authorized: [`fault::is_permanent`]) it is given up instead of blocking its partition:
+/// not authorized: [`fault::is_permanent`]) [`DEFAULT_POISON_ATTEMPTS`] times, it is given up
+/// instead of blocking its partition:
 /// counted in `gpumedic_<service>_dead_letters_failed_total` and logged as an error with its
 /// coordinates. Returns `true` once the record is settled either way, `false` when `token` was
 /// cancelled first (nothing stored).
@@ -859,18 +867,33 @@ pub(crate) async fn dead_letter_until_done(
 ) -> bool {
     tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "Record is invalid; sending it to the dead-letter topic.");
     let mut dlq_backoff = Duration::from_millis(100);
+    let mut permanent = 0u32;
     loop {
         let e = match dead_letter(dlq, service, record, reason).await {
             Ok(()) => return true,
             Err(e) => e,
         };
+        // Kafka refuses a whole produce request at once: a record sent beside a refused one
+        // shares its error. Tried again after a jittered pause, it goes alone or with others.
         if fault::is_permanent(&e) {
-            metrics::counter!(format!("gpumedic_{service}_dead_letters_failed_total"), "topic" => record.topic.clone())
-                .increment(1);
-            let key = record.key.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
-            tracing::error!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset,
-                key = %key, %reason, "The dead-letter topic refuses the record for good; it is given up and its offset committed.");
-            return true;
+            permanent += 1;
+            if permanent >= DEFAULT_POISON_ATTEMPTS {
+                metrics::counter!(format!("gpumedic_{service}_dead_letters_failed_total"), "topic" => record.topic.clone())
+                    .increment(1);
+                let key = record.key.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+                tracing::error!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset,
+                    key = %key, %reason, "The dead-letter topic refuses the record for good; it is given up and its offset committed.");
+                return true;
+            }
+            tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, attempt = permanent,
+                "The dead-letter topic refuses the record; trying again before giving it up.");
+            let pause = dlq_backoff + Duration::from_millis(fastrand::u64(0..100));
+            tokio::select! {
+                () = token.cancelled() => return false,
+                () = tokio::time::sleep(pause) => {}
+            }
+            dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
+            continue;
         }
         tracing::error!(error = %e, "Cannot write to the dead-letter topic; retrying so the record is not lost.");
         tokio::select! {

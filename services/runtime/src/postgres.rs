@@ -52,9 +52,8 @@ pub async fn connect_with_settings(
     settings: &[(&str, &str)],
 ) -> Result<PgPool, PostgresError> {
     let options: PgConnectOptions = url.parse::<PgConnectOptions>().map_err(PostgresError::Url)?;
-    let named = |key: &str| {
-        options.get_options().is_some_and(|o| o.contains(key)) || settings.iter().any(|(k, _)| *k == key)
-    };
+    let named =
+        |key: &str| options.get_options().is_some_and(|o| o.contains(key)) || settings.iter().any(|(k, _)| *k == key);
     let defaults: Vec<(&str, &str)> =
         [("statement_timeout", DEFAULT_STATEMENT_TIMEOUT), ("lock_timeout", DEFAULT_LOCK_TIMEOUT)]
             .into_iter()

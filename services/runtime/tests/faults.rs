@@ -178,8 +178,10 @@ struct WriteText {
 
 impl BatchHandler for WriteText {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
-        let values: Vec<String> =
-            records.iter().map(|r| String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned()).collect();
+        let values: Vec<String> = records
+            .iter()
+            .map(|r| String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned())
+            .collect();
         let sql = format!("INSERT INTO {} (v) SELECT * FROM UNNEST($1::text[]) ON CONFLICT DO NOTHING", self.table);
         sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&values).execute(&self.pool).await?;
         Ok(vec![Disposition::Done; records.len()])
@@ -261,7 +263,8 @@ async fn a_handler_retrying_past_the_poll_interval_keeps_its_partitions() {
     settings.options.push(("max.poll.interval.ms".into(), "10000".into()));
     let assignment = Assignment::default();
     let ready = Readiness::default().register("assigned");
-    let consumer = settings.consumer_tracking("faultspoll", &group, &[&input], ready.clone(), assignment.clone()).unwrap();
+    let consumer =
+        settings.consumer_tracking("faultspoll", &group, &[&input], ready.clone(), assignment.clone()).unwrap();
     let handled = Arc::new(Mutex::new(Vec::new()));
     // Longer than max.poll.interval.ms, counted from now: the consumer joins within it.
     let handler = FailFor { until: Instant::now() + Duration::from_secs(18), handled: handled.clone() };

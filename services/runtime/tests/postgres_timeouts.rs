@@ -64,7 +64,11 @@ async fn freezable_proxy(upstream: String, frozen: Arc<AtomicBool>) -> std::net:
     addr
 }
 
-async fn pipe(mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, frozen: Arc<AtomicBool>) {
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<AtomicBool>,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
@@ -102,7 +106,8 @@ async fn readiness_turns_false_when_the_database_stops_answering() {
     let pool = postgres::connect(&proxied, 2).await.expect("pool through the proxy");
     let ready = Readiness::default().register("database");
     let token = CancellationToken::new();
-    let watch = tokio::spawn(postgres::watch_reachability(pool, ready.clone(), Duration::from_millis(200), token.clone()));
+    let watch =
+        tokio::spawn(postgres::watch_reachability(pool, ready.clone(), Duration::from_millis(200), token.clone()));
     wait_ready(&ready, true, Duration::from_secs(10)).await;
 
     frozen.store(true, Ordering::Release);
