@@ -62,6 +62,8 @@ pub struct Args {
     common: CommonArgs,
     #[command(flatten)]
     kafka: KafkaArgs,
+    #[command(flatten)]
+    batch_limits: kafka::BatchLimitArgs,
     /// Kafka consumer group shared by all classifier replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-classifier")]
     group: String,
@@ -199,6 +201,7 @@ impl Validate for Args {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
         let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
+        let batch_limits = self.batch_limits.validate().map_err(|e| p.extend(e)).ok();
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
         }
@@ -311,7 +314,11 @@ impl Validate for Args {
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),
-                batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked") },
+                batch: BatchSettings {
+                    max: self.batch_max,
+                    linger: linger.expect("checked"),
+                    limits: batch_limits.expect("checked"),
+                },
                 event_retention: retention.expect("checked"),
                 rules_dir: self.rules_dir,
                 allow_synthetic: self.allow_synthetic,
@@ -360,7 +367,7 @@ pub async fn connect_and_migrate(url: &str, pool_size: u32) -> Result<sqlx::PgPo
     // A batch statement carries thousands of rows with their JSON: at the default 4 MB of
     // work_mem Postgres spills it to temporary files (docs/profiles.md).
     let pool = postgres::connect_with_settings(url, pool_size, &[("work_mem", "64MB")]).await?;
-    MIGRATOR.run(&pool).await?;
+    postgres::migrate(&pool, &MIGRATOR).await?;
     tracing::info!("Database schema is up to date.");
     Ok(pool)
 }

@@ -119,9 +119,10 @@ enum TopicsCommand {
         /// Partitions per topic: the most replicas of a consuming service that can share work.
         #[arg(long, env = "GPUMEDIC_PARTITIONS", default_value_t = topics::DEFAULT_PARTITIONS)]
         partitions: i32,
-        /// Replication factor (3 in production clusters).
-        #[arg(long, env = "GPUMEDIC_REPLICATION", default_value_t = 1)]
-        replication: i32,
+        /// Replication factor. Unset: --topic-replication, else 3 or the number of brokers when
+        /// there are fewer.
+        #[arg(long, env = "GPUMEDIC_REPLICATION")]
+        replication: Option<i32>,
     },
     /// Print the pipeline's topics in flow order.
     List,
@@ -206,19 +207,23 @@ fn main() -> ExitCode {
                     return ExitCode::from(gpumedic_runtime::config::EXIT_CONFIG);
                 }
             };
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            let replication = match replication.map_or_else(|| runtime.block_on(settings.default_replication()), Ok) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("gpumedic: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
             let specs: Vec<TopicSpec> = topics::ALL
                 .iter()
                 .flat_map(|t| [TopicSpec::new(*t, partitions), TopicSpec::dead_letter_for(t, partitions)])
-                .map(|mut s| {
-                    s.replication = replication;
-                    s
-                })
+                .map(|s| s.with_replication(replication))
                 .collect();
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
             match runtime.block_on(settings.ensure_topics(&specs)) {
                 Ok(()) => {
                     for s in &specs {
-                        println!("{} (partitions {}, replication {})", s.name, s.partitions, s.replication);
+                        println!("{} (partitions {}, replication {replication})", s.name, s.partitions);
                     }
                     ExitCode::SUCCESS
                 }

@@ -239,6 +239,7 @@ impl Input {
             kafka_bootstrap: bootstrap.clone(),
             kafka_options: self.kafka_options.clone(),
             schema_registry_url: None,
+            topic_replication: None,
         };
         Ok(Some(args.validate().map_err(|p| anyhow::anyhow!(render_problems("gpumedic replay", &p)))?))
     }

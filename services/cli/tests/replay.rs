@@ -108,9 +108,14 @@ fn count(report: &Value, change: &str) -> usize {
 #[tokio::test]
 async fn backtest_export_and_republish_against_real_kafka() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings = KafkaArgs { kafka_bootstrap: bootstrap.clone(), kafka_options: vec![], schema_registry_url: None }
-        .validate()
-        .unwrap();
+    let settings = KafkaArgs {
+        kafka_bootstrap: bootstrap.clone(),
+        kafka_options: vec![],
+        schema_registry_url: None,
+        topic_replication: None,
+    }
+    .validate()
+    .unwrap();
     let run = testbed::unique_name("replay");
     let (enriched, verdicts, copy) = (format!("{run}.enriched"), format!("{run}.verdicts"), format!("{run}.copy"));
     settings

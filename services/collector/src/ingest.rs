@@ -203,6 +203,14 @@ impl IngestService {
                         field: String::new(),
                         message: "the collector's spool is full of faults; healthy evidence is dropped first".into(),
                     },
+                    Ok(Outcome::Refused) => pb::EventResult {
+                        index,
+                        event_id: event_id.to_string(),
+                        code: tonic::Code::InvalidArgument as i32,
+                        field: String::new(),
+                        message: "Kafka refuses this event for good (for example it is larger than the topic allows)"
+                            .into(),
+                    },
                     Err(_) => return Err(Status::unavailable("the collector is shutting down; retry")),
                 },
             };

@@ -15,6 +15,15 @@
 //!   spool drains with up to [`DRAIN_WINDOW`] records in flight, and the publisher returns to
 //!   direct mode when it is empty.
 //!
+//! A record Kafka refuses for good (over the broker's size limit, not authorized:
+//! [`fault::is_permanent`]) must not block the spool's head for ever. Kafka refuses a whole
+//! produce request at once, so a refusal is pinned on a record only when it was sent alone: the
+//! producer refusing it before sending (larger than `message.max.bytes`) answers its source
+//! `Refused` at once; a delivery refused with others in flight sends the spool's records one at
+//! a time (a direct one is spooled first) until one is acknowledged. A record refused alone is
+//! counted (`gpumedic_collector_events_refused_total`), logged as an error with its id, and
+//! removed from the spool, so the records behind it drain.
+//!
 //! When the spool is full of faults the publisher stops taking events from the channel until the
 //! spool drains: sources that wait are held (backpressure), and the GPU sampler, which never
 //! waits, drops its own heartbeats ([`Outbox`]). A source is never answered before its event is
@@ -36,6 +45,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
+use gpumedic_runtime::fault;
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, TopicSpec, record_headers};
 use gpumedic_schemas::{Codec, HealthEvent, Record as _};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -64,6 +74,9 @@ pub enum Outcome {
     Spooled,
     /// The spool was full of faults and the event was healthy evidence: dropped and counted.
     Dropped,
+    /// Kafka refuses the event for good (larger than the topic allows, not authorized): it is
+    /// not kept, and is counted in `gpumedic_collector_events_refused_total` and logged.
+    Refused,
 }
 
 /// Why an event could not be handed over.
@@ -239,8 +252,29 @@ pub struct Publisher {
 type Delivery = BoxFuture<'static, Done>;
 
 enum Done {
-    Direct { id: u64, result: Result<(), String> },
-    Spooled { seq: u64, generation: u64, kind: String, result: Result<(), String> },
+    Direct { id: u64, result: Result<(), Failure> },
+    Spooled { seq: u64, generation: u64, kind: String, event: String, alone: bool, result: Result<(), Failure> },
+}
+
+/// Why Kafka did not take a record, and whether it ever will.
+#[derive(Debug, Clone)]
+struct Failure {
+    error: String,
+    /// Kafka refuses this record for good ([`fault::is_permanent`]).
+    permanent: bool,
+}
+
+impl Failure {
+    fn of(error: &rdkafka::error::KafkaError) -> Self {
+        Self { error: error.to_string(), permanent: fault::is_permanent(error) }
+    }
+}
+
+/// Counts and logs a record Kafka refuses for good.
+fn refused(record: &SpoolRecord, failure: &Failure) {
+    metrics::counter!("gpumedic_collector_events_refused_total", "kind" => record.kind.clone()).increment(1);
+    tracing::error!(id = %record.id, kind = %record.kind, bytes = record.value.len(), error = %failure.error,
+        "Kafka refuses a health event for good; it is not kept.");
 }
 
 struct Direct {
@@ -266,19 +300,19 @@ impl Publisher {
         Ok((Self { settings, producer, spool, rx }, Sink { tx, codec, identity }))
     }
 
-    fn send(&self, record: &SpoolRecord) -> Result<BoxFuture<'static, Result<(), String>>, String> {
+    fn send(&self, record: &SpoolRecord) -> Result<BoxFuture<'static, Result<(), Failure>>, Failure> {
         let tp = kafka::traceparent(None);
         let headers = OwnedHeaders::new_with_capacity(3)
             .insert(Header { key: record_headers::TRACEPARENT, value: Some(tp.as_bytes()) })
             .insert(Header { key: record_headers::EVENT_ID, value: Some(record.id.as_bytes()) })
             .insert(Header { key: record_headers::CONTENT_TYPE, value: Some(HealthEvent::CONTENT_TYPE.as_bytes()) });
         let fr = FutureRecord::to(&self.settings.topic).key(&record.key).payload(&record.value).headers(headers);
-        let delivery = self.producer.send_result(fr).map_err(|(e, _)| e.to_string())?;
+        let delivery = self.producer.send_result(fr).map_err(|(e, _)| Failure::of(&e))?;
         Ok(Box::pin(async move {
             match delivery.await {
                 Ok(Ok(_)) => Ok(()),
-                Ok(Err((e, _))) => Err(e.to_string()),
-                Err(_) => Err("the producer was dropped".to_owned()),
+                Ok(Err((e, _))) => Err(Failure::of(&e)),
+                Err(_) => Err(Failure { error: "the producer was dropped".to_owned(), permanent: false }),
             }
         }))
     }
@@ -365,7 +399,14 @@ impl Publisher {
                     state.direct.push_back(Direct { id, record: o.record, ack: o.ack });
                     return;
                 }
-                Err(e) => tracing::warn!(error = %e, "The Kafka producer refused an event; spooling it."),
+                Err(f) if f.permanent => {
+                    refused(&o.record, &f);
+                    if let Some(ack) = o.ack {
+                        let _ = ack.send(Outcome::Refused);
+                    }
+                    return;
+                }
+                Err(f) => tracing::warn!(error = %f.error, "The Kafka producer refused an event; spooling it."),
             }
         }
         state.waiting.push_back(o);
@@ -411,9 +452,9 @@ impl Publisher {
         if !state.topic_ready || !state.direct.is_empty() {
             return;
         }
-        let window = if state.up {
+        let window = if state.up && !state.alone {
             DRAIN_WINDOW
-        } else if state.retry_due && !state.probing {
+        } else if state.up || (state.retry_due && !state.probing) {
             1
         } else {
             return;
@@ -429,19 +470,29 @@ impl Publisher {
             };
             let generation = state.generation;
             match self.send(&record) {
+                Err(f) if f.permanent => {
+                    // Refused before sending, for itself alone; settled in turn, after the
+                    // records ahead of it, since the spool acknowledges in order.
+                    let (kind, event) = (record.kind, record.id);
+                    inflight.push_back(Box::pin(async move {
+                        Done::Spooled { seq, generation, kind, event, alone: true, result: Err(f) }
+                    }));
+                    state.spooled_inflight += 1;
+                }
                 Ok(fut) => {
-                    let kind = record.kind;
-                    inflight
-                        .push_back(Box::pin(async move { Done::Spooled { seq, generation, kind, result: fut.await } }));
+                    let (kind, event, alone) = (record.kind, record.id, window == 1);
+                    inflight.push_back(Box::pin(async move {
+                        Done::Spooled { seq, generation, kind, event, alone, result: fut.await }
+                    }));
                     state.spooled_inflight += 1;
                     if !state.up {
                         state.probing = true;
                         state.retry_due = false;
                     }
                 }
-                Err(e) => {
+                Err(f) => {
                     // The local queue is full: try again once deliveries made room.
-                    tracing::debug!(error = %e, "The producer queue is full; draining later.");
+                    tracing::debug!(error = %f.error, "The producer queue is full; draining later.");
                     self.spool.rewind();
                     state.generation += 1;
                     break;
@@ -462,13 +513,19 @@ impl Publisher {
                             let _ = ack.send(Outcome::Published);
                         }
                     }
-                    Err(e) => {
-                        state.failed(&e);
+                    Err(f) => {
+                        if f.permanent {
+                            // Refused with whatever shared its request: spooled, and sent alone
+                            // to find out whether it is the one at fault. Kafka is up.
+                            state.alone = true;
+                        } else {
+                            state.failed(&f.error);
+                        }
                         state.waiting.push_back(Outgoing { record: d.record, ack: d.ack });
                     }
                 }
             }
-            Done::Spooled { seq, generation, kind, result } => {
+            Done::Spooled { seq, generation, kind, event, alone, result } => {
                 if generation != state.generation {
                     return Ok(());
                 }
@@ -477,11 +534,27 @@ impl Publisher {
                 match result {
                     Ok(()) => {
                         state.set_up(true);
+                        state.alone = false;
                         self.spool.ack(seq)?;
                         metrics::counter!("gpumedic_collector_events_total", "kind" => kind).increment(1);
                     }
-                    Err(e) => {
-                        state.failed(&e);
+                    Err(f) if f.permanent && !alone => {
+                        // Refused with the others in its request: send one at a time.
+                        state.alone = true;
+                        state.generation += 1;
+                        state.spooled_inflight = 0;
+                        self.spool.rewind();
+                    }
+                    Err(f) if f.permanent => {
+                        // Refused alone: out of the spool's head, so the records behind it drain.
+                        self.spool.ack(seq)?;
+                        metrics::counter!("gpumedic_collector_events_refused_total", "kind" => kind.clone())
+                            .increment(1);
+                        tracing::error!(id = %event, %kind, error = %f.error,
+                            "Kafka refuses a spooled health event for good; it is removed from the spool.");
+                    }
+                    Err(f) => {
+                        state.failed(&f.error);
                         state.generation += 1;
                         state.spooled_inflight = 0;
                         self.spool.rewind();
@@ -549,6 +622,9 @@ struct State {
     /// Bumped on a failed spooled send: deliveries of an older generation are ignored.
     generation: u64,
     spooled_inflight: usize,
+    /// Kafka refused a request for good: spooled records go one at a time until one is
+    /// acknowledged, so the refusal is pinned on the record that earns it.
+    alone: bool,
     direct: VecDeque<Direct>,
     next_direct: u64,
     /// Events to spool, in order, when the spool has room.
@@ -569,6 +645,7 @@ impl Default for State {
             backoff: Duration::from_millis(200),
             generation: 0,
             spooled_inflight: 0,
+            alone: false,
             direct: VecDeque::new(),
             next_direct: 0,
             waiting: VecDeque::new(),

@@ -271,6 +271,9 @@ async fn publish(sink: &Sink, events: &[HealthEvent]) -> Result<Vec<String>, Res
                     "the spool is full of faults; healthy evidence was dropped",
                 ));
             }
+            Ok(Outcome::Refused) => {
+                return Err(error(StatusCode::UNPROCESSABLE_ENTITY, "Kafka refuses the event for good"));
+            }
             Err(_) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, "the collector is shutting down")),
         }
     }
@@ -312,7 +315,7 @@ async fn simulate(endpoint: &Endpoint, action: Simulation) -> Response {
             drop(one_at_a_time);
             match outcome.await {
                 Ok(Outcome::Published | Outcome::Spooled) => {}
-                Ok(Outcome::Dropped) | Err(_) => {
+                Ok(Outcome::Dropped | Outcome::Refused) | Err(_) => {
                     return error(StatusCode::SERVICE_UNAVAILABLE, "the Xid 79 event could not be published");
                 }
             }

@@ -48,6 +48,8 @@ pub struct Args {
     common: CommonArgs,
     #[command(flatten)]
     kafka: KafkaArgs,
+    #[command(flatten)]
+    batch_limits: kafka::BatchLimitArgs,
     /// Kafka consumer group shared by all enricher replicas.
     #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-enricher")]
     group: String,
@@ -116,6 +118,7 @@ impl Validate for Args {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
         let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
+        let batch_limits = self.batch_limits.validate().map_err(|e| p.extend(e)).ok();
         if self.group.trim().is_empty() {
             p.push("--group", "the consumer group must not be empty");
         }
@@ -165,7 +168,11 @@ impl Validate for Args {
                 cluster: self.cluster_name,
             },
             catalog: catalog.expect("checked"),
-            batch: BatchSettings { max: self.batch_max, linger: linger.expect("checked") },
+            batch: BatchSettings {
+                max: self.batch_max,
+                linger: linger.expect("checked"),
+                limits: batch_limits.expect("checked"),
+            },
             inventory: InventoryLimits {
                 max_nodes: self.inventory_max_nodes,
                 max_gpus: self.inventory_max_gpus,

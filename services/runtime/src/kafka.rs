@@ -29,9 +29,9 @@ use tracing::Instrument as _;
 
 use gpumedic_schemas::{Codec, RegistryOptions};
 
-use crate::BoxError;
 use crate::admin::ReadyFlag;
 use crate::config::{Problems, Validate};
+use crate::{BoxError, fault};
 
 /// What went wrong talking to Kafka.
 #[derive(Debug, thiserror::Error)]
@@ -99,14 +99,25 @@ pub struct KafkaArgs {
     /// in gpumedic (docs/events.md).
     #[arg(long, env = "GPUMEDIC_SCHEMA_REGISTRY_URL")]
     pub schema_registry_url: Option<String>,
+
+    /// Replication factor of the topics gpumedic creates when they are missing (inputs, outputs,
+    /// dead-letter topics). Unset: 3, or the number of brokers when the cluster has fewer.
+    #[arg(long, env = "GPUMEDIC_TOPIC_REPLICATION")]
+    pub topic_replication: Option<i32>,
 }
+
+/// The key under which [`KafkaSettings::options`] carries `--topic-replication`; it is gpumedic's,
+/// never handed to librdkafka. Settings are built in many places, so the factor travels with the
+/// options rather than as a field every one of them would have to name.
+pub const TOPIC_REPLICATION_OPTION: &str = "gpumedic.topic.replication.factor";
 
 /// [`KafkaArgs`] validated.
 #[derive(Debug, Clone)]
 pub struct KafkaSettings {
     /// Bootstrap servers.
     pub bootstrap: String,
-    /// Extra librdkafka properties, applied last.
+    /// Extra librdkafka properties, applied last; also [`TOPIC_REPLICATION_OPTION`], which is
+    /// gpumedic's own and not passed on.
     pub options: Vec<(String, String)>,
     /// The schema registry's URL, when one is used.
     pub schema_registry: Option<String>,
@@ -134,6 +145,13 @@ impl Validate for KafkaArgs {
                 _ => p.push("--kafka-option", format!("'{raw}' must be key=value")),
             }
         }
+        if let Some(r) = self.topic_replication {
+            if (1..=32).contains(&r) {
+                options.push((TOPIC_REPLICATION_OPTION.to_owned(), r.to_string()));
+            } else {
+                p.push("--topic-replication", format!("{r} is not from 1 to 32"));
+            }
+        }
         let schema_registry = self.schema_registry_url.filter(|u| !u.trim().is_empty());
         if let Some(url) = &schema_registry
             && !(url.starts_with("http://") || url.starts_with("https://"))
@@ -151,14 +169,28 @@ pub struct TopicSpec {
     pub name: String,
     /// Partitions; consumers in a group scale up to this many.
     pub partitions: i32,
-    /// Replication factor.
-    pub replication: i32,
+    /// Replication factor; `None` for the settings' ([`KafkaSettings::topic_replication`]).
+    pub replication: Option<i32>,
+    /// Topic configuration set at creation, such as `max.message.bytes`.
+    pub config: Vec<(String, String)>,
 }
 
 impl TopicSpec {
-    /// A topic with `partitions` partitions and replication factor 1 (the testbed's).
+    /// A topic with `partitions` partitions, replicated as the settings say.
     pub fn new(name: impl Into<String>, partitions: i32) -> Self {
-        Self { name: name.into(), partitions, replication: 1 }
+        Self { name: name.into(), partitions, replication: None, config: Vec::new() }
+    }
+
+    /// The same topic with replication factor `replication`, whatever the settings say.
+    pub fn with_replication(mut self, replication: i32) -> Self {
+        self.replication = Some(replication);
+        self
+    }
+
+    /// The same topic with the topic configuration `key=value` set at creation.
+    pub fn with_config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.push((key.into(), value.into()));
+        self
     }
 
     /// The dead-letter topic that goes with `topic`.
@@ -185,9 +217,34 @@ impl KafkaSettings {
     }
 
     fn apply_options(&self, c: &mut ClientConfig) {
-        for (k, v) in &self.options {
+        for (k, v) in self.options.iter().filter(|(k, _)| k != TOPIC_REPLICATION_OPTION) {
             c.set(k, v);
         }
+    }
+
+    /// The replication factor `--topic-replication` asks for, if it was given.
+    pub fn topic_replication(&self) -> Option<i32> {
+        self.options.iter().rev().find(|(k, _)| k == TOPIC_REPLICATION_OPTION).and_then(|(_, v)| v.parse().ok())
+    }
+
+    /// The replication factor for topics created without one: `--topic-replication`, else 3 or
+    /// the number of brokers when there are fewer (asked of the cluster now).
+    pub async fn default_replication(&self) -> Result<i32, KafkaError> {
+        if let Some(r) = self.topic_replication() {
+            return Ok(r);
+        }
+        let c = self.client_config_with("gpumedic-admin", &[]);
+        let brokers = tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer =
+                c.create().map_err(|source| KafkaError::Client { what: "consumer", source })?;
+            consumer
+                .fetch_metadata(None, Duration::from_secs(10))
+                .map(|m| m.brokers().len())
+                .map_err(|source| KafkaError::Client { what: "metadata request", source })
+        })
+        .await
+        .expect("the metadata task does not panic")?;
+        Ok(replication_for(brokers, None))
     }
 
     /// A librdkafka configuration for a client of a tool (not a service loop): the bootstrap
@@ -278,15 +335,32 @@ impl KafkaSettings {
         Ok(Arc::new(codec))
     }
 
-    /// Creates the topics that do not exist yet; existing ones are left as they are.
+    /// Creates the topics that do not exist yet; existing ones are left as they are. A topic
+    /// without its own replication factor gets [`default_replication`](Self::default_replication),
+    /// which is logged.
     pub async fn ensure_topics(&self, topics: &[TopicSpec]) -> Result<(), KafkaError> {
         let mut c = self.client_config("gpumedic-admin");
         self.apply_options(&mut c);
         let admin: AdminClient<DefaultClientContext> =
             c.create().map_err(|source| KafkaError::Client { what: "admin client", source })?;
+        let default = if topics.iter().any(|t| t.replication.is_none()) {
+            let r = self.default_replication().await?;
+            let source = if self.topic_replication().is_some() { "--topic-replication" } else { "min(3, brokers)" };
+            tracing::info!(replication = r, source, "Topics gpumedic creates get this replication factor.");
+            r
+        } else {
+            1
+        };
         let new: Vec<NewTopic<'_>> = topics
             .iter()
-            .map(|t| NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(t.replication)))
+            .map(|t| {
+                let mut n =
+                    NewTopic::new(&t.name, t.partitions, TopicReplication::Fixed(t.replication.unwrap_or(default)));
+                for (k, v) in &t.config {
+                    n = n.set(k, v);
+                }
+                n
+            })
             .collect();
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
         let results = admin.create_topics(&new, &opts).await.map_err(|e| KafkaError::CreateTopic {
@@ -330,6 +404,12 @@ impl KafkaSettings {
         .await
         .expect("the offset commit does not panic")
     }
+}
+
+/// The replication factor for a new topic on a cluster of `brokers` brokers: `configured` when
+/// given, else 3, or every broker when there are fewer (at least 1).
+pub fn replication_for(brokers: usize, configured: Option<i32>) -> i32 {
+    configured.unwrap_or_else(|| i32::try_from(brokers.clamp(1, 3)).unwrap_or(1))
 }
 
 /// The partitions of `topic` as the broker lists them; none when it does not exist yet.
@@ -569,9 +649,144 @@ pub async fn dead_letter(producer: &Producer, service: &str, record: &Record, re
         .map_err(|(source, _)| KafkaError::Produce { topic, source })
 }
 
+/// How often a handler may fail in the same permanent way ([`fault::is_permanent`]) before
+/// [`run_consumer`] and [`keyed::run_keyed_consumer`](crate::keyed::run_keyed_consumer) give its
+/// record to the dead-letter topic with the error; [`BatchLimits::poison_attempts`] for batches.
+pub const DEFAULT_POISON_ATTEMPTS: u32 = 5;
+
+/// How long a handler may run before the loop pauses the consumer's partitions and keeps polling
+/// while it waits: librdkafka makes a member leave its group when it does not poll within
+/// `max.poll.interval.ms` (5 minutes by default), and a long outage would then end in a
+/// rebalance storm. A healthy batch takes far less, so the pause costs nothing in normal running.
+pub const POLL_GRACE: Duration = Duration::from_secs(5);
+
+/// Keeps a consumer polling while its loop waits on a slow or retrying handler. The assigned
+/// partitions are paused, so polling serves rebalances, offset commits and the liveness check
+/// without taking records; a record that still arrives (from a partition assigned meanwhile) is
+/// kept in `early`, in order, for the loop to take next, and the assignment is paused again.
+/// librdkafka fetches a resumed partition from the last record it handed out, so nothing is
+/// skipped or read twice.
+pub(crate) struct Hold<'c> {
+    consumer: &'c Consumer,
+    /// Whether the assignment is paused.
+    pub(crate) paused: bool,
+    /// Records polled while paused, in order, for the loop to take first.
+    pub(crate) early: std::collections::VecDeque<Record>,
+}
+
+impl<'c> Hold<'c> {
+    pub(crate) fn new(consumer: &'c Consumer) -> Self {
+        Self { consumer, paused: false, early: std::collections::VecDeque::new() }
+    }
+
+    /// Pauses every assigned partition.
+    pub(crate) fn pause(&mut self) {
+        match self.consumer.assignment() {
+            Ok(tpl) => match self.consumer.pause(&tpl) {
+                Ok(()) => {
+                    if !self.paused {
+                        tracing::info!(
+                            partitions = tpl.count(),
+                            "Partitions paused while the handler waits; polling on."
+                        );
+                    }
+                    self.paused = true;
+                }
+                Err(e) => tracing::warn!(error = %e, "Could not pause the partitions."),
+            },
+            Err(e) => tracing::warn!(error = %e, "Could not read the assignment to pause it."),
+        }
+    }
+
+    /// Resumes the partitions if they were paused.
+    pub(crate) fn resume(&mut self) {
+        if !self.paused {
+            return;
+        }
+        match self.consumer.assignment().and_then(|tpl| self.consumer.resume(&tpl).map(|()| tpl.count())) {
+            Ok(partitions) => {
+                tracing::info!(partitions, "Partitions resumed.");
+                self.paused = false;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not resume the partitions; trying again after the next record.")
+            }
+        }
+    }
+
+    /// Polls with the partitions paused, for as long as the caller awaits it.
+    async fn poll_paused(&mut self) -> std::convert::Infallible {
+        if !self.paused {
+            self.pause();
+        }
+        loop {
+            match self.consumer.recv().await {
+                Ok(m) => {
+                    self.early.push_back(Record::from_message(&m));
+                    self.pause();
+                }
+                Err(e) => tracing::warn!(error = %e, "Kafka consumer error while paused; continuing."),
+            }
+        }
+    }
+
+    /// Runs `work`, polling with paused partitions once it takes longer than [`POLL_GRACE`].
+    async fn run<T>(&mut self, work: impl Future<Output = T>) -> T {
+        tokio::pin!(work);
+        if !self.paused {
+            tokio::select! {
+                biased;
+                out = &mut work => return out,
+                () = tokio::time::sleep(POLL_GRACE) => {}
+            }
+        }
+        tokio::select! {
+            biased;
+            out = &mut work => out,
+            never = self.poll_paused() => match never {},
+        }
+    }
+
+    /// Waits `backoff` polling with paused partitions; `false` when `token` was cancelled first.
+    async fn wait(&mut self, backoff: Duration, token: &CancellationToken) -> bool {
+        tokio::select! {
+            () = token.cancelled() => false,
+            () = tokio::time::sleep(backoff) => true,
+            never = self.poll_paused() => match never {},
+        }
+    }
+
+    /// The next record: one kept while paused, else the next one polled; `None` when `token` was
+    /// cancelled first.
+    async fn next(&mut self, token: &CancellationToken) -> Option<Record> {
+        if let Some(r) = self.early.pop_front() {
+            return Some(r);
+        }
+        loop {
+            let message = tokio::select! {
+                () = token.cancelled() => return None,
+                m = self.consumer.recv() => m,
+            };
+            match message {
+                Ok(m) => return Some(Record::from_message(&m)),
+                Err(e) => tracing::warn!(error = %e, "Kafka consumer error; continuing."),
+            }
+        }
+    }
+}
+
+/// A record a handler failed on in the same permanent way too often: counted
+/// (`gpumedic_<service>_poison_records_total`) and logged before it goes to the dead-letter topic.
+fn report_poison(service: &'static str, record: &Record, attempts: u32, reason: &str) {
+    metrics::counter!(format!("gpumedic_{service}_poison_records_total"), "topic" => record.topic.clone()).increment(1);
+    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, attempts, %reason,
+        "The handler fails on this record the same way every time; it goes to the dead-letter topic.");
+}
+
 /// The at-least-once loop: receive, handle, store the offset; dead-letter invalid records; retry
-/// transient failures with backoff; on cancellation finish the record in hand (unless it is
-/// waiting to be retried) and commit.
+/// transient failures with backoff, polling with the partitions paused meanwhile; dead-letter a
+/// record whose handler fails in the same permanent way [`DEFAULT_POISON_ATTEMPTS`] times; on
+/// cancellation finish the record in hand (unless it is waiting to be retried) and commit.
 pub async fn run_consumer<H: RecordHandler>(
     service: &'static str,
     consumer: Consumer,
@@ -580,47 +795,51 @@ pub async fn run_consumer<H: RecordHandler>(
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
     let records_total = format!("gpumedic_{service}_records_total");
+    let mut hold = Hold::new(&consumer);
     'records: loop {
-        let message = tokio::select! {
-            () = token.cancelled() => break,
-            m = consumer.recv() => m,
-        };
-        let record = match message {
-            Ok(m) => Record::from_message(&m),
-            Err(e) => {
-                tracing::warn!(error = %e, "Kafka consumer error; continuing.");
-                continue;
-            }
-        };
+        let Some(record) = hold.next(&token).await else { break };
         let mut backoff = Duration::from_millis(100);
+        let mut permanent = 0u32;
         let span = record_span(service, &record);
         let started = std::time::Instant::now();
         loop {
-            match handler.handle(&record).instrument(span.clone()).await {
+            let refused = match hold.run(handler.handle(&record).instrument(span.clone())).await {
                 Ok(()) => {
                     metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "ok")
                         .increment(1);
                     break;
                 }
-                Err(HandleError::Invalid(reason)) => {
-                    if !dead_letter_until_done(&dlq, service, &record, &reason, &token).await {
-                        break 'records;
-                    }
-                    metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "dead_lettered").increment(1);
-                    break;
-                }
+                Err(HandleError::Invalid(reason)) => Some(reason),
                 Err(HandleError::Retry(e)) => {
                     metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
-                    tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
-                    tokio::select! {
-                        // Leave without storing the offset: the record comes again after restart.
-                        () = token.cancelled() => break 'records,
-                        () = tokio::time::sleep(backoff) => {}
+                    if fault::is_permanent(e.as_ref()) {
+                        permanent += 1;
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    if permanent >= DEFAULT_POISON_ATTEMPTS {
+                        let reason = fault::error_chain(e.as_ref());
+                        report_poison(service, &record, permanent, &reason);
+                        Some(reason)
+                    } else {
+                        tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                        None
+                    }
                 }
+            };
+            if let Some(reason) = refused {
+                if !hold.run(dead_letter_until_done(&dlq, service, &record, &reason, &token)).await {
+                    break 'records;
+                }
+                metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "dead_lettered")
+                    .increment(1);
+                break;
             }
+            // Leave without storing the offset when cancelled: the record comes again after restart.
+            if !hold.wait(backoff, &token).await {
+                break 'records;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(30));
         }
+        hold.resume();
         observe_latency(service, &record, started);
         // The effect is durable: the next start resumes after this record.
         // librdkafka commits the stored offset plus one: the next record to read.
@@ -633,7 +852,12 @@ pub async fn run_consumer<H: RecordHandler>(
 }
 
 /// Writes `record` to its dead-letter topic, retrying with backoff until Kafka acknowledges it so
-/// the record is never lost. Returns `false` when `token` was cancelled first (nothing stored).
+/// the record is never lost. When Kafka refuses it for good (too large for the dead-letter topic,
+/// not authorized: [`fault::is_permanent`]) [`DEFAULT_POISON_ATTEMPTS`] times, it is given up
+/// instead of blocking its partition:
+/// counted in `gpumedic_<service>_dead_letters_failed_total` and logged as an error with its
+/// coordinates. Returns `true` once the record is settled either way, `false` when `token` was
+/// cancelled first (nothing stored).
 pub(crate) async fn dead_letter_until_done(
     dlq: &Producer,
     service: &str,
@@ -643,7 +867,34 @@ pub(crate) async fn dead_letter_until_done(
 ) -> bool {
     tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "Record is invalid; sending it to the dead-letter topic.");
     let mut dlq_backoff = Duration::from_millis(100);
-    while let Err(e) = dead_letter(dlq, service, record, reason).await {
+    let mut permanent = 0u32;
+    loop {
+        let e = match dead_letter(dlq, service, record, reason).await {
+            Ok(()) => return true,
+            Err(e) => e,
+        };
+        // Kafka refuses a whole produce request at once: a record sent beside a refused one
+        // shares its error. Tried again after a jittered pause, it goes alone or with others.
+        if fault::is_permanent(&e) {
+            permanent += 1;
+            if permanent >= DEFAULT_POISON_ATTEMPTS {
+                metrics::counter!(format!("gpumedic_{service}_dead_letters_failed_total"), "topic" => record.topic.clone())
+                    .increment(1);
+                let key = record.key.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+                tracing::error!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset,
+                    key = %key, %reason, "The dead-letter topic refuses the record for good; it is given up and its offset committed.");
+                return true;
+            }
+            tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, attempt = permanent,
+                "The dead-letter topic refuses the record; trying again before giving it up.");
+            let pause = dlq_backoff + Duration::from_millis(fastrand::u64(0..100));
+            tokio::select! {
+                () = token.cancelled() => return false,
+                () = tokio::time::sleep(pause) => {}
+            }
+            dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
+            continue;
+        }
         tracing::error!(error = %e, "Cannot write to the dead-letter topic; retrying so the record is not lost.");
         tokio::select! {
             () = token.cancelled() => return false,
@@ -651,7 +902,6 @@ pub(crate) async fn dead_letter_until_done(
         }
         dlq_backoff = (dlq_backoff * 2).min(Duration::from_secs(30));
     }
-    true
 }
 
 /// Commits the stored offsets synchronously (at shutdown); having nothing to commit is fine.
@@ -690,8 +940,12 @@ pub enum Disposition {
 /// failed, the same records come again.
 pub trait BatchHandler: Send {
     /// Makes the effects of `records` durable and returns one [`Disposition`] per record, in
-    /// order; or fails the whole batch with a transient error, in which case the same batch is
-    /// offered again after a backoff and no offset is stored.
+    /// order; or fails the whole batch, in which case the same batch is offered again after a
+    /// backoff and no offset is stored. An error about the records themselves (wrapped in
+    /// [`fault::RecordFault`], or one [`fault::is_permanent`] knows, such as a value Postgres
+    /// refuses) is retried a bounded number of times, then the records are offered one at a time
+    /// and the one at fault is dead-lettered with the error; any other error is taken for an
+    /// outage and retried without limit.
     fn handle_batch(&mut self, records: &[Record]) -> impl Future<Output = Result<Vec<Disposition>, BoxError>> + Send;
 }
 
@@ -702,14 +956,124 @@ pub struct BatchSettings {
     pub max: usize,
     /// How long to wait for more records once the first of a batch has arrived.
     pub linger: Duration,
+    /// The byte bound and the poison-record rule, shared by every batching stage.
+    pub limits: BatchLimits,
 }
 
-/// The at-least-once loop, a batch at a time: gather up to `batch.max` records (or what arrives
-/// within `batch.linger` of the first), in consumption order, so each partition's order is kept;
-/// hand them to `handler`; dead-letter the records it refused and wait for Kafka to acknowledge
-/// them; and only then store each partition's highest offset. A failed batch is retried whole
-/// with backoff and nothing is stored. On cancellation the batch in hand is finished (unless it is
-/// waiting to be retried) and the stored offsets are committed, as [`run_consumer`] does.
+impl BatchSettings {
+    /// Batches of at most `max` records gathered within `linger`, with the default [`BatchLimits`].
+    pub fn new(max: usize, linger: Duration) -> Self {
+        Self { max, linger, limits: BatchLimits::default() }
+    }
+}
+
+/// The limits of [`BatchSettings`] every batching stage shares (`--batch-max-bytes`,
+/// `--poison-attempts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// At most this many bytes (keys, values and headers) in a batch; a single larger record is a
+    /// batch of its own.
+    pub max_bytes: usize,
+    /// A batch failing this many times with a permanent error ([`fault::is_permanent`]) is
+    /// handled one record at a time, and a record failing alone that way is dead-lettered.
+    pub poison_attempts: u32,
+}
+
+/// The default of `--batch-max-bytes`: 16 MiB, far above a full batch of gpumedic records
+/// (thousands of records of a few hundred bytes each), so it bounds memory against unusually
+/// large records without cutting normal batches. No stage produces a batch as one Kafka record,
+/// so the broker's 1 MiB message limit does not apply to it.
+pub const DEFAULT_BATCH_MAX_BYTES: usize = 16 * 1024 * 1024;
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        Self { max_bytes: DEFAULT_BATCH_MAX_BYTES, poison_attempts: DEFAULT_POISON_ATTEMPTS }
+    }
+}
+
+/// Flags for [`BatchLimits`], flattened into the arguments of a batching service.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BatchLimitArgs {
+    /// Most bytes (keys, values and headers) in one batch; a larger record is a batch of its own.
+    #[arg(long, env = "GPUMEDIC_BATCH_MAX_BYTES", default_value_t = DEFAULT_BATCH_MAX_BYTES)]
+    pub batch_max_bytes: usize,
+    /// How often a batch may fail with an error about its records (a value Postgres refuses, a
+    /// record too large for Kafka) before its records are handled one at a time and the one at
+    /// fault goes to the dead-letter topic. Outages are retried without limit.
+    #[arg(long, env = "GPUMEDIC_POISON_ATTEMPTS", default_value_t = DEFAULT_POISON_ATTEMPTS)]
+    pub poison_attempts: u32,
+}
+
+impl Validate for BatchLimitArgs {
+    type Valid = BatchLimits;
+
+    fn validate(self) -> Result<BatchLimits, Problems> {
+        let mut p = Problems::default();
+        if self.batch_max_bytes < 1024 {
+            p.push("--batch-max-bytes", format!("{} is below 1024", self.batch_max_bytes));
+        }
+        if !(1..=100).contains(&self.poison_attempts) {
+            p.push("--poison-attempts", format!("{} is not from 1 to 100", self.poison_attempts));
+        }
+        p.finish(|| BatchLimits { max_bytes: self.batch_max_bytes, poison_attempts: self.poison_attempts })
+    }
+}
+
+/// The bytes a record takes in a batch.
+fn record_bytes(r: &Record) -> usize {
+    r.key.as_ref().map_or(0, Vec::len)
+        + r.payload.as_ref().map_or(0, Vec::len)
+        + r.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+}
+
+/// Offers `records` to `handler` until it succeeds: `Some(Ok)` with its dispositions, or
+/// `Some(Err(reason))` once it failed `attempts` times with a permanent error; transient errors
+/// are retried with backoff without limit (polling with paused partitions). `None` when `token`
+/// was cancelled during a backoff.
+async fn settle_batch<H: BatchHandler>(
+    service: &'static str,
+    handler: &mut H,
+    records: &[Record],
+    attempts: u32,
+    hold: &mut Hold<'_>,
+    token: &CancellationToken,
+) -> Option<Result<Vec<Disposition>, String>> {
+    let mut backoff = Duration::from_millis(100);
+    let mut permanent = 0u32;
+    loop {
+        let e = match hold.run(handler.handle_batch(records)).await {
+            Ok(d) => return Some(Ok(d)),
+            Err(e) => e,
+        };
+        metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+        if fault::is_permanent(e.as_ref()) {
+            permanent += 1;
+            if permanent >= attempts {
+                return Some(Err(fault::error_chain(e.as_ref())));
+            }
+            tracing::warn!(error = %e, records = records.len(), attempt = permanent, backoff_ms = backoff.as_millis() as u64, "Batch handler failed on the records themselves; retrying the batch.");
+        } else {
+            tracing::warn!(error = %e, records = records.len(), backoff_ms = backoff.as_millis() as u64, "Batch handler failed; retrying the batch.");
+        }
+        // Leave without storing offsets: the batch comes again after restart.
+        if !hold.wait(backoff, token).await {
+            return None;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// The at-least-once loop, a batch at a time: gather up to `batch.max` records and
+/// `batch.limits.max_bytes` bytes (or what arrives within `batch.linger` of the first), in
+/// consumption order, so each partition's order is kept; hand them to `handler`; dead-letter the
+/// records it refused and wait for Kafka to acknowledge them; and only then store each
+/// partition's highest offset. A batch that fails with a transient error is retried whole with
+/// backoff and nothing is stored; one that fails with a permanent error
+/// ([`fault::is_permanent`]) `batch.limits.poison_attempts` times is handled one record at a
+/// time, and a record failing alone that way is dead-lettered with the error. While a handler is
+/// slow or retrying, the partitions are paused and the consumer keeps polling, so the group
+/// keeps it. On cancellation the batch in hand is finished (unless it is waiting to be retried)
+/// and the stored offsets are committed, as [`run_consumer`] does.
 pub async fn run_batch_consumer<H: BatchHandler>(
     service: &'static str,
     consumer: Consumer,
@@ -722,43 +1086,59 @@ pub async fn run_batch_consumer<H: BatchHandler>(
     let batches_total = format!("gpumedic_{service}_batches_total");
     let batch_seconds = format!("gpumedic_{service}_batch_seconds");
     let max = batch.max.max(1);
+    let max_bytes = batch.limits.max_bytes;
+    let attempts = batch.limits.poison_attempts.max(1);
+    let mut hold = Hold::new(&consumer);
     let mut records: Vec<Record> = Vec::with_capacity(max);
     'batches: loop {
         records.clear();
-        let first = tokio::select! {
-            () = token.cancelled() => break,
-            m = consumer.recv() => m,
-        };
-        match first {
-            Ok(m) => records.push(Record::from_message(&m)),
-            Err(e) => {
-                tracing::warn!(error = %e, "Kafka consumer error; continuing.");
-                continue;
-            }
-        }
+        let Some(first) = hold.next(&token).await else { break };
+        let mut bytes = record_bytes(&first);
+        records.push(first);
         let deadline = tokio::time::Instant::now() + batch.linger;
-        while records.len() < max {
-            match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Err(_) => break,
-                Ok(Ok(m)) => records.push(Record::from_message(&m)),
-                Ok(Err(e)) => tracing::warn!(error = %e, "Kafka consumer error; continuing."),
+        while records.len() < max && bytes < max_bytes {
+            let next = match hold.early.pop_front() {
+                Some(r) => r,
+                None => match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                    Err(_) => break,
+                    Ok(Ok(m)) => Record::from_message(&m),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "Kafka consumer error; continuing.");
+                        continue;
+                    }
+                },
+            };
+            let size = record_bytes(&next);
+            if bytes + size > max_bytes {
+                // It starts the next batch, ahead of anything polled later.
+                hold.early.push_front(next);
+                break;
             }
+            bytes += size;
+            records.push(next);
         }
         let started = std::time::Instant::now();
-        let mut backoff = Duration::from_millis(100);
-        let dispositions = loop {
-            match handler.handle_batch(&records).await {
-                Ok(d) => break d,
-                Err(e) => {
-                    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
-                    tracing::warn!(error = %e, records = records.len(), backoff_ms = backoff.as_millis() as u64, "Batch handler failed; retrying the batch.");
-                    tokio::select! {
-                        // Leave without storing offsets: the batch comes again after restart.
-                        () = token.cancelled() => break 'batches,
-                        () = tokio::time::sleep(backoff) => {}
+        let dispositions = match settle_batch(service, &mut handler, &records, attempts, &mut hold, &token).await {
+            None => break 'batches,
+            Some(Ok(d)) => d,
+            Some(Err(reason)) if records.len() == 1 => {
+                report_poison(service, &records[0], attempts, &reason);
+                vec![Disposition::DeadLetter(reason)]
+            }
+            Some(Err(reason)) => {
+                tracing::warn!(records = records.len(), attempts, %reason, "The batch fails the same way every time; handling its records one at a time to find the ones at fault.");
+                let mut d = Vec::with_capacity(records.len());
+                for r in &records {
+                    match settle_batch(service, &mut handler, std::slice::from_ref(r), 1, &mut hold, &token).await {
+                        None => break 'batches,
+                        Some(Ok(one)) => d.extend(one),
+                        Some(Err(reason)) => {
+                            report_poison(service, r, attempts, &reason);
+                            d.push(Disposition::DeadLetter(reason));
+                        }
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
+                d
             }
         };
         assert_eq!(dispositions.len(), records.len(), "a batch handler must return one disposition per record");
@@ -769,7 +1149,7 @@ pub async fn run_batch_consumer<H: BatchHandler>(
             let outcome = match disposition {
                 Disposition::Done => "ok",
                 Disposition::DeadLetter(reason) => {
-                    if !dead_letter_until_done(&dlq, service, record, reason, &token).await {
+                    if !hold.run(dead_letter_until_done(&dlq, service, record, reason, &token)).await {
                         break 'batches;
                     }
                     "dead_lettered"
@@ -801,6 +1181,7 @@ pub async fn run_batch_consumer<H: BatchHandler>(
                 tracing::warn!(error = %e, topic, partition, "Could not store an offset.");
             }
         }
+        hold.resume();
     }
     commit_stored(&consumer)
 }
@@ -1022,6 +1403,7 @@ mod tests {
             kafka_bootstrap: bootstrap.to_owned(),
             kafka_options: options.iter().map(|s| (*s).to_owned()).collect(),
             schema_registry_url: None,
+            topic_replication: None,
         }
     }
 
@@ -1132,7 +1514,7 @@ mod tests {
         let ready = crate::admin::Readiness::default().register("assigned");
         let consumer = settings.consumer("test", &group, &[&topic], ready).expect("consumer");
         let token = CancellationToken::new();
-        let batch = BatchSettings { max: 16, linger: Duration::from_millis(50) };
+        let batch = BatchSettings::new(16, Duration::from_millis(50));
         let handler = Recorder { seen: seen.clone(), failed_once: false };
         let task = tokio::spawn(run_batch_consumer("test", consumer, producer.clone(), handler, batch, token.clone()));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -1215,6 +1597,53 @@ mod tests {
             payloads.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
         }
         assert!(payloads.iter().all(|p| p == "after"), "{payloads:?}");
+    }
+
+    #[test]
+    fn topic_replication_is_validated_and_kept_from_librdkafka() {
+        let mut a = args("k:9092", &["acks=all"]);
+        a.topic_replication = Some(3);
+        let s = a.validate().expect("valid");
+        assert_eq!(s.topic_replication(), Some(3));
+        let c = s.client_config_with("t", &[]);
+        assert_eq!(c.get(TOPIC_REPLICATION_OPTION), None, "not a librdkafka property");
+        assert_eq!(c.get("acks"), Some("all"));
+        let mut a = args("k:9092", &[]);
+        a.topic_replication = Some(0);
+        assert!(a.validate().unwrap_err().list().iter().any(|p| p.field == "--topic-replication"));
+        assert_eq!(args("k:9092", &[]).validate().unwrap().topic_replication(), None);
+    }
+
+    #[test]
+    fn replication_is_three_or_every_broker() {
+        assert_eq!(replication_for(1, None), 1);
+        assert_eq!(replication_for(2, None), 2);
+        assert_eq!(replication_for(3, None), 3);
+        assert_eq!(replication_for(9, None), 3);
+        assert_eq!(replication_for(0, None), 1, "no metadata: at least one");
+        assert_eq!(replication_for(9, Some(5)), 5);
+    }
+
+    #[test]
+    fn batch_limits_are_validated() {
+        let ok = BatchLimitArgs { batch_max_bytes: DEFAULT_BATCH_MAX_BYTES, poison_attempts: 5 }.validate().unwrap();
+        assert_eq!(ok, BatchLimits::default());
+        let err = BatchLimitArgs { batch_max_bytes: 10, poison_attempts: 0 }.validate().unwrap_err();
+        assert_eq!(err.list().len(), 2, "{:?}", err.list());
+    }
+
+    #[test]
+    fn a_record_counts_its_key_value_and_headers() {
+        let r = Record {
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
+            key: Some(b"node".to_vec()),
+            payload: Some(vec![0; 100]),
+            headers: vec![("h".into(), b"vv".to_vec())],
+            timestamp_ms: None,
+        };
+        assert_eq!(record_bytes(&r), 4 + 100 + 3);
     }
 
     #[test]

@@ -11,7 +11,12 @@
 //!   every record's effect is durable ([`OffsetTracker`]), so a crash re-delivers whatever was in
 //!   hand and nothing after a gap is skipped.
 //! - **Dead letters and retries** as in `run_consumer`: an invalid record goes to the dead-letter
-//!   topic; a transient failure is retried with backoff (holding only that key).
+//!   topic, and so does one whose handler fails in the same permanent way
+//!   [`kafka::DEFAULT_POISON_ATTEMPTS`] times; a transient failure is retried with backoff
+//!   (holding only that key).
+//! - **Polling on**: while every slot stays taken longer than [`kafka::POLL_GRACE`] (records held
+//!   in retries through an apiserver outage), the partitions are paused and the consumer keeps
+//!   polling, so it never exceeds `max.poll.interval.ms` and leaves its group.
 //! - **Cancellation** drops the records in hand without storing their offsets, then commits what
 //!   is stored.
 
@@ -25,6 +30,7 @@ use rdkafka::consumer::Consumer as _;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::fault;
 use crate::kafka::{self, Consumer, HandleError, KafkaError, Producer, Record};
 
 /// A handler that may run for several records at once (it takes `&self`).
@@ -88,31 +94,44 @@ async fn process<H: SharedHandler>(
     let span = kafka::record_span(service, &record);
     let started = std::time::Instant::now();
     let mut backoff = Duration::from_millis(100);
+    let mut permanent = 0u32;
     loop {
-        match handler.handle(&record).instrument(span.clone()).await {
+        let refused = match handler.handle(&record).instrument(span.clone()).await {
             Ok(()) => {
                 metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "ok").increment(1);
                 break;
             }
-            Err(HandleError::Invalid(reason)) => {
-                if !kafka::dead_letter_until_done(dlq, service, &record, &reason, token).await {
-                    return (record, false);
-                }
-                metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "dead_lettered")
-                    .increment(1);
-                break;
-            }
+            Err(HandleError::Invalid(reason)) => reason,
             Err(HandleError::Retry(e)) => {
                 metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
-                tracing::warn!(error = %e, topic = %record.topic, offset = record.offset,
-                    backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
-                tokio::select! {
-                    () = token.cancelled() => return (record, false),
-                    () = tokio::time::sleep(backoff) => {}
+                if fault::is_permanent(e.as_ref()) {
+                    permanent += 1;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(30));
+                if permanent >= kafka::DEFAULT_POISON_ATTEMPTS {
+                    let reason = fault::error_chain(e.as_ref());
+                    metrics::counter!(format!("gpumedic_{service}_poison_records_total"), "topic" => record.topic.clone())
+                        .increment(1);
+                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset,
+                        attempts = permanent, %reason,
+                        "The handler fails on this record the same way every time; it goes to the dead-letter topic.");
+                    reason
+                } else {
+                    tracing::warn!(error = %e, topic = %record.topic, offset = record.offset,
+                        backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                    tokio::select! {
+                        () = token.cancelled() => return (record, false),
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    continue;
+                }
             }
+        };
+        if !kafka::dead_letter_until_done(dlq, service, &record, &refused, token).await {
+            return (record, false);
         }
+        metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "dead_lettered").increment(1);
+        break;
     }
     kafka::observe_latency(service, &record, started);
     (record, true)
@@ -137,7 +156,39 @@ pub async fn run_keyed_consumer<H: SharedHandler>(
     let mut busy: HashMap<Vec<u8>, VecDeque<Record>> = HashMap::new();
     let mut running: FuturesUnordered<_> = FuturesUnordered::new();
     let mut in_hand = 0usize;
+    // While every slot is taken for longer than the grace (an apiserver outage holds records in
+    // retries), the partitions are paused and the consumer polls on, so the group keeps it.
+    let mut hold = kafka::Hold::new(&consumer);
+    let mut full_since: Option<tokio::time::Instant> = None;
+    macro_rules! admit {
+        ($record:expr) => {{
+            let record: Record = $record;
+            in_hand += 1;
+            tracker.start(&record);
+            let key = record.key.clone().unwrap_or_default();
+            match busy.get_mut(&key) {
+                Some(waiting) => waiting.push_back(record),
+                None => {
+                    busy.insert(key, VecDeque::new());
+                    running.push(process(service, &dlq, handler, record, &token));
+                }
+            }
+        }};
+    }
     loop {
+        while in_hand < max_in_flight
+            && let Some(record) = hold.early.pop_front()
+        {
+            admit!(record);
+        }
+        let full = in_hand >= max_in_flight;
+        if !full {
+            full_since = None;
+            hold.resume();
+        } else if full_since.is_none() {
+            full_since = Some(tokio::time::Instant::now());
+        }
+        let pause_at = full_since.map_or_else(tokio::time::Instant::now, |t| t + kafka::POLL_GRACE);
         tokio::select! {
             biased;
             () = token.cancelled() => break,
@@ -161,7 +212,8 @@ pub async fn run_keyed_consumer<H: SharedHandler>(
                     }
                 }
             }
-            message = consumer.recv(), if in_hand < max_in_flight => {
+            () = tokio::time::sleep_until(pause_at), if full && !hold.paused => hold.pause(),
+            message = consumer.recv(), if !full || hold.paused => {
                 let record = match message {
                     Ok(m) => Record::from_message(&m),
                     Err(e) => {
@@ -169,15 +221,12 @@ pub async fn run_keyed_consumer<H: SharedHandler>(
                         continue;
                     }
                 };
-                in_hand += 1;
-                tracker.start(&record);
-                let key = record.key.clone().unwrap_or_default();
-                match busy.get_mut(&key) {
-                    Some(waiting) => waiting.push_back(record),
-                    None => {
-                        busy.insert(key, VecDeque::new());
-                        running.push(process(service, &dlq, handler, record, &token));
-                    }
+                if full {
+                    // From a partition assigned while paused: kept, in order, for when a slot frees.
+                    hold.early.push_back(record);
+                    hold.pause();
+                } else {
+                    admit!(record);
                 }
             }
         }

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod fault;
 pub mod k8s;
 pub mod kafka;
 pub mod keyed;

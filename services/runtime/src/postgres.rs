@@ -1,9 +1,18 @@
 //! PostgreSQL connection pools. The classifier is the only writer; other tools read.
+//!
+//! Every pooled connection gets a `statement_timeout` and a `lock_timeout`
+//! ([`DEFAULT_STATEMENT_TIMEOUT`], [`DEFAULT_LOCK_TIMEOUT`]), so a query stuck behind a lock or
+//! on an overloaded server fails and is retried instead of holding its partition for ever. A
+//! service changes them with its own settings, an operator in the database URL
+//! (`?options[statement_timeout]=60s`). Migrations run on a connection of their own with
+//! [`MIGRATION_STATEMENT_TIMEOUT`]. The readiness check gives up on a query after
+//! [`READINESS_TIMEOUT`], so a server that stops answering (a SIGSTOPped or black-holed
+//! Postgres, where no server-side timeout fires) turns readiness false.
 
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions as _, Connection as _, PgPool};
 
 /// What went wrong connecting to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
@@ -14,7 +23,20 @@ pub enum PostgresError {
     /// The server could not be reached or refused the login.
     #[error("cannot connect to PostgreSQL: {0}")]
     Connect(#[source] sqlx::Error),
+    /// The schema could not be brought up to date.
+    #[error("cannot migrate the database: {0}")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
 }
+
+/// The `statement_timeout` of every pooled connection unless the URL or the caller sets one.
+pub const DEFAULT_STATEMENT_TIMEOUT: &str = "30s";
+/// The `lock_timeout` of every pooled connection unless the URL or the caller sets one.
+pub const DEFAULT_LOCK_TIMEOUT: &str = "10s";
+/// The `statement_timeout` of the connection migrations run on: a migration may rewrite a
+/// large table.
+pub const MIGRATION_STATEMENT_TIMEOUT: &str = "30min";
+/// How long the readiness check waits for `SELECT 1`.
+pub const READINESS_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A pool of at most `max_connections` to `url`.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, PostgresError> {
@@ -22,13 +44,22 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, Postgres
 }
 
 /// [`connect`], with server `settings` (such as `work_mem`) set on every connection at start.
+/// `statement_timeout` and `lock_timeout` get their defaults unless `settings` or the URL's
+/// `options` name them.
 pub async fn connect_with_settings(
     url: &str,
     max_connections: u32,
     settings: &[(&str, &str)],
 ) -> Result<PgPool, PostgresError> {
-    let options: PgConnectOptions =
-        url.parse::<PgConnectOptions>().map_err(PostgresError::Url)?.options(settings.iter().copied());
+    let options: PgConnectOptions = url.parse::<PgConnectOptions>().map_err(PostgresError::Url)?;
+    let named =
+        |key: &str| options.get_options().is_some_and(|o| o.contains(key)) || settings.iter().any(|(k, _)| *k == key);
+    let defaults: Vec<(&str, &str)> =
+        [("statement_timeout", DEFAULT_STATEMENT_TIMEOUT), ("lock_timeout", DEFAULT_LOCK_TIMEOUT)]
+            .into_iter()
+            .filter(|(k, _)| !named(k))
+            .collect();
+    let options = options.options(defaults).options(settings.iter().copied());
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
@@ -37,8 +68,23 @@ pub async fn connect_with_settings(
         .map_err(PostgresError::Connect)
 }
 
-/// Keeps `ready` true while the database answers, checking every `every` until `token` is
-/// cancelled. Runs as one of a service's long tasks.
+/// Runs `migrator` on a connection of its own, made like the pool's but with
+/// [`MIGRATION_STATEMENT_TIMEOUT`], so a long migration is not cut by the pool's timeout and the
+/// pool's connections keep theirs.
+pub async fn migrate(pool: &PgPool, migrator: &sqlx::migrate::Migrator) -> Result<(), PostgresError> {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("statement_timeout", MIGRATION_STATEMENT_TIMEOUT), ("lock_timeout", MIGRATION_STATEMENT_TIMEOUT)]);
+    let mut conn = options.connect().await.map_err(PostgresError::Connect)?;
+    let result = migrator.run(&mut conn).await.map_err(PostgresError::Migrate);
+    if let Err(e) = conn.close().await {
+        tracing::debug!(error = %e, "The migration connection did not close cleanly.");
+    }
+    result
+}
+
+/// Keeps `ready` true while the database answers `SELECT 1` within [`READINESS_TIMEOUT`],
+/// checking every `every` until `token` is cancelled. Runs as one of a service's long tasks.
 pub async fn watch_reachability(
     pool: PgPool,
     ready: crate::admin::ReadyFlag,
@@ -46,11 +92,18 @@ pub async fn watch_reachability(
     token: tokio_util::sync::CancellationToken,
 ) -> Result<(), PostgresError> {
     loop {
-        match sqlx::query("SELECT 1").execute(&pool).await {
-            Ok(_) => ready.set(true),
-            Err(e) => {
+        match tokio::time::timeout(READINESS_TIMEOUT, sqlx::query("SELECT 1").execute(&pool)).await {
+            Ok(Ok(_)) => ready.set(true),
+            Ok(Err(e)) => {
                 ready.set(false);
                 tracing::warn!(error = %e, "The database is not answering.");
+            }
+            Err(_) => {
+                ready.set(false);
+                tracing::warn!(
+                    timeout_ms = READINESS_TIMEOUT.as_millis() as u64,
+                    "The database did not answer in time; not ready."
+                );
             }
         }
         tokio::select! {
