@@ -47,7 +47,7 @@ pub fn present(samples: &[GpuSample]) -> Vec<GpuIdentity> {
             serial: s.serial.clone(),
             product: s.product.clone(),
             // NVML's fabric (clique) information has no safe wrapper in nvml-wrapper 0.12; the
-            // node label `nvidia.com/gpu.clique` is the other source (not read yet).
+            // node label `nvidia.com/gpu.clique` is the other source, which the enricher reads.
             nvlink_domain: None,
         })
         .collect();

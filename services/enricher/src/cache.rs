@@ -66,7 +66,8 @@ impl ClusterCache {
         let name = node.name_any();
         let workloads: Vec<Workload> =
             index.pods.values().filter(|(n, _)| *n == name).map(|(_, w)| w.clone()).collect();
-        index.nodes.insert(name, NodeInfo { context, workloads });
+        let nvlink_domain = labels.get(crate::enrich::labels::GPU_CLIQUE).filter(|v| !v.is_empty()).cloned();
+        index.nodes.insert(name, NodeInfo { context, workloads, nvlink_domain });
     }
 
     fn delete_node(&self, node: &Node) {

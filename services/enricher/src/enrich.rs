@@ -18,6 +18,8 @@ pub struct NodeInfo {
     pub context: NodeContext,
     /// GPU pods bound to the node.
     pub workloads: Vec<Workload>,
+    /// The NVLink domain (clique) the node's GPUs belong to, from [`labels::GPU_CLIQUE`].
+    pub nvlink_domain: Option<String>,
 }
 
 /// Well-known node labels the context is read from.
@@ -36,6 +38,9 @@ pub mod labels {
     pub const DRIVER_MINOR: &str = "nvidia.com/cuda.driver.minor";
     /// See [`DRIVER_MAJOR`].
     pub const DRIVER_REV: &str = "nvidia.com/cuda.driver.rev";
+    /// The NVLink domain of a multi-node NVLink system (GB200 NVL72), from GPU Feature Discovery:
+    /// `<cluster UUID>.<clique id>`. Nodes with the same value share one NVLink fabric.
+    pub const GPU_CLIQUE: &str = "nvidia.com/gpu.clique";
 }
 
 /// Builds a node's context from its labels: the well-known fields, plus the labels an operator
@@ -86,7 +91,14 @@ pub fn enrich(
         _ => None,
     };
     let (gpu, gpu_unresolved) = match gpu {
-        Resolution::Resolved(g) => (Some(g.clone()), false),
+        Resolution::Resolved(g) => {
+            let mut g = g.clone();
+            // The inventory rarely knows the GPU's NVLink domain; the node's label does.
+            if g.nvlink_domain.is_none() {
+                g.nvlink_domain = node.and_then(|n| n.nvlink_domain.clone());
+            }
+            (Some(g), false)
+        }
         Resolution::Unresolved(_) => (None, true),
         Resolution::NoGpu => (None, false),
     };
@@ -139,6 +151,7 @@ mod tests {
         NodeInfo {
             context: NodeContext { expected_gpus: Some(2), ..NodeContext::default() },
             workloads: vec![workload("on-a", &[A]), workload("on-b", &[B]), workload("unknown", &[])],
+            nvlink_domain: None,
         }
     }
 
@@ -189,6 +202,21 @@ mod tests {
         assert_eq!(e.event, event, "the raw event is carried unchanged");
         assert_eq!(pods(&e), ["on-b", "unknown"], "the pods on that GPU, and those whose GPUs are unknown");
         assert_eq!(e.node_context.expected_gpus, Some(2));
+    }
+
+    #[test]
+    fn a_resolved_gpu_carries_the_nodes_nvlink_domain() {
+        let inv = inventory();
+        let event = kernel_xid("0000:1b:00.0");
+        let in_domain = NodeInfo { nvlink_domain: Some("a1b2c3d4-0000-4000-8000-000000000001.7".into()), ..node() };
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event.clone(), Some(&in_domain), gpu, &XidCatalog::embedded(), Utc::now());
+        let g = e.gpu.as_ref().expect("resolved");
+        assert_eq!(g.nvlink_domain.as_deref(), Some("a1b2c3d4-0000-4000-8000-000000000001.7"));
+        // Without the label the domain stays unknown.
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event, Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        assert_eq!(e.gpu.expect("resolved").nvlink_domain, None);
     }
 
     #[test]
