@@ -252,54 +252,6 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
-/// A TCP relay in front of the apiserver whose forwarding can be held: while held, bytes are read
-/// and kept, not passed on, as a network or an apiserver that stopped answering one client.
-struct Relay {
-    port: u16,
-    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Relay {
-    async fn start(upstream: std::net::SocketAddr) -> Self {
-        use std::sync::atomic::Ordering;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("relay binds");
-        let port = listener.local_addr().unwrap().port();
-        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = held.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                for (mut from, mut to) in [(cr, sw), (sr, cw)] {
-                    let flag = flag.clone();
-                    tokio::spawn(async move {
-                        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-                        let mut buf = vec![0u8; 64 * 1024];
-                        loop {
-                            let n = match from.read(&mut buf).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(n) => n,
-                            };
-                            while flag.load(Ordering::Acquire) {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
-                            if to.write_all(&buf[..n]).await.is_err() {
-                                break;
-                            }
-                        }
-                    });
-                }
-            }
-        });
-        Self { port, held }
-    }
-
-    fn hold(&self, held: bool) {
-        self.held.store(held, std::sync::atomic::Ordering::Release);
-    }
-}
-
 #[tokio::test]
 async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby_can_take_over() {
     let w = World::new().await;
@@ -311,10 +263,9 @@ async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby
         .expect("the kubeconfig names its server")
         .trim()
         .to_owned();
-    let upstream: std::net::SocketAddr = server.parse().expect("the server is an address");
-    let relay = Relay::start(upstream).await;
+    let relay = testbed::Relay::start(&server).await.expect("the relay starts");
     let relayed = std::env::temp_dir().join(testbed::unique_name("kubeconfig"));
-    std::fs::write(&relayed, kubeconfig.replace(&server, &format!("127.0.0.1:{}", relay.port))).unwrap();
+    std::fs::write(&relayed, kubeconfig.replace(&server, &relay.addr().to_string())).unwrap();
     // Renew deadline 6 s: the leader must stop by then; a standby takes over no sooner than 8 s
     // after it last saw the lease change.
     let timings = [("GPUMEDIC_LEASE_DURATION", "8s".to_owned()), ("GPUMEDIC_LEASE_RENEW", "2s".to_owned())];

@@ -2,14 +2,11 @@
 //! timeout (defaults, overridable by the caller and the URL), and readiness turns false when the
 //! server stops answering.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::postgres;
 use gpumedic_runtime::testbed;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 
 async fn show(pool: &sqlx::PgPool, setting: &str) -> String {
@@ -47,43 +44,6 @@ async fn every_connection_has_a_statement_and_a_lock_timeout() {
     assert!(sleep_is_cancelled(&pool).await, "a query longer than the URL's timeout is cancelled");
 }
 
-/// A TCP proxy to `upstream` that stops passing bytes on while `frozen` is set, as a stopped or
-/// black-holed server would: connections stay open and nothing answers.
-async fn freezable_proxy(upstream: String, frozen: Arc<AtomicBool>) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("address");
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else { continue };
-            let (cr, cw) = client.into_split();
-            let (sr, sw) = server.into_split();
-            tokio::spawn(pipe(cr, sw, frozen.clone()));
-            tokio::spawn(pipe(sr, cw, frozen.clone()));
-        }
-    });
-    addr
-}
-
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    frozen: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while frozen.load(Ordering::Acquire) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 async fn wait_ready(flag: &gpumedic_runtime::admin::ReadyFlag, want: bool, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     while flag.get() != want {
@@ -99,9 +59,8 @@ async fn readiness_turns_false_when_the_database_stops_answering() {
     // postgres://user:password@host:port/database: route host:port through the proxy.
     let at = url.rfind('@').expect("the testbed URL has credentials");
     let slash = at + url[at..].find('/').expect("the testbed URL names a database");
-    let frozen = Arc::new(AtomicBool::new(false));
-    let proxy = freezable_proxy(url[at + 1..slash].to_owned(), frozen.clone()).await;
-    let proxied = format!("{}@{proxy}{}", &url[..at], &url[slash..]);
+    let relay = testbed::Relay::start(&url[at + 1..slash]).await.expect("the relay starts");
+    let proxied = format!("{}@{}{}", &url[..at], relay.addr(), &url[slash..]);
 
     let pool = postgres::connect(&proxied, 2).await.expect("pool through the proxy");
     let ready = Readiness::default().register("database");
@@ -110,10 +69,10 @@ async fn readiness_turns_false_when_the_database_stops_answering() {
         tokio::spawn(postgres::watch_reachability(pool, ready.clone(), Duration::from_millis(200), token.clone()));
     wait_ready(&ready, true, Duration::from_secs(10)).await;
 
-    frozen.store(true, Ordering::Release);
+    relay.hold(true);
     wait_ready(&ready, false, postgres::READINESS_TIMEOUT + Duration::from_secs(5)).await;
 
-    frozen.store(false, Ordering::Release);
+    relay.hold(false);
     wait_ready(&ready, true, Duration::from_secs(30)).await;
     token.cancel();
     watch.await.expect("joins").expect("stops cleanly");
