@@ -304,9 +304,10 @@ pub async fn wait_for_record(
         // record written in between would be skipped. Every record past this end was written
         // after `since`, so such a partition starts here. (Looked up after the timestamps, the
         // end could already include a record written in between, and skip it.)
+        // A topic created moments ago answers with transient errors (no leader yet) for a while.
         let mut ends = std::collections::HashMap::new();
         for &p in &partitions {
-            let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+            let (_, high) = settled(|| consumer.fetch_watermarks(topic, p, Duration::from_secs(10)))?;
             ends.insert(p, high);
         }
         let mut timestamps = rdkafka::TopicPartitionList::new();
@@ -315,7 +316,7 @@ pub async fn wait_for_record(
                 .add_partition_offset(topic, p, rdkafka::Offset::Offset(since.as_millis() as i64))
                 .map_err(|e| e.to_string())?;
         }
-        let mut start = consumer.offsets_for_times(timestamps, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        let mut start = settled(|| consumer.offsets_for_times(timestamps.clone(), Duration::from_secs(10)))?;
         let unresolved: Vec<i32> = start
             .elements()
             .iter()
@@ -408,6 +409,19 @@ async fn relay_pipe(
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
+        }
+    }
+}
+
+/// `lookup` retried for up to 30 s while the broker answers with an error (a topic created
+/// moments ago has no partition leader yet); the last error if it never succeeds.
+fn settled<T>(mut lookup: impl FnMut() -> rdkafka::error::KafkaResult<T>) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match lookup() {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e.to_string()),
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
         }
     }
 }
