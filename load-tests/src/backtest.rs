@@ -49,7 +49,8 @@ pub struct Result {
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     let topic = testbed::unique_name("bench-backtest");
     settings.ensure_topics(&[TopicSpec::new(&topic, o.partitions)]).await?;
     let bin = match &o.gpumedic_bin {

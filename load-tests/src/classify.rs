@@ -157,7 +157,8 @@ fn xid(code: i32) -> Detail {
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
     let admin = testbed::require_postgres().await?;
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     let enriched = testbed::unique_name("bench-enriched");
     let verdicts = testbed::unique_name("bench-verdicts");
     let actions = testbed::unique_name("bench-actions");

@@ -595,12 +595,14 @@ pub async fn run(o: Options) -> anyhow::Result<Summary> {
     } else {
         None
     };
-    gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None }
-        .ensure_topics(&[gpumedic_runtime::kafka::TopicSpec::new(
-            &o.topic,
-            gpumedic_schemas::topics::DEFAULT_PARTITIONS,
-        )])
-        .await?;
+    gpumedic_runtime::kafka::KafkaSettings {
+        bootstrap: bootstrap.clone(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    }
+    .ensure_topics(&[gpumedic_runtime::kafka::TopicSpec::new(&o.topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
+    .await?;
     let producer = crate::scratch_producer(&bootstrap)?;
     let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
     let topic = o.topic.clone();

@@ -86,7 +86,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
     let client = testbed::require_kubernetes().await?;
     let admin_db = testbed::require_postgres().await?;
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     let run = testbed::unique_name("bench-latency");
     let verdicts = format!("{run}.verdicts");
     let actions = format!("{run}.actions");

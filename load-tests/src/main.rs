@@ -218,7 +218,8 @@ pub(crate) fn send(
 
 pub(crate) async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
     let bootstrap = testbed::require_kafka().await?;
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     let topic = testbed::unique_name("ceiling");
     settings.ensure_topics(&[TopicSpec::new(&topic, partitions)]).await?;
 

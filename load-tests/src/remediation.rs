@@ -285,8 +285,13 @@ impl World {
 
     /// Produces one verdict per node as fast as Kafka takes them; returns when the first was sent.
     async fn produce(&self, topic: &str, names: &[String], action: RecommendedAction) -> anyhow::Result<Instant> {
-        let producer = KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
-            .producer("bench")?;
+        let producer = KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .producer("bench")?;
         let records: Vec<(String, Vec<u8>)> = names
             .iter()
             .map(|n| Ok((n.clone(), gpumedic_schemas::encode(&verdict(n, action))?)))
@@ -305,9 +310,14 @@ impl World {
     async fn mass_quarantine(&self, fleet: &str, names: &[String]) -> anyhow::Result<Scenario> {
         let ns = self.namespace().await?;
         let topic = testbed::unique_name("bench-verdicts");
-        KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
-            .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-            .await?;
+        KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
+        .await?;
         let mut remediator = self.start_remediator(&ns, fleet, &topic, "cordon-drain", "mass-quarantine.log").await?;
         // Watch before producing, so no cordon is missed.
         let nodes: Api<Node> = Api::all(self.client.clone());
@@ -370,9 +380,14 @@ impl World {
         .await?;
         println!("mass-drain: {} pods created in {:.1} s", n * per_node, made.elapsed().as_secs_f64());
         let topic = testbed::unique_name("bench-verdicts");
-        KafkaSettings { bootstrap: self.bootstrap.clone(), options: vec![], schema_registry: None }
-            .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-            .await?;
+        KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
+        .await?;
         let mut remediator = self.start_remediator(&ns, &fleet, &topic, "cordon-drain", "mass-drain.log").await?;
         let mut stream = watcher(pods.clone(), watcher::Config::default()).boxed();
         let mut live: HashSet<String> = HashSet::new();

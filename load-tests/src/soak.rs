@@ -164,7 +164,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let url = testbed::fresh_database(&admin_db, &db).await?;
     // Topics of this run only: other users of the testbed's Kafka neither feed nor read this run.
     let [raw, enriched, verdicts, actions] = ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
-    KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None }
+    KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None }
         .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
         .await?;
     let topics_env = [

@@ -70,7 +70,8 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     let enriched_topic = testbed::unique_name("classify-enriched");
     let verdicts_topic = testbed::unique_name("classify-verdicts");
     let actions_topic = testbed::unique_name("classify-actions");
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await

@@ -101,7 +101,8 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
     let enriched = testbed::unique_name("crash-enriched");
     let verdicts = testbed::unique_name("crash-verdicts");
     let actions = testbed::unique_name("crash-actions");
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], PARTITIONS)).await.expect("topics");
 
     // The whole stream is on the topic before the classifier starts, so it is always mid-stream.

@@ -72,7 +72,12 @@ impl Bed {
         let enriched = testbed::unique_name(&format!("{name}-enriched"));
         let verdicts = testbed::unique_name(&format!("{name}-verdicts"));
         let actions = testbed::unique_name(&format!("{name}-actions"));
-        let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+        let settings = KafkaSettings {
+            bootstrap: bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        };
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 12)).await.expect("topics");
         let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
         std::fs::create_dir_all(&rules).unwrap();

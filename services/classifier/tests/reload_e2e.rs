@@ -59,7 +59,8 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
     let enriched = testbed::unique_name("reload-enriched");
     let verdicts = testbed::unique_name("reload-verdicts");
     let actions = testbed::unique_name("reload-actions");
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
     let rules = std::env::temp_dir().join(testbed::unique_name("reload-rules"));
     std::fs::create_dir_all(&rules).unwrap();

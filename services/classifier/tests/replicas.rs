@@ -94,7 +94,8 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
     let url = testbed::fresh_database(&admin, &db).await.expect("database");
     let [enriched_topic, verdicts_topic, actions_topic] =
         ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("replicas-{t}")));
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await

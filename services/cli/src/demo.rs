@@ -364,8 +364,12 @@ async fn story(
     // start: this run's story does not queue behind every record earlier runs and tests left, and
     // no record of this run is skipped (production groups start at the beginning).
     let group = |s: &str| format!("demo-{}-{s}", cx.run_id);
-    let kafka =
-        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let kafka = gpumedic_runtime::kafka::KafkaSettings {
+        bootstrap: bootstrap.clone(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    };
     for s in ["enricher", "classifier", "remediator"] {
         kafka.start_group_at_end(&group(s), &gpumedic_schemas::topics::ALL).await?;
     }

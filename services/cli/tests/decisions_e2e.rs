@@ -90,7 +90,12 @@ impl Pipeline {
         let [raw, enriched, verdicts, actions] =
             ["raw", "enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("decisions-{t}")));
         // The topics exist before the services start, as in a deployment.
-        let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+        let settings = KafkaSettings {
+            bootstrap: bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        };
         let specs = kafka::stage_topics(
             &[&raw, &enriched, &verdicts, &actions],
             &[],

@@ -100,8 +100,12 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     // New groups, committed at the end of the topics before the services start: this test's
     // records are not queued behind every record earlier tests left on the shared topics, and none
     // of them is skipped.
-    let kafka_settings =
-        gpumedic_runtime::kafka::KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let kafka_settings = gpumedic_runtime::kafka::KafkaSettings {
+        bootstrap: bootstrap.clone(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    };
     let mut groups = Vec::new();
     for s in ["e2e-enricher", "e2e-classifier", "e2e-remediator"] {
         let group = testbed::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");

@@ -36,7 +36,7 @@ impl Collector {
         let topic = testbed::unique_name("ingest-test");
         let state = std::env::temp_dir().join(testbed::unique_name("collector-ingest"));
         let socket = state.join("ingest.sock");
-        let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None };
+        let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None, topic_replication: None };
         let producer = kafka.producer("ingest-test").expect("producer");
         let (publisher, sink) = Publisher::open(
             PublisherSettings {

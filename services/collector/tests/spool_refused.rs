@@ -29,7 +29,7 @@ fn incompressible(len: usize) -> String {
 #[tokio::test]
 async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None };
+    let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None, topic_replication: None };
     let topic = testbed::unique_name("spool-refused");
     kafka.ensure_topics(&[TopicSpec::new(&topic, 1).with_config("max.message.bytes", "4096")]).await.expect("topic");
     let dir = std::env::temp_dir().join(testbed::unique_name("spool-refused"));

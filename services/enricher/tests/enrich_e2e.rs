@@ -86,7 +86,8 @@ fn pod_names(e: &EnrichedHealthEvent) -> Vec<&str> {
 async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
         .await

@@ -18,7 +18,8 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let registry = testbed::require_schema_registry().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings = KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None };
+    let settings =
+        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
         .await

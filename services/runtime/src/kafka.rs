@@ -106,21 +106,17 @@ pub struct KafkaArgs {
     pub topic_replication: Option<i32>,
 }
 
-/// The key under which [`KafkaSettings::options`] carries `--topic-replication`; it is gpumedic's,
-/// never handed to librdkafka. Settings are built in many places, so the factor travels with the
-/// options rather than as a field every one of them would have to name.
-pub const TOPIC_REPLICATION_OPTION: &str = "gpumedic.topic.replication.factor";
-
 /// [`KafkaArgs`] validated.
 #[derive(Debug, Clone)]
 pub struct KafkaSettings {
     /// Bootstrap servers.
     pub bootstrap: String,
-    /// Extra librdkafka properties, applied last; also [`TOPIC_REPLICATION_OPTION`], which is
-    /// gpumedic's own and not passed on.
+    /// Extra librdkafka properties, applied last.
     pub options: Vec<(String, String)>,
     /// The schema registry's URL, when one is used.
     pub schema_registry: Option<String>,
+    /// `--topic-replication`: the replication factor of topics gpumedic creates, when given.
+    pub topic_replication: Option<i32>,
 }
 
 impl Validate for KafkaArgs {
@@ -145,12 +141,10 @@ impl Validate for KafkaArgs {
                 _ => p.push("--kafka-option", format!("'{raw}' must be key=value")),
             }
         }
-        if let Some(r) = self.topic_replication {
-            if (1..=32).contains(&r) {
-                options.push((TOPIC_REPLICATION_OPTION.to_owned(), r.to_string()));
-            } else {
-                p.push("--topic-replication", format!("{r} is not from 1 to 32"));
-            }
+        if let Some(r) = self.topic_replication
+            && !(1..=32).contains(&r)
+        {
+            p.push("--topic-replication", format!("{r} is not from 1 to 32"));
         }
         let schema_registry = self.schema_registry_url.filter(|u| !u.trim().is_empty());
         if let Some(url) = &schema_registry
@@ -158,7 +152,12 @@ impl Validate for KafkaArgs {
         {
             p.push("--schema-registry-url", format!("'{url}' must be an http:// or https:// URL"));
         }
-        p.finish(|| KafkaSettings { bootstrap: self.kafka_bootstrap, options, schema_registry })
+        p.finish(|| KafkaSettings {
+            bootstrap: self.kafka_bootstrap,
+            options,
+            schema_registry,
+            topic_replication: self.topic_replication,
+        })
     }
 }
 
@@ -217,14 +216,14 @@ impl KafkaSettings {
     }
 
     fn apply_options(&self, c: &mut ClientConfig) {
-        for (k, v) in self.options.iter().filter(|(k, _)| k != TOPIC_REPLICATION_OPTION) {
+        for (k, v) in self.options.iter() {
             c.set(k, v);
         }
     }
 
     /// The replication factor `--topic-replication` asks for, if it was given.
     pub fn topic_replication(&self) -> Option<i32> {
-        self.options.iter().rev().find(|(k, _)| k == TOPIC_REPLICATION_OPTION).and_then(|(_, v)| v.parse().ok())
+        self.topic_replication
     }
 
     /// The replication factor for topics created without one: `--topic-replication`, else 3 or
@@ -1453,7 +1452,7 @@ mod tests {
     #[tokio::test]
     async fn records_land_where_partition_for_says() {
         let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
         let topic = crate::testbed::unique_name("partition-for");
         settings.ensure_topics(&[TopicSpec::new(topic.clone(), 12)]).await.expect("topic");
         let producer = settings.producer("partition-for-test").expect("producer");
@@ -1501,7 +1500,7 @@ mod tests {
     async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
         use rdkafka::TopicPartitionList;
         let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
         let topic = crate::testbed::unique_name("batch");
         let group = crate::testbed::unique_name("batch");
         settings.ensure_topics(&stage_topics(&[&topic], &[], 3)).await.expect("topics");
@@ -1569,7 +1568,7 @@ mod tests {
         use rdkafka::Message as _;
         use rdkafka::consumer::StreamConsumer;
         let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
         let topic = crate::testbed::unique_name("group-end");
         let group = crate::testbed::unique_name("group-end");
         settings.ensure_topics(&[TopicSpec::new(&topic, 3)]).await.expect("topic");
@@ -1606,7 +1605,7 @@ mod tests {
         let s = a.validate().expect("valid");
         assert_eq!(s.topic_replication(), Some(3));
         let c = s.client_config_with("t", &[]);
-        assert_eq!(c.get(TOPIC_REPLICATION_OPTION), None, "not a librdkafka property");
+        assert!(c.config_map().keys().all(|k| !k.contains("replication")), "not a librdkafka property");
         assert_eq!(c.get("acks"), Some("all"));
         let mut a = args("k:9092", &[]);
         a.topic_replication = Some(0);

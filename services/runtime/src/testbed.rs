@@ -49,9 +49,14 @@ pub fn unique_name(prefix: &str) -> String {
 /// earlier tests and load runs left on the shared topics.
 pub async fn group_at_end(prefix: &str, topics: &[&str]) -> Result<String, crate::kafka::KafkaError> {
     let group = unique_name(prefix);
-    crate::kafka::KafkaSettings { bootstrap: kafka_bootstrap(), options: vec![], schema_registry: None }
-        .start_group_at_end(&group, topics)
-        .await?;
+    crate::kafka::KafkaSettings {
+        bootstrap: kafka_bootstrap(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    }
+    .start_group_at_end(&group, topics)
+    .await?;
     Ok(group)
 }
 

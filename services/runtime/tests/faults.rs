@@ -29,7 +29,7 @@ fn incompressible(len: usize) -> Vec<u8> {
 
 async fn settings() -> KafkaSettings {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    KafkaSettings { bootstrap, options: vec![], schema_registry: None }
+    KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None }
 }
 
 /// Waits until `group`'s committed offsets on `topic` (partitions `0..partitions`) are the ends
@@ -295,7 +295,6 @@ async fn a_handler_retrying_past_the_poll_interval_keeps_its_partitions() {
 
 #[tokio::test]
 async fn created_topics_get_the_configured_replication_or_min_3_brokers() {
-    use gpumedic_runtime::kafka::TOPIC_REPLICATION_OPTION;
     let settings = settings().await;
     let meta: BaseConsumer = ClientConfig::new().set("bootstrap.servers", &settings.bootstrap).create().unwrap();
     let brokers = meta.fetch_metadata(None, Duration::from_secs(10)).unwrap().brokers().len();
@@ -312,7 +311,7 @@ async fn created_topics_get_the_configured_replication_or_min_3_brokers() {
     // One more replica than the cluster has brokers: the configured factor is used, and refused.
     let mut configured = settings.clone();
     let factor = brokers as i32 + 1;
-    configured.options.push((TOPIC_REPLICATION_OPTION.into(), factor.to_string()));
+    configured.topic_replication = Some(factor);
     assert_eq!(configured.default_replication().await.unwrap(), factor);
     let topic = testbed::unique_name("replication-configured");
     let err = configured.ensure_topics(&[TopicSpec::new(&topic, 1)]).await.expect_err("more replicas than brokers");

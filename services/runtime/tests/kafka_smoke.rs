@@ -70,7 +70,7 @@ async fn consume(
 #[tokio::test]
 async fn consumer_resumes_after_committed_offset_and_dead_letters_bad_records() {
     let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None };
+    let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
     let topic: &'static str = Box::leak(testbed::unique_name("smoke").into_boxed_str());
     let group = testbed::unique_name("smoke-group");
     // One partition, so offsets are a single sequence we can reason about.

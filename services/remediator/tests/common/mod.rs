@@ -256,6 +256,7 @@ pub async fn publish_verdict(bootstrap: &str, topic: &str, verdict: &gpumedic_sc
         bootstrap: bootstrap.to_owned(),
         options: vec![],
         schema_registry: None,
+        topic_replication: None,
     }
     .producer("remediator-test")
     .expect("producer");
