@@ -179,7 +179,7 @@ impl Remediator {
     }
 
     /// Refuses a write to `node` once the lease can no longer be proven held: every node write,
-    /// eviction and repair call goes through this first.
+    /// the start of a drain and every repair call goes through this first.
     pub fn leading(&self, node: &str) -> Result<(), ApplyError> {
         if self.validity.current() {
             Ok(())
