@@ -121,6 +121,8 @@ pub struct DecisionRows {
     /// Evidence ids comma-joined (Postgres arrays of arrays must be rectangular).
     verdict_evidence: Vec<String>,
     verdict_issued_at: Vec<DateTime<Utc>>,
+    /// The whole verdict as published, JSON text stored as `json` (see migration 0005).
+    verdict_records: Vec<String>,
 }
 
 impl DecisionRows {
@@ -165,6 +167,9 @@ impl DecisionRows {
             rows.verdict_recovery.push(v.recovery);
             rows.verdict_evidence.push(v.evidence.iter().map(Uuid::to_string).collect::<Vec<_>>().join(","));
             rows.verdict_issued_at.push(v.issued_at);
+            // A verdict is plain data: serialising it cannot fail; an empty record would only make
+            // the resync skip this verdict, never act on a wrong one.
+            rows.verdict_records.push(serde_json::to_string(v).unwrap_or_default());
         }
         rows
     }
@@ -285,13 +290,13 @@ WITH ev AS (
      WHERE i.incident_id = r.incident_id
 ), ver AS (
     INSERT INTO verdicts (verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason,
-                          recovery, evidence, issued_at)
+                          recovery, evidence, issued_at, record)
     SELECT verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
-           COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at
+           COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at, NULLIF(record, '')::json
       FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::text[], $26::text[], $27::text[], $28::int4[],
-                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[])
+                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[], $39::text[])
         AS t(verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
-             evidence, issued_at)
+             evidence, issued_at, record)
     ON CONFLICT (verdict_id) DO NOTHING
 ), act AS (
     INSERT INTO actions (verdict_id, action, status, detail, at)
@@ -342,6 +347,7 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         .bind(&a.statuses)
         .bind(&a.details)
         .bind(&a.at)
+        .bind(&d.verdict_records)
         .fetch_one(pool)
         .await?;
     Ok(Written { new_events })
