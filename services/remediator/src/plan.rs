@@ -513,6 +513,9 @@ pub enum Skip {
     Stale(std::time::Duration),
     /// The node does not match the GPU node selector (or no longer exists).
     Unmanaged,
+    /// A fault verdict of an incident that has recovered already (a replay): acting on it would
+    /// take a healthy node out again.
+    Recovered,
     /// The node is marked now and the rest waits for what this says (a maintenance window's
     /// opening, the verdict's `not_before`, an idle GPU).
     Deferred(String),
@@ -536,6 +539,7 @@ impl std::fmt::Display for Skip {
             Skip::Unmanaged => {
                 f.write_str("the node is not a managed GPU node (it does not match the GPU node selector)")
             }
+            Skip::Recovered => f.write_str("the incident has recovered already; this fault verdict is a replay"),
             Skip::Deferred(waits_for) => write!(f, "the node is marked now; the action waits for {waits_for}"),
         }
     }

@@ -1,0 +1,140 @@
+//! The verdict handler: one verdict in, its remediation (or why not) applied, its outcome
+//! published on the actions topic.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use gpumedic_runtime::kafka::{self, HandleError, Record, RecordHandler, record_headers};
+use gpumedic_runtime::keyed;
+use gpumedic_schemas::{ActionOutcome, Severity, Verdict};
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::{ApplyError, Outcome};
+use crate::plan::{Mode, Skip};
+use crate::repairs::end_ladder;
+use crate::request::Action;
+use crate::term::{Shared, persist_trip, publish};
+use crate::{maintenance, request, verdicts};
+
+/// The consumer's handler for one leadership term: apply the verdict, publish the outcome, then
+/// let the offset be stored. When the term ends mid-verdict (the lease is lost, or shutdown) the
+/// work in hand stops at once and the offset is not stored: the next leader takes the verdict up
+/// again, and because every step is idempotent it does only what is left.
+pub struct Handler {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) term: CancellationToken,
+}
+
+impl Handler {
+    /// What the remediator does with `request` from `verdict` on a managed node, fresh enough.
+    pub(crate) async fn act(&self, verdict: &Verdict, request: &request::Remediation) -> Result<Outcome, ApplyError> {
+        let shared = &self.shared;
+        let gpu_nodes = shared.fleet.count.load(Ordering::Acquire);
+        let now = chrono::Utc::now();
+        let timing = maintenance::Timing {
+            recovery: request.recovery,
+            critical: verdict.severity == Severity::Critical,
+            not_before: verdict.not_before,
+            deferrable: verdict.deferrable,
+        };
+        let waits = !shared.remediator.paused() && shared.remediator.settings().policy.mode != Mode::MonitorOnly;
+        let Some((until, not_before)) =
+            waits.then(|| maintenance::hold(request.action, timing, &shared.windows, now)).flatten()
+        else {
+            if request.recovery && !shared.remediator.paused() {
+                end_ladder(shared, request).await?;
+            }
+            let outcome = shared.remediator.remediate(request, gpu_nodes).await?;
+            if request.recovery && !shared.remediator.paused() {
+                shared.remediator.leading(&request.node)?;
+                maintenance::clear_for(&shared.remediator.client(), &request.node, &request.incident_id)
+                    .await
+                    .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
+            }
+            return Ok(outcome);
+        };
+        // Mark now (the condition tells people and schedulers), the rest when it is due.
+        let mark = request::Remediation { action: Action::Monitor, ..request.clone() };
+        match shared.remediator.remediate(&mark, gpu_nodes).await? {
+            Outcome::Applied { .. } | Outcome::AlreadyDone => {}
+            other => return Ok(other),
+        }
+        let deferred = maintenance::Deferred {
+            verdict_id: verdict.verdict_id,
+            action: verdict.action,
+            request: request.clone(),
+            deferred_at: now,
+            not_before,
+            until,
+        };
+        shared.remediator.leading(&request.node)?;
+        maintenance::defer(&shared.remediator.client(), &deferred)
+            .await
+            .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
+        let waits_for = maintenance::waits_for(until, not_before);
+        tracing::info!(node = %request.node, verdict_id = %verdict.verdict_id, until = ?until, waits_for = %waits_for, "Deferred an action: the node is marked now, the rest waits.");
+        let label = format!("{until:?}").to_ascii_lowercase();
+        metrics::counter!("gpumedic_remediator_deferred_total", "until" => label).increment(1);
+        Ok(Outcome::Skipped { reason: Skip::Deferred(waits_for), would: None })
+    }
+}
+
+impl RecordHandler for Handler {
+    async fn handle(&mut self, record: &Record) -> Result<(), HandleError> {
+        self.handle_verdict(record).await
+    }
+}
+
+impl keyed::SharedHandler for Handler {
+    async fn handle(&self, record: &Record) -> Result<(), HandleError> {
+        self.handle_verdict(record).await
+    }
+}
+
+impl Handler {
+    /// Whether this leader saw `incident` recover.
+    fn recovered(&self, incident: &str) -> bool {
+        self.shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(incident)
+    }
+
+    /// One verdict: its remediation (or why not), then its outcome on the actions topic.
+    async fn handle_verdict(&self, record: &Record) -> Result<(), HandleError> {
+        let verdict: Verdict = kafka::decode_payload(&self.shared.codec, record).await?;
+        let request = verdicts::remediation(&verdict);
+        let shared = self.shared.clone();
+        let managed = shared.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
+        let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), shared.max_verdict_age) {
+            tracing::warn!(node = %verdict.node, verdict_id = %verdict.verdict_id, age_seconds = age.as_secs(),
+                "Did not act on a verdict older than --max-verdict-age; its outcome says stale.");
+            metrics::counter!("gpumedic_remediator_stale_verdicts_total", "recovery" => verdict.recovery.to_string())
+                .increment(1);
+            Ok(Outcome::Skipped { reason: Skip::Stale(age), would: None })
+        } else if !managed {
+            Ok(Outcome::Skipped { reason: Skip::Unmanaged, would: None })
+        } else if !verdict.recovery && self.recovered(&request.incident_id) {
+            // A replayed fault of an incident that recovered must not take the node out again.
+            Ok(Outcome::Skipped { reason: Skip::Recovered, would: None })
+        } else {
+            let acted = tokio::select! {
+                // Stop at once: the next leader (or this one, after a restart) takes it up again.
+                () = self.term.cancelled() => return Err(HandleError::Retry("the leadership term ended".into())),
+                r = self.act(&verdict, &request) => r,
+            };
+            match acted {
+                Ok(outcome) => Ok(outcome),
+                // A node that no longer exists will not come back for this verdict: record and move on.
+                Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
+                Err(e) => return Err(HandleError::Retry(Box::new(e))),
+            }
+        };
+        if verdict.recovery && result.is_ok() {
+            shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(&request.incident_id);
+        }
+        // A trip is durable before the verdict that caused it is acknowledged.
+        persist_trip(&shared).await.map_err(HandleError::Retry)?;
+        let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
+        tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,
+            detail = %outcome.detail, "Verdict handled.");
+        publish(&shared, &outcome, record.header(record_headers::TRACEPARENT)).await
+    }
+}

@@ -1,0 +1,239 @@
+//! The repair ladder's driver (full-remediation mode): calls the repair hooks one rung at a
+//! time, escalates on failure or timeout, and ends a ladder on healthy evidence.
+
+use std::sync::Arc;
+
+use gpumedic_runtime::BoxError;
+use gpumedic_schemas::{ActionOutcome, ActionStatus};
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::ApplyError;
+use crate::term::{Shared, publish};
+use crate::{hooks, ladder, plan, request};
+
+/// Healthy evidence for a node on a repair ladder (a recovery verdict for its incident): the
+/// ladder ends remediated, with an Event and an outcome under the verdict that started it, and
+/// its record is removed before the recovery itself runs, so the driver cannot escalate a node
+/// that is healthy. Redelivered, it finds no ladder and does nothing.
+pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) -> Result<(), ApplyError> {
+    let client = shared.remediator.client();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let node = match nodes.get_opt(&request.node).await {
+        Ok(Some(n)) => n,
+        Ok(None) => return Ok(()),
+        Err(source) => return Err(ApplyError::Read { node: request.node.clone(), source }),
+    };
+    let Some(Ok(l)) = ladder::ladder_on(&node) else { return Ok(()) };
+    if l.request.incident_id != request.incident_id {
+        return Ok(());
+    }
+    if l.phase != ladder::Phase::Failed {
+        let detail = format!(
+            "remediated: healthy evidence (recovery verdict {}) after repair step {}/{} {}; ladder {}",
+            request.verdict_id,
+            l.step_number(),
+            l.steps.len(),
+            l.step().action.name(),
+            l.describe()
+        );
+        shared.remediator.record_event(&node, "Remediated", detail.clone(), false).await;
+        let outcome = ladder_outcome(&l, ActionStatus::Applied, detail);
+        publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
+        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
+        tracing::info!(node = %request.node, verdict_id = %l.verdict_id, "A repair ladder ended: the node is healthy again.");
+    }
+    shared.remediator.leading(&request.node)?;
+    ladder::write(&client, &request.node, None, None)
+        .await
+        .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })
+}
+
+/// The outcome of a ladder step, under the verdict that started the ladder and naming the step's
+/// action. The contract has no `in_progress` status: a started step is `applied`, a failed or
+/// timed-out one `failed` (the detail says which, and what follows).
+pub(crate) fn ladder_outcome(l: &ladder::Ladder, status: ActionStatus, detail: String) -> ActionOutcome {
+    ActionOutcome {
+        verdict_id: uuid::Uuid::parse_str(&l.verdict_id).unwrap_or_default(),
+        node: l.request.node.clone(),
+        action: ladder::recommended(l.step().action),
+        status,
+        detail,
+        at: chrono::Utc::now(),
+    }
+}
+
+/// While leading in full-remediation mode: every `--repair-check`, walks the ladders recorded on
+/// the managed nodes one move each (call the hooks of a pending step, read a running step's
+/// status, escalate on failure or timeout). Paused, nothing moves.
+pub(crate) async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    use futures::StreamExt as _;
+    loop {
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(shared.repair_check) => {}
+        }
+        if shared.remediator.paused() {
+            continue;
+        }
+        let nodes = match ladder::pending(&shared.remediator.client(), &shared.fleet.selector).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot list the nodes on a repair ladder; trying again later.");
+                continue;
+            }
+        };
+        let moves = futures::stream::iter(nodes).for_each_concurrent(16, |node| {
+            let shared = shared.clone();
+            async move {
+                if let Err(e) = drive_ladder(&shared, &node).await {
+                    tracing::warn!(node = ?node.metadata.name, error = %e, "A repair ladder did not move; trying again at the next look.");
+                }
+            }
+        });
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = moves => {}
+        }
+    }
+}
+
+/// One move of the ladder on `node` (see [`ladder::Ladder::decide`]). The hooks are called, the
+/// outcome published and the Event recorded before the new ladder is written: a crash in between
+/// repeats the call under the same idempotency key, which the receiver deduplicates.
+pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) -> Result<(), BoxError> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
+    let mut l = match ladder::ladder_on(node) {
+        Some(Ok(l)) => l,
+        Some(Err(e)) => {
+            tracing::warn!(node = %name, error = %e, "Ignoring an unreadable repair ladder.");
+            metrics::counter!("gpumedic_remediator_ladders_refused_total").increment(1);
+            // Once per distinct annotation value, not at every look.
+            let first = raw.as_ref().is_some_and(|r| {
+                let mut seen = shared.refused_ladders.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if seen.len() > 10_000 {
+                    seen.clear();
+                }
+                seen.insert((name.clone(), r.clone()))
+            });
+            if first {
+                let why = format!("Ignoring the repair ladder in {}: {e}", ladder::LADDER_ANNOTATION);
+                shared.remediator.record_event(node, "RepairLadderRefused", why, true).await;
+            }
+            return Ok(());
+        }
+        None => return Ok(()),
+    };
+    if !l.active() {
+        return Ok(());
+    }
+    // Hooks reboot and replace machines: never called by a replica that cannot prove it leads.
+    shared.remediator.leading(&name)?;
+    let report =
+        if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };
+    let now = chrono::Utc::now();
+    let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
+    let what = format!("repair step {number}/{total} {}", step.action.name());
+    match l.decide(now, &report) {
+        ladder::Move::Wait | ladder::Move::Done => return Ok(()),
+        ladder::Move::Start => match shared.hooks.start(&l).await {
+            Ok(detail) => {
+                let detail = format!("{what} handed to the repair hooks ({detail}); timeout {}s", step.timeout_seconds);
+                publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+                shared.remediator.record_event(node, "RepairStepStarted", detail, false).await;
+                metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "started").increment(1);
+                l.started(now);
+            }
+            Err(hooks::HookError::Unavailable(why)) => {
+                tracing::warn!(node = %name, step = %what, %why, "The repair hooks are unavailable; the step stays pending.");
+                return Ok(());
+            }
+            Err(e) => escalate(shared, node, &mut l, &e.to_string(), now).await?,
+        },
+        ladder::Move::Succeed => {
+            let detail = format!(
+                "remediated: {what} succeeded (reported by the repair controller); the node returns to service on healthy evidence"
+            );
+            publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+            shared.remediator.record_event(node, "RepairSucceeded", detail, false).await;
+            metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "succeeded").increment(1);
+            metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
+            l.succeeded(now);
+        }
+        ladder::Move::Escalate(why) => escalate(shared, node, &mut l, &why, now).await?,
+    }
+    if !write_ladder_if_unchanged(shared, &name, raw.as_deref(), &l).await? {
+        tracing::info!(node = %name, "The repair ladder changed meanwhile (a recovery?); leaving it.");
+        return Ok(());
+    }
+    match l.phase {
+        ladder::Phase::Succeeded => shared.remediator.advance_state(&name, plan::State::Remediated).await?,
+        ladder::Phase::Failed => shared.remediator.advance_state(&name, plan::State::Failed).await?,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The current step of `l` failed for `why`: the outcome and the Event, and on the last rung the
+/// ladder's failure (condition message too, for `kubectl describe node`).
+pub(crate) async fn escalate(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    l: &mut ladder::Ladder,
+    why: &str,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(), BoxError> {
+    let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
+    let name = l.request.node.clone();
+    metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "failed")
+        .increment(1);
+    if l.at_top() {
+        l.escalate(why, now);
+        let detail = format!(
+            "repair failed: step {number}/{total} {} was the last ({why}); an operator must act. History: {}",
+            step.action.name(),
+            l.history.join("; ")
+        );
+        publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "RepairFailed", detail.clone(), true).await;
+        shared
+            .remediator
+            .restate_condition(&name, l.request.subsystem.condition_type(), "RepairFailed", &detail)
+            .await?;
+        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "failed").increment(1);
+        tracing::error!(node = %name, verdict_id = %l.verdict_id, %detail, "A repair ladder failed on its last step: an operator must act.");
+    } else {
+        let next = l.steps[l.current + 1].action.name();
+        let detail =
+            format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", step.action.name());
+        publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "RepairEscalated", detail, true).await;
+        l.escalate(why, now);
+    }
+    Ok(())
+}
+
+/// Writes `l` on `name` if its ladder record still reads `before`, re-reading on conflicts (the
+/// kubelet's status updates move the node's resourceVersion); false when the record changed.
+pub(crate) async fn write_ladder_if_unchanged(
+    shared: &Shared,
+    name: &str,
+    before: Option<&str>,
+    l: &ladder::Ladder,
+) -> Result<bool, BoxError> {
+    let client = shared.remediator.client();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    for _ in 0..5 {
+        let Some(node) = nodes.get_opt(name).await? else { return Ok(false) };
+        let now = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).map(String::as_str);
+        if now != before {
+            return Ok(false);
+        }
+        match ladder::write(&client, name, Some(l), node.metadata.resource_version.as_deref()).await {
+            Ok(()) => return Ok(true),
+            Err(kube::Error::Api(s)) if s.is_conflict() => continue,
+            Err(e) => return Err(Box::new(e)),
+        }
+    }
+    Err(format!("node {name} changed under every attempt to write its repair ladder").into())
+}

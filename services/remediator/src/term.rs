@@ -1,0 +1,220 @@
+//! What a leadership term shares ([`Shared`]): the remediator, the producer, the fleet, the
+//! status object; and the helpers every room uses to publish outcomes and persist the breaker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use gpumedic_runtime::BoxError;
+use gpumedic_runtime::admin::ReadyFlag;
+use gpumedic_runtime::kafka::{self, HandleError, KafkaSettings, Producer};
+use gpumedic_schemas::{ActionOutcome, Codec, Record as _};
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::Remediator;
+use crate::control::StatusClient;
+use crate::fleet::Fleet;
+use crate::safety::Gate;
+use crate::window::Window;
+use crate::{control, hooks, maintenance, plan};
+
+/// What every part of a running remediator shares.
+pub(crate) struct Shared {
+    pub(crate) remediator: Remediator,
+    pub(crate) producer: Producer,
+    pub(crate) codec: Arc<Codec>,
+    pub(crate) fleet: Fleet,
+    pub(crate) status: StatusClient,
+    pub(crate) kafka: KafkaSettings,
+    pub(crate) group: String,
+    pub(crate) verdicts_topic: String,
+    pub(crate) actions_topic: String,
+    pub(crate) max_verdict_age: Duration,
+    pub(crate) max_in_flight: usize,
+    pub(crate) windows: Vec<Window>,
+    pub(crate) control_poll: Duration,
+    pub(crate) maintenance_check: Duration,
+    pub(crate) repair_check: Duration,
+    /// The incident store the leader resyncs from; `None`: no resync.
+    pub(crate) incident_database_url: Option<String>,
+    /// How often the leader resyncs.
+    pub(crate) resync_interval: Duration,
+    /// The incidents this leader saw recover (see [`crate::resync::Recovered`]).
+    pub(crate) recovered: std::sync::Mutex<crate::resync::Recovered>,
+    pub(crate) hooks: hooks::Hooks,
+    pub(crate) lease_namespace: String,
+    /// Turns ready once the leader's consumer has its partitions; a standby holds it ready.
+    pub(crate) consuming: ReadyFlag,
+    /// Whether the status object says the breaker is open, as last read or written.
+    pub(crate) open_persisted: AtomicBool,
+    /// Serialises the leader's writes to the status object (a trip and a reset must not cross).
+    pub(crate) status_writes: tokio::sync::Mutex<()>,
+    /// The unreadable ladders already reported with an Event (node, annotation value).
+    pub(crate) refused_ladders: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+}
+
+/// A new leader's state: the pause and an open breaker from the status object, and the
+/// quarantines still within the breaker's window from the nodes (gpumedic's taint and its
+/// `timeAdded`), so a failover neither closes the breaker nor hands out a fresh budget.
+pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
+    let status = shared.status.read().await?;
+    shared.remediator.set_paused(status.paused);
+    metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
+    let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
+    let now = Instant::now();
+    let wall = chrono::Utc::now();
+    let mut gate = lock_gate(&shared.remediator);
+    let window = gate.breaker.window();
+    let quarantined: Vec<(String, Instant)> = nodes
+        .iter()
+        .filter_map(|n| {
+            let added = quarantined_at(n)?;
+            let age = (wall - added).to_std().unwrap_or_default();
+            (age < window).then(|| (n.metadata.name.clone().unwrap_or_default(), now.checked_sub(age).unwrap_or(now)))
+        })
+        .collect();
+    let trip = status
+        .breaker_open
+        .then(|| status.breaker_reason.clone().unwrap_or_else(|| "tripped under an earlier leader".to_owned()));
+    tracing::info!(
+        breaker_open = trip.is_some(),
+        paused = status.paused,
+        counted = quarantined.len(),
+        "Loaded the breaker and pause state for this term."
+    );
+    gate.breaker.restore(trip, quarantined, now);
+    shared.open_persisted.store(status.breaker_open, Ordering::Release);
+    metrics::gauge!("gpumedic_remediator_breaker_open").set(if status.breaker_open { 1.0 } else { 0.0 });
+    Ok(())
+}
+
+/// When gpumedic's taint went on `node`, if it carries one.
+pub(crate) fn quarantined_at(node: &k8s_openapi::api::core::v1::Node) -> Option<chrono::DateTime<chrono::Utc>> {
+    let taints = node.spec.as_ref()?.taints.as_ref()?;
+    let taint = taints.iter().find(|t| t.key == plan::TAINT_KEY)?;
+    let added = serde_json::to_value(taint).ok()?;
+    chrono::DateTime::parse_from_rfc3339(added["timeAdded"].as_str()?).ok().map(|t| t.with_timezone(&chrono::Utc))
+}
+
+pub(crate) fn lock_gate(remediator: &Remediator) -> std::sync::MutexGuard<'_, Gate> {
+    // The gate's state is a few maps updated in place; a panic elsewhere cannot leave it half
+    // written, so a poisoned lock is still safe to use.
+    remediator.gate().lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Writes a trip the gate has and the status object does not show yet. Called after every
+/// remediation, before its outcome is acknowledged, so no trip is lost to a crash.
+pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
+    if shared.open_persisted.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let trip = {
+        let mut gate = lock_gate(&shared.remediator);
+        gate.breaker.trip().cloned().map(|t| (t.reason, gate.breaker.counted(Instant::now())))
+    };
+    let Some((reason, counted)) = trip else { return Ok(()) };
+    let _writing = shared.status_writes.lock().await;
+    shared.status.patch(&control::trip_patch(&reason, &control::now(), counted)).await?;
+    shared.open_persisted.store(true, Ordering::Release);
+    metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
+    metrics::counter!("gpumedic_remediator_breaker_trips_total").increment(1);
+    tracing::error!(%reason, "The circuit breaker tripped: no new quarantines until an operator runs `gpumedic breaker reset`.");
+    record_status_event(
+        shared,
+        "CircuitBreakerTripped",
+        &format!("No new quarantines until `gpumedic breaker reset`: {reason}"),
+        true,
+    )
+    .await;
+    Ok(())
+}
+
+/// Follows the status object while leading: the pause, a reset request, and a breaker the object
+/// shows closed while this leader holds it open (re-written: only a reset closes it).
+pub(crate) async fn watch_status(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+    loop {
+        if let Err(e) = follow_status(&shared).await {
+            tracing::warn!(error = %e, "Cannot read the status object; keeping the last pause and breaker state.");
+        }
+        tokio::select! {
+            () = term.cancelled() => return Ok(()),
+            () = tokio::time::sleep(shared.control_poll) => {}
+        }
+    }
+}
+
+pub(crate) async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
+    let status = shared.status.read().await?;
+    if status.paused != shared.remediator.paused() {
+        tracing::warn!(paused = status.paused, by = ?status.paused_by, reason = ?status.pause_reason,
+            "{}", if status.paused { "Remediation paused: verdicts are reported, nothing is changed." } else { "Remediation resumed." });
+        shared.remediator.set_paused(status.paused);
+        metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
+    }
+    if status.reset_requested() {
+        let by = status.reset_requested_by.clone().unwrap_or_else(|| "unknown".to_owned());
+        let _writing = shared.status_writes.lock().await;
+        let was_open = lock_gate(&shared.remediator).breaker.trip().is_some();
+        lock_gate(&shared.remediator).breaker.reset();
+        shared.status.patch(&control::reset_done_patch(&by, &control::now())).await?;
+        shared.open_persisted.store(false, Ordering::Release);
+        metrics::gauge!("gpumedic_remediator_breaker_open").set(0.0);
+        metrics::counter!("gpumedic_remediator_breaker_resets_total").increment(1);
+        tracing::warn!(%by, was_open, "The circuit breaker was reset: closed, with a fresh quarantine budget.");
+        drop(_writing);
+        record_status_event(
+            shared,
+            "CircuitBreakerReset",
+            &format!("Reset by {by}; the quarantine budget starts afresh"),
+            false,
+        )
+        .await;
+        return Ok(());
+    }
+    shared.open_persisted.store(status.breaker_open, Ordering::Release);
+    if status.breaker_open && lock_gate(&shared.remediator).breaker.trip().is_none() {
+        // Opened by hand (`breaker: open`): honour it like a trip.
+        let reason = status.breaker_reason.unwrap_or_else(|| "opened in the status object".to_owned());
+        lock_gate(&shared.remediator).breaker.open(reason, Instant::now());
+        metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
+    }
+    persist_trip(shared).await
+}
+
+/// An Event on the status object, so `kubectl describe configmap` tells the breaker's story.
+pub(crate) async fn record_status_event(shared: &Shared, reason: &str, message: &str, warning: bool) {
+    let settings = shared.remediator.settings();
+    if let Err(e) = control::record_event(
+        &shared.remediator.client(),
+        &shared.lease_namespace,
+        shared.status.name(),
+        &settings.component,
+        reason,
+        message,
+        warning,
+    )
+    .await
+    {
+        tracing::warn!(error = %e, %reason, "Could not record an Event on the status object.");
+    }
+}
+
+/// Publishes `outcome` on the actions topic and waits for the acknowledgement.
+pub(crate) async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Option<&[u8]>) -> Result<(), HandleError> {
+    let status =
+        serde_json::to_value(outcome.status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
+    let action =
+        serde_json::to_value(outcome.action).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    metrics::counter!("gpumedic_remediator_outcomes_total", "action" => action, "status" => status).increment(1);
+    let bytes = shared.codec.encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
+    let id = outcome.verdict_id.to_string();
+    let envelope = kafka::Envelope {
+        topic: &shared.actions_topic,
+        key: &outcome.node,
+        id: &id,
+        content_type: ActionOutcome::CONTENT_TYPE,
+        incoming_trace: trace,
+    };
+    kafka::publish_record(&shared.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))
+}

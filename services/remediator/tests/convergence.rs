@@ -1,0 +1,298 @@
+//! Convergence, as processes against the testbed: the leader resyncs the managed nodes against
+//! the open incidents of the incident store (a PostgreSQL database with the classifier's schema,
+//! written here as the classifier writes it), so a verdict refused while paused is acted on after
+//! the resume, a switch from monitor-only acts on incidents already open, and a node whose
+//! incident resolved without its recovery verdict reaching the remediator is released, once, and
+//! not taken out again by a replay of the old fault.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
+use serde_json::json;
+use sqlx::PgPool;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
+
+/// The incident store: a fresh database with the classifier's migrations.
+struct Store {
+    pool: PgPool,
+    url: String,
+}
+
+impl Store {
+    async fn new() -> Self {
+        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let url = testbed::fresh_database(&admin, &testbed::unique_name("convergence")).await.expect("database");
+        let pool = gpumedic_runtime::postgres::connect(&url, 2).await.expect("connect");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/migrations");
+        sqlx::migrate::Migrator::new(dir)
+            .await
+            .expect("the classifier's migrations")
+            .run(&pool)
+            .await
+            .expect("migrated");
+        Store { pool, url }
+    }
+
+    /// Records `v` as the classifier does: the incident (resolved by a recovery) and the verdict
+    /// with its whole record.
+    async fn record(&self, v: &Verdict) {
+        sqlx::query(
+            "INSERT INTO incidents (incident_id, node, rule_id, severity, opened_at, summary)
+             VALUES ($1, $2, $3, 'critical', $4, $5) ON CONFLICT (incident_id) DO NOTHING",
+        )
+        .bind(v.incident_id)
+        .bind(&v.node)
+        .bind(&v.rule_id)
+        .bind(v.issued_at)
+        .bind(&v.reason)
+        .execute(&self.pool)
+        .await
+        .expect("incident written");
+        if v.recovery {
+            sqlx::query("UPDATE incidents SET resolved_at = $2 WHERE incident_id = $1")
+                .bind(v.incident_id)
+                .bind(v.issued_at)
+                .execute(&self.pool)
+                .await
+                .expect("incident resolved");
+        }
+        sqlx::query(
+            "INSERT INTO verdicts (verdict_id, incident_id, node, severity, rule_id, rule_version, action, reason,
+                                   recovery, issued_at, record)
+             VALUES ($1, $2, $3, 'critical', $4, 1, $5, $6, $7, $8, $9::json)",
+        )
+        .bind(v.verdict_id)
+        .bind(v.incident_id)
+        .bind(&v.node)
+        .bind(&v.rule_id)
+        .bind(serde_json::to_value(v.action).unwrap().as_str().unwrap().to_owned())
+        .bind(&v.reason)
+        .bind(v.recovery)
+        .bind(v.issued_at)
+        .bind(serde_json::to_string(v).unwrap())
+        .execute(&self.pool)
+        .await
+        .expect("verdict written");
+    }
+}
+
+/// One test's world: namespace, fleet label, topics, group and incident store.
+struct World {
+    client: kube::Client,
+    ns: String,
+    fleet: String,
+    verdicts: String,
+    actions: String,
+    group: String,
+    bootstrap: String,
+    store: Store,
+}
+
+impl World {
+    async fn new() -> Self {
+        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = admin().await;
+        let ns = namespace(&client).await;
+        Self {
+            client,
+            ns,
+            fleet: testbed::unique_name("fleet"),
+            verdicts: testbed::unique_name("verdicts"),
+            actions: testbed::unique_name("actions"),
+            group: testbed::unique_name("remediator"),
+            bootstrap,
+            store: Store::new().await,
+        }
+    }
+
+    async fn node(&self) -> String {
+        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+    }
+
+    /// Starts the remediator in `mode`, resyncing every second.
+    async fn start(&self, mode: &str) -> ServiceProcess {
+        let env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
+            ("GPUMEDIC_GROUP", self.group.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
+            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
+            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
+            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
+            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
+            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
+            ("GPUMEDIC_MODE", mode.to_owned()),
+            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
+            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
+            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
+            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+            ("GPUMEDIC_INCIDENT_DATABASE_URL", self.store.url.clone()),
+            ("GPUMEDIC_RESYNC_INTERVAL", "1s".into()),
+        ];
+        let mut r = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+        r
+    }
+
+    /// Publishes `v` on the verdict topic and records it in the store, as the classifier does.
+    async fn issue(&self, v: &Verdict) {
+        self.store.record(v).await;
+        publish_verdict(&self.bootstrap, &self.verdicts, v).await;
+    }
+
+    fn cli(&self, args: &[&str]) {
+        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new(bin)
+            .args(args)
+            .args(["--namespace", &self.ns])
+            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("GPUMEDIC_OPERATOR", "tester")
+            .output()
+            .expect("gpumedic runs");
+        assert!(out.status.success(), "gpumedic {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
+    Verdict {
+        verdict_id: uuid::Uuid::new_v4(),
+        incident_id: incident,
+        node: node.to_owned(),
+        entity: Default::default(),
+        severity: Severity::Critical,
+        rule_id: "xid-79-fallen-off-the-bus".into(),
+        rule_version: 1,
+        action,
+        custom_action: None,
+        reason: "GPU has fallen off the bus".into(),
+        evidence: vec![],
+        issued_at: chrono::Utc::now(),
+        recovery,
+        not_before: None,
+        deferrable: false,
+        workload: None,
+    }
+}
+
+async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn metric(process: &ServiceProcess, line: &str) -> bool {
+    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
+}
+
+#[tokio::test]
+async fn a_verdict_refused_while_paused_is_acted_on_after_the_resume_while_its_incident_is_open() {
+    let w = World::new().await;
+    let (open_node, closed_node) = (w.node().await, w.node().await);
+    let mut r = w.start("cordon-drain").await;
+    w.cli(&["pause", "--reason", "driver rollout"]);
+    eventually("the leader to pause", Duration::from_secs(30), async || {
+        metric(&r, "gpumedic_remediator_paused 1").await.then_some(())
+    })
+    .await;
+    let open = verdict(&open_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let closed = verdict(&closed_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    for v in [&open, &closed] {
+        w.issue(v).await;
+        let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
+        assert_eq!(o.status, ActionStatus::SkippedByMode, "{}", o.detail);
+    }
+    // The second incident resolves while paused; its recovery verdict finds nothing to undo.
+    let recovered = verdict(&closed_node, closed.incident_id, RecommendedAction::None, true);
+    w.issue(&recovered).await;
+    wait_for_outcome(&w.actions, recovered.verdict_id, |_| true).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!cordoned(&get_node(&w.client, &open_node).await), "paused: nothing changes, resync included");
+
+    w.cli(&["resume"]);
+    // No new verdict: the resync acts on the incident still open, under the verdict that asked.
+    let o = wait_for_outcome(&w.actions, open.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(o.detail.starts_with("resync"), "{}", o.detail);
+    assert!(cordoned(&get_node(&w.client, &open_node).await));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(!cordoned(&get_node(&w.client, &closed_node).await), "a resolved incident is not acted on");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&open_node, &closed_node], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn switching_monitor_only_to_cordon_drain_acts_on_the_incidents_already_open() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let mut r = w.start("monitor-only").await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    w.issue(&v).await;
+    let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
+    assert_eq!(o.status, ActionStatus::DryRun, "{}", o.detail);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!cordoned(&get_node(&w.client, &name).await), "monitor-only changes nothing");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    // The same group: the verdict was handled and is not delivered again.
+    let mut r = w.start("cordon-drain").await;
+    let o = wait_for_outcome(&w.actions, v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(o.detail.starts_with("resync"), "{}", o.detail);
+    let node = get_node(&w.client, &name).await;
+    assert!(cordoned(&node) && !gpumedic_taints(&node).is_empty());
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and_a_replay_does_not_take_it_again() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let mut r = w.start("cordon-drain").await;
+    let fault = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    w.issue(&fault).await;
+    wait_for_outcome(&w.actions, fault.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(cordoned(&get_node(&w.client, &name).await));
+
+    // The incident resolves in the store; its recovery verdict never reaches the remediator.
+    let recovery = verdict(&name, fault.incident_id, RecommendedAction::None, true);
+    w.store.record(&recovery).await;
+    let o = wait_for_outcome(&w.actions, recovery.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(o.detail.starts_with("resync"), "{}", o.detail);
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "released");
+
+    // The old fault verdict, replayed: the node stays in service.
+    let mut replay = fault.clone();
+    replay.verdict_id = uuid::Uuid::new_v4();
+    publish_verdict(&w.bootstrap, &w.verdicts, &replay).await;
+    let o = wait_for_outcome(&w.actions, replay.verdict_id, |_| true).await;
+    assert_eq!(o.status, ActionStatus::SkippedByMode, "{}", o.detail);
+    assert!(o.detail.contains("recovered already"), "{}", o.detail);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!cordoned(&get_node(&w.client, &name).await), "a replayed fault does not take a recovered node out");
+    let released = eventually("the recovery outcome count", Duration::from_secs(10), async || {
+        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        body.lines()
+            .find(|l| {
+                l.starts_with("gpumedic_remediator_resync_actions_total{")
+                    && l.contains("kind=\"recovery\"")
+                    && l.contains("result=\"applied\"")
+            })
+            .map(str::to_owned)
+    })
+    .await;
+    assert!(released.ends_with(" 1"), "released exactly once: {released}");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
