@@ -524,6 +524,10 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
     ))
 }
 
+/// A failed batch's key, its decisions with the index of the record behind each, and the
+/// sympathetic events it absorbed.
+type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>);
+
 /// The consumer's batch handler: enriched events into the engine and all of the batch into
 /// Postgres at once; action outcomes into the record.
 pub struct Handler {
@@ -532,7 +536,7 @@ pub struct Handler {
     /// Decisions of the batch being retried, with the index of the record behind each, and the
     /// sympathetic events it absorbed: the engine has already taken its events in (and would
     /// ignore them a second time), so they must not be lost with a failed publish or write.
-    retrying: Option<(BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>)>,
+    retrying: Option<Retry>,
 }
 
 impl Handler {

@@ -127,7 +127,7 @@ impl Roots {
         }
         let since = DateTime::<Utc>::from_timestamp_micros(earliest.saturating_sub(self.horizon)).unwrap_or_default();
         let domains: Vec<String> = domains.into_iter().collect();
-        let rows: Vec<(Uuid, String, String, Option<String>, String, DateTime<Utc>)> = sqlx::query_as(
+        let rows: Vec<RootRow> = sqlx::query_as(
             "SELECT incident_id, rule_id, node, gpu_uuid, nvlink_domain, opened_at
                FROM incidents
               WHERE nvlink_domain = ANY($1) AND opened_at >= $2
@@ -145,6 +145,9 @@ impl Roots {
         Ok(())
     }
 }
+
+/// A root as the incident store has it: incident id, rule, node, GPU, domain, opening time.
+type RootRow = (Uuid, String, String, Option<String>, String, DateTime<Utc>);
 
 /// Counts and logs the events the engine absorbed into root incidents, by where the root was:
 /// on the same node, or on another node of the GPU's NVLink domain.

@@ -54,6 +54,9 @@ fn xid(node: &str, gpu: &str, domain: &str, code: i32, at: DateTime<Utc>) -> (He
     (e, bytes)
 }
 
+/// A recorded peer: event, node, GPU, root node, root GPU.
+type PeerRow = (Uuid, String, Option<String>, String, Option<String>);
+
 /// Every verdict on `topic`, read until it has been quiet for a few seconds.
 async fn all_verdicts(topic: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
@@ -161,7 +164,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         wait_count(&pool, "SELECT count(*) FROM health_events WHERE node = $1", node, 1, "peer event recorded").await;
     }
 
-    let rows: Vec<(Uuid, String, Option<String>, String, Option<String>)> = sqlx::query_as(
+    let rows: Vec<PeerRow> = sqlx::query_as(
         "SELECT event_id, node, gpu_uuid, root_node, root_gpu_uuid FROM sympathetic_evidence
           WHERE incident_id = $1 ORDER BY node",
     )
