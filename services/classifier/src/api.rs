@@ -1,8 +1,8 @@
 //! The incident history API, served read-only on the classifier's admin port.
 //!
 //! - `GET /api/v1/incidents?node=&status=open|resolved&severity=&rule=&since=&until=&limit=`
-//! - `GET /api/v1/incidents/{id}`: the incident with its verdicts, their evidence events, and
-//!   the remediator's actions.
+//! - `GET /api/v1/incidents/{id}`: the incident with its verdicts, their evidence events, the
+//!   sympathetic errors of its NVLink peers it stands for, and the remediator's actions.
 //!
 //! Every input is validated (a bad filter is a 400 with the reason) and every query is
 //! parameterised; database failures are a 503 without internal detail (it goes to the log).
@@ -233,6 +233,20 @@ pub struct EventRow {
     pub synthetic: bool,
 }
 
+/// A sympathetic error of an NVLink peer (on this node or another of the domain), recorded as
+/// evidence on the root incident instead of an incident of its own.
+#[derive(Debug, Serialize, Deserialize, sqlx::FromRow, PartialEq)]
+pub struct PeerRow {
+    /// The peer's event.
+    pub event_id: Uuid,
+    /// The peer's node.
+    pub node: String,
+    /// The peer's GPU.
+    pub gpu: Option<String>,
+    /// When it counted.
+    pub at: DateTime<Utc>,
+}
+
 /// One incident with its story.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
 pub struct IncidentDetail {
@@ -245,6 +259,9 @@ pub struct IncidentDetail {
     pub events: Vec<EventRow>,
     /// What the remediator did about its verdicts.
     pub actions: Vec<ActionRow>,
+    /// The sympathetic errors of its NVLink peers, oldest first.
+    #[serde(default)]
+    pub peers: Vec<PeerRow>,
 }
 
 async fn one(State(p): State<SharedPool>, Path(id): Path<String>) -> Result<Json<IncidentDetail>, ApiError> {
@@ -284,7 +301,15 @@ async fn one(State(p): State<SharedPool>, Path(id): Path<String>) -> Result<Json
     .fetch_all(db)
     .await
     .map_err(|e| unavailable(&e))?;
-    Ok(Json(IncidentDetail { incident, verdicts, events, actions }))
+    let peers = sqlx::query_as::<_, PeerRow>(
+        "SELECT event_id, node, gpu_uuid AS gpu, at FROM sympathetic_evidence WHERE incident_id = $1
+          ORDER BY at, event_id LIMIT 1000",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
+    .map_err(|e| unavailable(&e))?;
+    Ok(Json(IncidentDetail { incident, verdicts, events, actions, peers }))
 }
 
 #[cfg(test)]

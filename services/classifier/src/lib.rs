@@ -19,6 +19,7 @@
 //! another replica owns.
 
 pub mod api;
+pub mod nvlink;
 pub mod observe;
 pub mod quality;
 pub mod reload;
@@ -44,7 +45,7 @@ use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::{ActionOutcome, Codec, EnrichedHealthEvent, Record as _, Verdict, topics};
 use tokio::sync::Mutex;
 
-use crate::rules::engine::{Decision, Engine};
+use crate::rules::engine::{Absorbed, Decision, Engine};
 use crate::rules::{RuleSet, SyntheticPolicy};
 
 /// The service's name, as used in metric names and logs.
@@ -523,15 +524,19 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
     ))
 }
 
+/// A failed batch's key, its decisions with the index of the record behind each, and the
+/// sympathetic events it absorbed.
+type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>);
+
 /// The consumer's batch handler: enriched events into the engine and all of the batch into
 /// Postgres at once; action outcomes into the record.
 pub struct Handler {
     classifier: Arc<Mutex<Classifier>>,
     actions_topic: String,
-    /// Decisions of the batch being retried, with the index of the record behind each: the
-    /// engine has already taken its events in (and would ignore them a second time), so they must
-    /// not be lost with a failed publish or write.
-    retrying: Option<(BatchKey, Vec<(Decision, usize)>)>,
+    /// Decisions of the batch being retried, with the index of the record behind each, and the
+    /// sympathetic events it absorbed: the engine has already taken its events in (and would
+    /// ignore them a second time), so they must not be lost with a failed publish or write.
+    retrying: Option<Retry>,
 }
 
 impl Handler {
@@ -596,25 +601,33 @@ impl BatchHandler for Handler {
         c.reconcile().await?;
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
-        let decisions = match self.retrying.take() {
-            Some((k, decisions)) if Some(&k) == key.as_ref() => decisions,
+        let (decisions, absorbed) = match self.retrying.take() {
+            Some((k, decisions, absorbed)) if Some(&k) == key.as_ref() => (decisions, absorbed),
             _ => {
                 // Only events new to Postgres are observed: one recorded there had its verdicts
                 // published before it was written, however long ago (the engine's own memory of
                 // ids is short). The insert skips them too; they count as duplicates below.
                 let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
                 let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
+                let fresh: Vec<_> = observations.iter().filter(|(_, key, _)| !recorded.contains(key)).collect();
+                // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
+                let mut roots = nvlink::Roots::new(c.engine.rules());
+                roots.load(&c.pool, fresh.iter().map(|(_, _, o)| o)).await.map_err(ClassifierError::from)?;
                 let mut decisions = Vec::new();
-                for (i, key, o) in &observations {
-                    if recorded.contains(key) {
-                        continue;
-                    }
-                    decisions.extend(c.engine.observe(o).into_iter().map(|d| (d, *i)));
+                for (i, _, o) in fresh {
+                    let made = c.engine.observe(&roots.attach(o));
+                    roots.learn(&made);
+                    decisions.extend(made.into_iter().map(|d| (d, *i)));
                 }
                 count_refused(&mut c.engine);
-                decisions
+                let absorbed = c.engine.take_absorbed();
+                nvlink::absorbed(&absorbed);
+                (decisions, absorbed)
             }
         };
+        for a in &absorbed {
+            batch[store::part_of(&a.node, parts)].sympathetic.push(a);
+        }
         let classified = std::time::Instant::now();
         stage_seconds("classify", decoded, classified);
         let outcome = async {
@@ -648,7 +661,7 @@ impl BatchHandler for Handler {
             }
             Err(e) => {
                 if let Some(key) = key {
-                    self.retrying = Some((key, decisions));
+                    self.retrying = Some((key, decisions, absorbed));
                 }
                 Err(Box::new(e))
             }

@@ -52,6 +52,7 @@ pub fn observation(e: &EnrichedHealthEvent) -> Observation {
         .or_else(|| ev.entity.pci_bus_id.clone());
     o.gpu_index = identity.and_then(|g| g.index).or(ev.entity.gpu_index);
     o.gpu_pci = identity.and_then(|g| g.pci_bus_id.clone()).or_else(|| ev.entity.pci_bus_id.clone());
+    o.nvlink_domain = identity.and_then(|g| g.nvlink_domain.clone()).filter(|d| !d.is_empty());
     o.boot_id = ev.boot_id.clone();
     o.received_at_micros = Some(ev.published_at.timestamp_micros());
     o.workloads = workloads(&e.workloads);
@@ -499,6 +500,7 @@ mod tests {
             recovery: false,
             supersedes: Vec::new(),
             synthetic: false,
+            nvlink_domain: None,
             decided_at_micros: 1_000_000,
         }
     }

@@ -614,6 +614,7 @@ mod tests {
             recovery: false,
             supersedes: Vec::new(),
             synthetic: false,
+            nvlink_domain: None,
             decided_at_micros: at,
         }
     }

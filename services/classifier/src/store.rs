@@ -13,7 +13,7 @@ use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Verdict};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::rules::engine::{Decision, DecisionKind};
+use crate::rules::engine::{Absorbed, Decision, DecisionKind};
 
 /// A failed write; the batch is retried.
 pub type StoreError = sqlx::Error;
@@ -107,6 +107,8 @@ pub struct DecisionRows {
     incident_opened_at: Vec<DateTime<Utc>>,
     incident_resolved_at: Vec<Option<DateTime<Utc>>>,
     incident_summary: Vec<String>,
+    /// The root GPU's NVLink domain, for incidents other nodes' sympathetic errors may join.
+    incident_nvlink_domain: Vec<Option<String>>,
     // Verdicts, one row each.
     verdict_ids: Vec<Uuid>,
     verdict_incidents: Vec<Uuid>,
@@ -121,7 +123,7 @@ pub struct DecisionRows {
     /// Evidence ids comma-joined (Postgres arrays of arrays must be rectangular).
     verdict_evidence: Vec<String>,
     verdict_issued_at: Vec<DateTime<Utc>>,
-    /// The whole verdict as published, JSON text stored as `json` (see migration 0005).
+    /// The whole verdict as published, JSON text stored as `json` (see migration 0006).
     verdict_records: Vec<String>,
 }
 
@@ -145,6 +147,7 @@ impl DecisionRows {
                     rows.incident_opened_at.push(at);
                     rows.incident_resolved_at.push(recovery.then_some(at));
                     rows.incident_summary.push(d.reason.clone());
+                    rows.incident_nvlink_domain.push(d.nvlink_domain.clone());
                 }
                 Some(&i) => {
                     if recovery {
@@ -177,6 +180,42 @@ impl DecisionRows {
     /// No decisions.
     pub fn is_empty(&self) -> bool {
         self.verdict_ids.is_empty()
+    }
+}
+
+/// Sympathetic events absorbed into root incidents ([`Absorbed`]), as column arrays.
+#[derive(Debug, Default, Clone)]
+pub struct SympatheticRows {
+    event_ids: Vec<Uuid>,
+    incident_ids: Vec<Uuid>,
+    nodes: Vec<String>,
+    gpus: Vec<Option<String>>,
+    at: Vec<DateTime<Utc>>,
+    root_rules: Vec<String>,
+    root_nodes: Vec<String>,
+    root_gpus: Vec<Option<String>>,
+    root_opened_at: Vec<DateTime<Utc>>,
+}
+
+impl SympatheticRows {
+    /// Adds one absorbed event. An event id that is not a UUID (never one from the pipeline)
+    /// cannot be recorded and is skipped.
+    pub fn push(&mut self, a: &Absorbed) {
+        let Ok(event_id) = a.event_id.parse::<Uuid>() else { return };
+        self.event_ids.push(event_id);
+        self.incident_ids.push(a.incident_id);
+        self.nodes.push(a.node.clone());
+        self.gpus.push(a.gpu.clone());
+        self.at.push(micros(a.at_micros));
+        self.root_rules.push(a.root_rule.clone());
+        self.root_nodes.push(a.root_node.clone());
+        self.root_gpus.push(a.root_gpu.clone());
+        self.root_opened_at.push(micros(a.root_opened_at_micros));
+    }
+
+    /// No rows.
+    pub fn is_empty(&self) -> bool {
+        self.event_ids.is_empty()
     }
 }
 
@@ -215,12 +254,14 @@ pub struct Batch {
     pub decisions: DecisionRows,
     /// The remediator's action outcomes.
     pub actions: ActionRows,
+    /// Sympathetic events recorded as evidence on root incidents.
+    pub sympathetic: SympatheticRows,
 }
 
 impl Batch {
     /// Nothing to write.
     pub fn is_empty(&self) -> bool {
-        self.events.is_empty() && self.decisions.is_empty() && self.actions.is_empty()
+        self.events.is_empty() && self.decisions.is_empty() && self.actions.is_empty() && self.sympathetic.is_empty()
     }
 
     /// `parts` empty batches with room for `events` events between them, for [`write_parts`].
@@ -276,11 +317,14 @@ WITH ev AS (
     RETURNING 1
 ), inc_rows AS (
     SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::text[], $16::text[], $17::text[], $18::text[],
-                         $19::timestamptz[], $20::timestamptz[], $21::text[])
-        AS t(incident_id, node, gpu_uuid, rule_id, severity, new_severity, opened_at, resolved_at, summary)
+                         $19::timestamptz[], $20::timestamptz[], $21::text[], $39::text[])
+        AS t(incident_id, node, gpu_uuid, rule_id, severity, new_severity, opened_at, resolved_at, summary,
+             nvlink_domain)
 ), inc_new AS (
-    INSERT INTO incidents (incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary)
-    SELECT incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary FROM inc_rows
+    INSERT INTO incidents (incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary,
+                           nvlink_domain)
+    SELECT incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary, nvlink_domain
+      FROM inc_rows
     ON CONFLICT (incident_id) DO NOTHING
 ), inc_old AS (
     UPDATE incidents i
@@ -294,7 +338,7 @@ WITH ev AS (
     SELECT verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
            COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at, NULLIF(record, '')::json
       FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::text[], $26::text[], $27::text[], $28::int4[],
-                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[], $39::text[])
+                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[], $49::text[])
         AS t(verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
              evidence, issued_at, record)
     ON CONFLICT (verdict_id) DO NOTHING
@@ -302,12 +346,18 @@ WITH ev AS (
     INSERT INTO actions (verdict_id, action, status, detail, at)
     SELECT * FROM UNNEST($34::uuid[], $35::text[], $36::text[], $37::text[], $38::timestamptz[])
     ON CONFLICT (verdict_id, action, status) DO NOTHING
+), sym AS (
+    INSERT INTO sympathetic_evidence (event_id, incident_id, node, gpu_uuid, at, root_rule_id, root_node,
+                                      root_gpu_uuid, root_opened_at)
+    SELECT * FROM UNNEST($40::uuid[], $41::uuid[], $42::text[], $43::text[], $44::timestamptz[], $45::text[],
+                         $46::text[], $47::text[], $48::timestamptz[])
+    ON CONFLICT (event_id) DO NOTHING
 )
 SELECT count(*) FROM ev";
 
 /// Writes a batch in one statement (one round trip, all or nothing).
 pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
-    let (e, d, a) = (&b.events, &b.decisions, &b.actions);
+    let (e, d, a, s) = (&b.events, &b.decisions, &b.actions, &b.sympathetic);
     let new_events: i64 = sqlx::query_scalar(WRITE_BATCH)
         .bind(&e.ids)
         .bind(&e.nodes)
@@ -347,6 +397,16 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         .bind(&a.statuses)
         .bind(&a.details)
         .bind(&a.at)
+        .bind(&d.incident_nvlink_domain)
+        .bind(&s.event_ids)
+        .bind(&s.incident_ids)
+        .bind(&s.nodes)
+        .bind(&s.gpus)
+        .bind(&s.at)
+        .bind(&s.root_rules)
+        .bind(&s.root_nodes)
+        .bind(&s.root_gpus)
+        .bind(&s.root_opened_at)
         .bind(&d.verdict_records)
         .fetch_one(pool)
         .await?;
@@ -410,22 +470,47 @@ pub async fn rebuild(
     use futures::TryStreamExt as _;
     let mut engine = crate::rules::engine::Engine::new(rules);
     let mut replayed = 0u64;
-    let mut rows = sqlx::query_scalar::<_, serde_json::Value>(
-        "SELECT record FROM health_events WHERE observed_at >= $1 AND node = ANY($2) ORDER BY observed_at, event_id",
+    // An event that joined a root incident on another node of its NVLink domain is handed that
+    // root again, and only that one: the replay makes the decision that was made live, whatever
+    // else the incident store knows now (a root recorded after the event opened its own incident).
+    let mut rows = sqlx::query_as::<_, RebuildRow>(
+        "SELECT h.record, s.incident_id, s.root_rule_id, s.root_node, s.root_gpu_uuid, s.root_opened_at
+           FROM health_events h
+           LEFT JOIN sympathetic_evidence s ON s.event_id = h.event_id AND s.root_node <> h.node
+          WHERE h.observed_at >= $1 AND h.node = ANY($2)
+          ORDER BY h.observed_at, h.event_id",
     )
     .bind(since)
     .bind(nodes)
     .fetch(pool);
-    while let Some(v) = rows.try_next().await? {
+    while let Some((v, incident_id, rule_id, root_node, root_gpu, opened_at)) = rows.try_next().await? {
         if let Ok(e) = serde_json::from_value::<EnrichedHealthEvent>(v) {
-            engine.observe(&crate::observe::observation(&e));
+            let mut o = crate::observe::observation(&e);
+            if let (Some(incident_id), Some(rule_id), Some(node), Some(opened_at), Some(domain)) =
+                (incident_id, rule_id, root_node, opened_at, o.nvlink_domain.clone())
+            {
+                o.domain_roots.push(crate::rules::DomainRoot {
+                    domain,
+                    incident_id,
+                    rule_id,
+                    node,
+                    gpu: root_gpu,
+                    opened_at_micros: opened_at.timestamp_micros(),
+                });
+            }
+            engine.observe(&o);
             replayed += 1;
         }
     }
-    // Refusals were counted when the events first arrived.
+    // Refusals were counted when the events first arrived, and what was absorbed was recorded.
     engine.take_refused();
+    engine.take_absorbed();
     Ok((engine, replayed))
 }
+
+/// A recorded event, with the root incident on another node it was absorbed into, if any.
+type RebuildRow =
+    (serde_json::Value, Option<Uuid>, Option<String>, Option<String>, Option<String>, Option<DateTime<Utc>>);
 
 fn micros(m: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(m).unwrap_or_default()

@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
+use gpumedic_classifier::nvlink::Roots;
 use gpumedic_classifier::quality::{Checkpoint, Expect, Expectations, Miss, Options, Summary, Target, Timeline};
 use gpumedic_classifier::rules::{Decision, Engine, FieldValue, Observation, RuleSet, defaults, parse_duration};
 use serde::Deserialize;
@@ -56,6 +57,9 @@ struct Scenario {
 #[serde(deny_unknown_fields)]
 struct NodeSpec {
     gpus: u32,
+    /// The NVLink domain of the node's GPUs (its `nvidia.com/gpu.clique` label), when in one.
+    #[serde(default)]
+    nvlink_domain: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -452,7 +456,10 @@ fn expand(s: &Scenario, index: usize, ev: &EventSpec, out: &mut Vec<(i64, Step)>
                         format!("e{}.{k}-{node}{g}", index + 1)
                     }
                 };
-                let o = observation(ev, node, spec.gpus, *gpu, id, at)?;
+                let mut o = observation(ev, node, spec.gpus, *gpu, id, at)?;
+                if o.gpu.is_some() {
+                    o.nvlink_domain = spec.nvlink_domain.clone();
+                }
                 out.push((at, Step::Observe { o: Box::new(o), boot_id: ev.boot_id.clone() }));
             }
         }
@@ -662,6 +669,9 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
     let mut issued: Vec<(i64, Decision)> = Vec::new();
     let result = catch_unwind(AssertUnwindSafe(|| {
         let mut engine = Engine::new(rules.clone());
+        // The root NVLink incidents of each domain, as the incident store holds them for every
+        // replica: every opening decision so far.
+        let mut roots = Roots::new(rules);
         let mut boots: BTreeMap<String, (u32, String)> =
             s.scenario.nodes.keys().map(|n| (n.clone(), (0, format!("boot-{n}-0")))).collect();
         let mut ticks: BTreeSet<i64> = s.steps.iter().map(|(t, _)| *t).collect();
@@ -680,7 +690,9 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
                     Step::Observe { o, boot_id } => {
                         let mut o = o.as_ref().clone();
                         o.boot_id = Some(boot_id.clone().unwrap_or_else(|| boots[&o.node].1.clone()));
-                        issued.extend(engine.observe(&o).into_iter().map(|d| (t, d)));
+                        let made = engine.observe(&roots.attach(&o));
+                        roots.learn(&made);
+                        issued.extend(made.into_iter().map(|d| (t, d)));
                     }
                 }
             }

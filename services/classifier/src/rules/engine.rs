@@ -16,12 +16,40 @@ use uuid::Uuid;
 
 use super::facts::{MAX_GPUS, NodeFacts};
 use super::model::{Action, Proof, Rule, RuleSet, Scope, Severity, SyntheticPolicy, codes_contain, normalise_key};
-use super::observation::{FieldValue, Observation};
+use super::observation::{DomainRoot, FieldValue, Observation};
 use super::sanity::{self, Invalid};
 use super::state::{CondState, Firing, MAX_EVIDENCE};
 
 /// How many refused observations wait for [`Engine::take_refused`] before the oldest give way.
 const MAX_REFUSED: usize = 10_000;
+
+/// How many absorbed events wait for [`Engine::take_absorbed`] before the oldest give way.
+const MAX_ABSORBED: usize = 10_000;
+
+/// A sympathetic event recorded as evidence on another GPU's root incident instead of opening an
+/// incident of its own: on the same node (from the engine's own state) or on another node of the
+/// GPU's NVLink domain (from [`Observation::domain_roots`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Absorbed {
+    /// The event.
+    pub event_id: String,
+    /// The node that logged it.
+    pub node: String,
+    /// The GPU that logged it.
+    pub gpu: Option<String>,
+    /// When it counted (the node's clock), in microseconds since the Unix epoch.
+    pub at_micros: i64,
+    /// The root incident it is evidence on.
+    pub incident_id: Uuid,
+    /// The rule of the root incident.
+    pub root_rule: String,
+    /// The root GPU's node.
+    pub root_node: String,
+    /// The root GPU.
+    pub root_gpu: Option<String>,
+    /// When the root incident opened.
+    pub root_opened_at_micros: i64,
+}
 
 /// An observation the engine refused before any rule saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +144,12 @@ pub struct Decision {
     pub supersedes: Vec<Uuid>,
     /// True when any evidence was injected.
     pub synthetic: bool,
+    /// The NVLink domain of the GPU, on the opening decision of an incident that can be the root
+    /// of sympathetic errors on other nodes of that domain (a rule named in a `sympathetic.to`,
+    /// opened by evidence that is not itself sympathetic). Recorded on the incident, where other
+    /// replicas find it.
+    #[serde(default)]
+    pub nvlink_domain: Option<String>,
     /// The observation time the decision belongs to (a deadline's own time when a burst end,
     /// a held threshold or a quiet period decided it).
     pub decided_at_micros: i64,
@@ -249,6 +283,7 @@ pub struct Engine {
     rules: RuleSet,
     nodes: BTreeMap<String, NodeState>,
     refused: VecDeque<Refused>,
+    absorbed: VecDeque<Absorbed>,
 }
 
 fn incident_id(rule: &Rule, node: &str, gpu: Option<&str>, first: &str) -> Uuid {
@@ -279,13 +314,19 @@ struct Outcome {
 impl Engine {
     /// An engine with no state.
     pub fn new(rules: RuleSet) -> Engine {
-        Engine { rules, nodes: BTreeMap::new(), refused: VecDeque::new() }
+        Engine { rules, nodes: BTreeMap::new(), refused: VecDeque::new(), absorbed: VecDeque::new() }
     }
 
     /// The observations refused since the last call, oldest first (at most 10,000 are kept), for
     /// the service to count and log.
     pub fn take_refused(&mut self) -> Vec<Refused> {
         self.refused.drain(..).collect()
+    }
+
+    /// The sympathetic events absorbed into root incidents since the last call, oldest first (at
+    /// most 10,000 are kept), for the service to record as evidence on those incidents.
+    pub fn take_absorbed(&mut self) -> Vec<Absorbed> {
+        self.absorbed.drain(..).collect()
     }
 
     /// An engine whose state is what feeding `observations` (in order) leaves, for a restart
@@ -422,9 +463,29 @@ impl Engine {
             if let Some(firing) = update.firing {
                 if let Some(root) = sympathetic_root(rule, o, &node.keys, now) {
                     absorb(&mut node.keys, &root, &firing);
+                    if let Some(inc) = node.keys.get(&root).and_then(|st| st.incident.as_ref()) {
+                        let to = (inc.id, root.0.as_str(), o.node.as_str(), root.1.as_deref(), inc.opened_at);
+                        note_absorbed(&mut self.absorbed, to, o, &firing);
+                    }
+                } else if let Some(r) = domain_root(rule, o, now) {
+                    // The root is on another node of the GPU's NVLink domain: its incident lives
+                    // in that node's state (perhaps on another replica), so the evidence is
+                    // recorded beside it rather than held here.
+                    let to = (r.incident_id, r.rule_id.as_str(), r.node.as_str(), r.gpu.as_deref(), r.opened_at_micros);
+                    note_absorbed(&mut self.absorbed, to, o, &firing);
                 } else {
                     let outcome = outcome(&self.rules, rule, Some(o), &node.keys, &key);
+                    let before = out.len();
                     fire(&self.rules, rule, &o.node, &node.facts, &mut node.keys, &key, firing, outcome, &mut out);
+                    if o.nvlink_domain.is_some()
+                        && key.1.is_some()
+                        && key.1 == o.gpu
+                        && can_be_root(&self.rules, rule, o)
+                    {
+                        for d in out[before..].iter_mut().filter(|d| d.kind == DecisionKind::Open) {
+                            d.nvlink_domain = o.nvlink_domain.clone();
+                        }
+                    }
                 }
             }
             fold_deadline(&self.rules, rule, node, &key);
@@ -508,7 +569,8 @@ impl Engine {
             let state = NodeState { clock: n.clock, recent, recent_set, keys, next_deadline: None, facts: n.facts };
             nodes.insert(n.node, state);
         }
-        let mut engine = Engine { rules: RuleSet::default(), nodes, refused: VecDeque::new() };
+        let mut engine =
+            Engine { rules: RuleSet::default(), nodes, refused: VecDeque::new(), absorbed: VecDeque::new() };
         engine.replace_rules(rules);
         Ok(engine)
     }
@@ -722,6 +784,7 @@ fn decision(
         recovery,
         supersedes: Vec::new(),
         synthetic: inc.synthetic,
+        nvlink_domain: None,
         decided_at_micros: at,
     }
 }
@@ -741,6 +804,61 @@ fn sympathetic_root(rule: &Rule, o: &Observation, keys: &BTreeMap<Key, KeyState>
                 && st.incident.as_ref().is_some_and(|i| now.saturating_sub(i.opened_at) <= s.within.micros())
         })
         .map(|(k, _)| k.clone())
+}
+
+/// The root incident on another node of `o`'s NVLink domain that `o` echoes, when `o` is one of
+/// `rule`'s sympathetic codes on a GPU with a domain, and one of the roots handed in with it is of
+/// a rule in `sympathetic.to`, in the same domain, on another node, and opened within `within` of
+/// the node's clock. Nodes' clocks differ, so the window counts both ways. The earliest such root
+/// wins (the service hands them in by opening time).
+fn domain_root<'o>(rule: &Rule, o: &'o Observation, now: i64) -> Option<&'o DomainRoot> {
+    let s = rule.sympathetic.as_ref()?;
+    let (code, domain) = (o.xid?, o.nvlink_domain.as_ref()?);
+    if o.gpu.is_none() || !codes_contain(&s.xid, code) {
+        return None;
+    }
+    let within = u64::try_from(s.within.micros()).unwrap_or(0);
+    o.domain_roots.iter().find(|r| {
+        &r.domain == domain
+            && r.node != o.node
+            && s.to.contains(&r.rule_id)
+            && now.abs_diff(r.opened_at_micros) <= within
+    })
+}
+
+/// Whether an incident `rule` opens on `o` can be the root of sympathetic errors on other nodes:
+/// the rule is named in some rule's `sympathetic.to`, and `o` is not itself one of `rule`'s
+/// sympathetic codes (a peer's Xid 145 that opened an incident has no known root; it is not one).
+fn can_be_root(rules: &RuleSet, rule: &Rule, o: &Observation) -> bool {
+    let echo = rule.sympathetic.as_ref().zip(o.xid).is_some_and(|(s, code)| codes_contain(&s.xid, code));
+    !echo && rules.rules.iter().any(|r| r.sympathetic.as_ref().is_some_and(|s| s.to.contains(&rule.id)))
+}
+
+/// Queues a firing's evidence as absorbed into the root incident `to` (id, rule, node, GPU,
+/// opening time).
+fn note_absorbed(
+    queue: &mut VecDeque<Absorbed>,
+    to: (Uuid, &str, &str, Option<&str>, i64),
+    o: &Observation,
+    firing: &Firing,
+) {
+    let (incident_id, root_rule, root_node, root_gpu, opened) = to;
+    for e in &firing.evidence {
+        if queue.len() >= MAX_ABSORBED {
+            queue.pop_front();
+        }
+        queue.push_back(Absorbed {
+            event_id: e.id.clone(),
+            node: o.node.clone(),
+            gpu: e.gpu.clone().or_else(|| o.gpu.clone()),
+            at_micros: e.t,
+            incident_id,
+            root_rule: root_rule.to_owned(),
+            root_node: root_node.to_owned(),
+            root_gpu: root_gpu.map(str::to_owned),
+            root_opened_at_micros: opened,
+        });
+    }
 }
 
 /// Adds a firing's evidence to the open incident on `into`, with no decision.
@@ -1098,6 +1216,128 @@ rules:
         let mut snap = Engine::new(rules(RULES)).snapshot();
         snap.format = 99;
         assert_eq!(Engine::restore(rules(RULES), snap).unwrap_err(), RestoreError::Format { found: 99 });
+    }
+
+    const NVLINK: &str = r#"
+rules:
+  - id: nvlink5
+    version: 1
+    description: NVLink5 error
+    match: {kind: xid, xid: ["144-150"]}
+    severity: warning
+    action: monitor
+    sympathetic: {xid: [145], to: [nvlink5, down], within: 30s}
+    clear: {evidence: {healthy: true}, quiet: 1h}
+  - id: down
+    version: 1
+    description: NVLink link down
+    match: {kind: nvlink, healthy: any, fields: {link_state: down}}
+    severity: warning
+    action: reset_gpu
+    clear: {evidence: {kind: nvlink, healthy: any, fields: {link_state: up}}, quiet: 10m}
+"#;
+
+    /// An Xid on `gpu` of `node`, in NVLink domain `domain` when given.
+    fn nv(id: &str, node: &str, t: i64, gpu: &str, code: u32, domain: Option<&str>) -> Observation {
+        let o = Observation::new(id, node, t, "xid").gpu(gpu).xid(code);
+        match domain {
+            Some(d) => o.nvlink_domain(d),
+            None => o,
+        }
+    }
+
+    /// The root a decision stands for, as the service hands it to peers on other nodes.
+    fn root_of(d: &Decision) -> DomainRoot {
+        DomainRoot {
+            domain: d.nvlink_domain.clone().expect("a root decision carries its domain"),
+            incident_id: d.incident_id,
+            rule_id: d.rule_id.clone(),
+            node: d.node.clone(),
+            gpu: d.gpu.clone(),
+            opened_at_micros: d.decided_at_micros,
+        }
+    }
+
+    #[test]
+    fn a_peer_on_another_node_of_the_domain_is_evidence_on_the_root() {
+        let mut e = Engine::new(rules(NVLINK));
+        let root = e.observe(&nv("r", "a", 100 * S, "gA", 149, Some("D"))).remove(0);
+        assert_eq!(root.nvlink_domain.as_deref(), Some("D"), "the root's domain is recorded for other replicas");
+        assert!(e.take_absorbed().is_empty());
+        for (id, node, gpu) in [("p1", "b", "gB"), ("p2", "c", "gC")] {
+            let peer = nv(id, node, 110 * S, gpu, 145, Some("D")).domain_root(root_of(&root));
+            assert!(e.observe(&peer).is_empty(), "{node}: no incident of its own");
+        }
+        let absorbed = e.take_absorbed();
+        let seen: Vec<(&str, &str, Option<&str>, Uuid)> =
+            absorbed.iter().map(|a| (a.event_id.as_str(), a.node.as_str(), a.gpu.as_deref(), a.incident_id)).collect();
+        assert_eq!(seen, [("p1", "b", Some("gB"), root.incident_id), ("p2", "c", Some("gC"), root.incident_id)]);
+        assert_eq!((absorbed[0].root_node.as_str(), absorbed[0].root_gpu.as_deref()), ("a", Some("gA")));
+        assert_eq!(e.open_incidents().len(), 1, "one incident for the domain: the root's");
+    }
+
+    #[test]
+    fn a_link_down_is_a_root_too_and_the_window_counts_both_ways() {
+        let mut e = Engine::new(rules(NVLINK));
+        let down = Observation::new("r", "a", 100 * S, "nvlink").gpu("gA").field("link_state", "down");
+        let root = e.observe(&down.nvlink_domain("D")).remove(0);
+        assert_eq!(root.rule_id, "down");
+        // A peer whose clock is a few seconds behind the root's node.
+        let peer = nv("p", "b", 95 * S, "gB", 145, Some("D")).domain_root(root_of(&root));
+        assert!(e.observe(&peer).is_empty());
+        assert_eq!(e.take_absorbed().len(), 1);
+    }
+
+    #[test]
+    fn a_peer_in_another_domain_opens_its_own_incident() {
+        let mut e = Engine::new(rules(NVLINK));
+        let root = e.observe(&nv("r", "a", 100 * S, "gA", 149, Some("D"))).remove(0);
+        let peer = nv("p", "e", 105 * S, "gE", 145, Some("D2")).domain_root(root_of(&root));
+        let own = e.observe(&peer);
+        assert_eq!(own.len(), 1);
+        assert_eq!((own[0].node.as_str(), own[0].kind), ("e", DecisionKind::Open));
+        assert_eq!(own[0].nvlink_domain, None, "an echo whose root is unknown is no root for others");
+        assert!(e.take_absorbed().is_empty());
+    }
+
+    #[test]
+    fn a_peer_outside_the_window_opens_its_own_incident() {
+        let mut e = Engine::new(rules(NVLINK));
+        let root = e.observe(&nv("r", "a", 100 * S, "gA", 149, Some("D"))).remove(0);
+        let late = nv("p", "b", 131 * S, "gB", 145, Some("D")).domain_root(root_of(&root));
+        assert_eq!(e.observe(&late).len(), 1);
+        let early = nv("q", "c", 69 * S, "gC", 145, Some("D")).domain_root(root_of(&root));
+        assert_eq!(e.observe(&early).len(), 1);
+        assert!(e.take_absorbed().is_empty());
+    }
+
+    #[test]
+    fn without_a_domain_only_the_node_correlates_as_before() {
+        let mut e = Engine::new(rules(NVLINK));
+        let root = e.observe(&nv("r", "a", 100 * S, "gA", 149, None)).remove(0);
+        assert_eq!(root.nvlink_domain, None);
+        // Another node, no domain known: its own incident, whatever roots are handed in.
+        let stray = DomainRoot { domain: "D".into(), ..root_of(&Decision { nvlink_domain: Some("D".into()), ..root }) };
+        assert_eq!(e.observe(&nv("p", "b", 101 * S, "gB", 145, None).domain_root(stray)).len(), 1);
+        // The same node: absorbed from the engine's own state, as before, and reported.
+        assert!(e.observe(&nv("q", "a", 102 * S, "gA2", 145, None)).is_empty());
+        let absorbed = e.take_absorbed();
+        assert_eq!(absorbed.len(), 1);
+        assert_eq!((absorbed[0].node.as_str(), absorbed[0].root_node.as_str()), ("a", "a"));
+        // An incident of a rule that `sympathetic.to` does not name is no root.
+        let other = DomainRoot { rule_id: "xid-other".into(), ..absorbed_root(&absorbed[0]) };
+        assert_eq!(e.observe(&nv("s", "c", 103 * S, "gC", 145, Some("D")).domain_root(other)).len(), 1);
+    }
+
+    fn absorbed_root(a: &Absorbed) -> DomainRoot {
+        DomainRoot {
+            domain: "D".into(),
+            incident_id: a.incident_id,
+            rule_id: a.root_rule.clone(),
+            node: a.root_node.clone(),
+            gpu: a.root_gpu.clone(),
+            opened_at_micros: a.root_opened_at_micros,
+        }
     }
 
     #[test]

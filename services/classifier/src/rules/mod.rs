@@ -64,8 +64,8 @@ pub mod state;
 pub mod yaml;
 
 pub use duration::{DurationError, Interval, parse_duration};
-pub use engine::{Decision, DecisionKind, Engine, OpenIncident, Refused, RestoreError, Snapshot};
+pub use engine::{Absorbed, Decision, DecisionKind, Engine, OpenIncident, Refused, RestoreError, Snapshot};
 pub use load::{RuleError, check_dir, check_files, load_sources, reload};
 pub use model::{Action, KINDS, Proof, Rule, RuleSet, SOURCES, Scope, Severity, SyntheticPolicy};
-pub use observation::{FieldValue, Observation};
+pub use observation::{DomainRoot, FieldValue, Observation};
 pub use sanity::Invalid;

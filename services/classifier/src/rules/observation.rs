@@ -123,6 +123,34 @@ pub struct Observation {
     pub synthetic: bool,
     /// Source-specific values, e.g. `value`, `slowdown_threshold`, `recovery_action`.
     pub fields: BTreeMap<String, FieldValue>,
+    /// The NVLink domain (clique) of the GPU, as the enricher resolved it (the node label
+    /// `nvidia.com/gpu.clique`). GPUs of one domain share an NVLink fabric across nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_domain: Option<String>,
+    /// Root incidents on GPUs of other nodes of the same NVLink domain that this observation may
+    /// echo, as the service found them before the engine decides (the incident store, or the
+    /// replica's own recent decisions). A fact handed in, so the engine stays pure: it picks the
+    /// one a rule's `sympathetic` block accepts, by its own clock.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domain_roots: Vec<DomainRoot>,
+}
+
+/// An incident that may be the root of sympathetic errors on other nodes of its NVLink domain
+/// (an NVLink fault with the link down, on one GPU).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainRoot {
+    /// The NVLink domain of the root GPU.
+    pub domain: String,
+    /// The root incident.
+    pub incident_id: uuid::Uuid,
+    /// The rule that opened it.
+    pub rule_id: String,
+    /// The root GPU's node.
+    pub node: String,
+    /// The root GPU.
+    pub gpu: Option<String>,
+    /// When the root incident opened (event time), in microseconds since the Unix epoch.
+    pub opened_at_micros: i64,
 }
 
 impl Observation {
@@ -147,7 +175,21 @@ impl Observation {
             healthy: false,
             synthetic: false,
             fields: BTreeMap::new(),
+            nvlink_domain: None,
+            domain_roots: Vec::new(),
         }
+    }
+
+    /// Sets the GPU's NVLink domain.
+    pub fn nvlink_domain(mut self, domain: impl Into<String>) -> Self {
+        self.nvlink_domain = Some(domain.into());
+        self
+    }
+
+    /// Adds a root incident of the GPU's NVLink domain on another node.
+    pub fn domain_root(mut self, root: DomainRoot) -> Self {
+        self.domain_roots.push(root);
+        self
     }
 
     /// Sets the GPU.
