@@ -398,6 +398,9 @@ async fn story(
         ("GPUMEDIC_DRAIN_DEADLINE", "60s".into()),
         // Leader election needs a namespace for its Lease and status object.
         ("GPUMEDIC_LEASE_NAMESPACE", cx.ns.to_owned()),
+        // The resync against the open incidents, as deployed (every 2 minutes there).
+        ("GPUMEDIC_INCIDENT_DATABASE_URL", env["DATABASE_URL"].clone()),
+        ("GPUMEDIC_RESYNC_INTERVAL", "10s".into()),
     ]);
     services.start("remediator", remediator, &e, logs)?;
     ports.extend([9402, 9403, 9404]);
