@@ -643,6 +643,7 @@ mod tests {
                 verdict_id: "v".into(),
                 incident_id: "i".into(),
                 recovery: false,
+                reissue: false,
             },
             &Policy::default(),
             &mut || Admission::Allowed,

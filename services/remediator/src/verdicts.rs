@@ -40,6 +40,7 @@ pub fn remediation(v: &Verdict) -> Remediation {
         verdict_id: v.verdict_id.to_string(),
         incident_id: v.incident_id.to_string(),
         recovery: v.recovery,
+        reissue: false,
     }
 }
 
