@@ -6,9 +6,9 @@
 //!
 //! The engine keys its per-node state by rule id and GPU and records the rule version it was
 //! built under; [`Engine::replace_rules`](crate::rules::Engine::replace_rules) keeps the state
-//! (counts, bursts, open incidents) of every rule whose id and version are unchanged and drops
-//! that of rules removed or changed (a changed rule must bump its version), whose open incidents
-//! are then no longer followed.
+//! (counts, bursts, open incidents) of every rule whose id and version are unchanged; a changed
+//! rule (which must bump its version) starts counting afresh but keeps following its open
+//! incidents, so they clear on the new version's evidence; a removed rule's state is dropped.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
