@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::Classifier;
+use crate::classifier::Classifier;
 use crate::rules::{RuleError, RuleSet, SyntheticPolicy, check_dir};
 
 /// What identifies the state of a rules directory: each rule file's name, size and modification
