@@ -378,7 +378,8 @@ impl BatchHandler for Enrich {
                         };
                         metrics::counter!("gpumedic_enricher_records_unauthenticated_total", "claimed_node" => claimed, "reason" => refusal.label())
                             .increment(1);
-                        tracing::warn!(claimed_node = %event.node, event_id = %event.event_id, reason = %refusal,
+                        // The consumer loop logs the dead-lettering with the reason; this adds who was claimed.
+                        tracing::debug!(claimed_node = %event.node, event_id = %event.event_id, reason = %refusal,
                             "A raw record does not carry a valid token of the node it claims; dead-lettering it.");
                         dispositions[i] = Disposition::DeadLetter(refusal.to_string());
                         continue;
