@@ -221,7 +221,10 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     assert!(leaked.is_empty(), "records without a valid token of their node were enriched: {leaked:?}");
 
     // Each refused record is dead-lettered with its reason.
-    assert_eq!(dead_letter_reason(&dlq, &b_with_a).await, format!("node token for node {node_a}, record claims {node_b}"));
+    assert_eq!(
+        dead_letter_reason(&dlq, &b_with_a).await,
+        format!("node token for node {node_a}, record claims {node_b}")
+    );
     assert_eq!(
         dead_letter_reason(&dlq, &key_b_token_a).await,
         format!("node token for node {node_a}, record claims {node_b}"),
@@ -233,7 +236,10 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     let forged_reason = dead_letter_reason(&dlq, &b_forged).await;
     assert!(forged_reason.starts_with("node token invalid"), "a token signed by nothing: {forged_reason}");
     let gone_reason = dead_letter_reason(&dlq, &a_gone).await;
-    assert!(gone_reason.starts_with("node token invalid"), "the token of a deleted pod is no longer valid: {gone_reason}");
+    assert!(
+        gone_reason.starts_with("node token invalid"),
+        "the token of a deleted pod is no longer valid: {gone_reason}"
+    );
     assert_eq!(
         dead_letter_reason(&dlq, &a_trainer).await,
         format!("node token not the collector's service account: system:serviceaccount:{ns}:trainer")
