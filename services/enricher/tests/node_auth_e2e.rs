@@ -5,7 +5,8 @@
 //! claimed node: a record for B carrying A's token, one whose key names another node than its
 //! token, one with no token, a garbage and a forged token, the token of a Pod since deleted, and
 //! a token of another ServiceAccount on node A. Nothing claimed for B is enriched except B's own
-//! record with B's token.
+//! record with B's token, and an operator's (`--operator-service-account`, bound to no node),
+//! which is counted.
 
 use std::time::Duration;
 
@@ -109,7 +110,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
         .await
         .expect("namespace");
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
-    for sa in [COLLECTOR_SA, "trainer"] {
+    for sa in [COLLECTOR_SA, "trainer", "operator"] {
         sas.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": sa } })).unwrap())
             .await
             .expect("service account");
@@ -123,6 +124,16 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     let token_b = pod_token(&client, &ns, COLLECTOR_SA, &on_b).await;
     let token_gone = pod_token(&client, &ns, COLLECTOR_SA, &gone).await;
     let token_trainer = pod_token(&client, &ns, "trainer", &trainer).await;
+    // An operator's token, as `kubectl create token operator --audience gpumedic` mints it.
+    let operator_request: TokenRequest =
+        serde_json::from_value(json!({ "spec": { "audiences": ["gpumedic"], "expirationSeconds": 600 } })).unwrap();
+    let token_operator = sas
+        .create_token_request("operator", &PostParams::default(), &operator_request)
+        .await
+        .expect("token request")
+        .status
+        .and_then(|s| s.token)
+        .expect("a token");
     pods.delete("collector-gone", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() })
         .await
         .expect("delete");
@@ -145,6 +156,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_NODE_AUTH", "enforce".into()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
+            ("GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", format!("{ns}:operator")),
             ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
         ],
     )
@@ -173,6 +185,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     let a_trainer = xid(&node_a);
     let unknown_node = testbed::unique_name("nodeauth-nowhere");
     let nowhere_with_a = xid(&unknown_node);
+    let operator_b = xid(&node_b);
     let good_b = xid(&node_b);
     send(&producer, &raw, &node_a, &good_a, Some(token_a.as_bytes())).await;
     send(&producer, &raw, &node_b, &b_with_a, Some(token_a.as_bytes())).await;
@@ -183,6 +196,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     send(&producer, &raw, &node_a, &a_gone, Some(token_gone.as_bytes())).await;
     send(&producer, &raw, &node_a, &a_trainer, Some(token_trainer.as_bytes())).await;
     send(&producer, &raw, &unknown_node, &nowhere_with_a, Some(token_a.as_bytes())).await;
+    send(&producer, &raw, &node_b, &operator_b, Some(token_operator.as_bytes())).await;
     // Last on B's key: once it is out, every record before it on that key has been handled.
     send(&producer, &raw, &node_b, &good_b, Some(token_b.as_bytes())).await;
 
@@ -219,6 +233,14 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     .await
     .unwrap_or_else(|e| panic!("B's own record with B's token is enriched: {e}"));
     assert!(leaked.is_empty(), "records without a valid token of their node were enriched: {leaked:?}");
+    let operator_id = operator_b.event_id.to_string();
+    testbed::wait_for_record(
+        &enriched_topic,
+        |r| r.header(record_headers::EVENT_ID) == Some(operator_id.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the operator may speak for any node: {e}"));
 
     // Each refused record is dead-lettered with its reason.
     assert_eq!(
@@ -272,6 +294,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     assert_eq!(count(&node_a, "not_collector"), 1.0);
     assert_eq!(count("unknown", "wrong_node"), 1.0);
     assert!(!metrics.contains(&unknown_node), "a claimed name the cluster does not know is not a label");
+    assert!(metrics.lines().any(|l| l == "gpumedic_enricher_records_operator_total 1"), "{metrics}");
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
     for n in [&node_a, &node_b] {
