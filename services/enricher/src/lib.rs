@@ -433,3 +433,41 @@ impl BatchHandler for Enrich {
         Ok(dispositions)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Result<Config, Problems> {
+        let mut argv = vec!["gpumedic-enricher", "--kafka-bootstrap", "127.0.0.1:1"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).expect("parses").validate()
+    }
+
+    #[test]
+    fn node_auth_is_off_unless_enforced_and_names_valid_service_accounts() {
+        assert_eq!(args(&[]).expect("valid").node_auth, None);
+        let c = args(&["--node-auth", "enforce", "--operator-service-account", "gpumedic:ops"]).expect("valid");
+        let auth = c.node_auth.expect("enforced");
+        assert_eq!(auth.policy.collector.username(), "system:serviceaccount:gpumedic:gpumedic-collector");
+        assert_eq!(auth.policy.operator.map(|o| o.username()).as_deref(), Some("system:serviceaccount:gpumedic:ops"));
+        let err = args(&[
+            "--node-auth",
+            "on",
+            "--collector-service-account",
+            "gpumedic",
+            "--operator-service-account",
+            "x:y:z",
+            "--node-token-cache-size",
+            "0",
+        ])
+        .expect_err("invalid");
+        let fields: Vec<&str> = err.list().iter().map(|p| p.field.as_str()).collect();
+        for f in ["--node-auth", "--collector-service-account", "--operator-service-account", "--node-token-cache-size"]
+        {
+            assert!(fields.contains(&f), "{f} in {fields:?}");
+        }
+        let same = args(&["--node-auth", "enforce", "--operator-service-account", "gpumedic:gpumedic-collector"]);
+        assert!(same.is_err(), "the operator may not be the collector");
+    }
+}
