@@ -44,6 +44,9 @@ pub const MAX_CACHE_LIFETIME: Duration = Duration::from_secs(3600);
 pub const REFUSED_CACHE_LIFETIME: Duration = Duration::from_secs(60);
 /// Most token reviews in flight at once (at start, every node's token is new).
 const CONCURRENT_REVIEWS: usize = 16;
+/// A longer header is not a projected token (those are 1 to 2 KiB) and is refused without a
+/// review: the apiserver would refuse the request, and a record must not stall its partition.
+pub const MAX_TOKEN_BYTES: usize = 16 * 1024;
 
 /// Whether raw records must carry a valid node token (`--node-auth`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,9 +268,25 @@ impl Reviewer for KubeReviewer {
             spec: TokenReviewSpec { token: token.to_owned(), audiences: Some(vec![AUDIENCE.to_owned()]) },
             ..TokenReview::default()
         };
-        let answer = self.api.create(&PostParams::default(), &request).await.map_err(AuthError::Review)?;
-        Ok(review_of(&answer))
+        match self.api.create(&PostParams::default(), &request).await {
+            Ok(answer) => Ok(review_of(&answer)),
+            // The apiserver refuses this request for what it carries (the token): a verdict on the
+            // token, not an outage, or one bad record would stall its partition for ever.
+            // Unauthorized and forbidden are about the enricher's own credentials, a timeout or
+            // throttling about load: those are retried.
+            Err(kube::Error::Api(status)) if refuses_the_token(status.code) => {
+                Ok(Review::Refused(format!("the apiserver refused to review it ({}): {}", status.code, status.message)))
+            }
+            Err(e) => Err(AuthError::Review(e)),
+        }
     }
+}
+
+/// Whether an apiserver error status answering a TokenReview is about the token sent (400, 413,
+/// 422 and the like) rather than about the enricher's credentials (401, 403), an apiserver that
+/// does not serve the API (404), or load (408, 429).
+pub fn refuses_the_token(code: u16) -> bool {
+    (400..500).contains(&code) && !matches!(code, 401 | 403 | 404 | 408 | 429)
 }
 
 type Digest = [u8; 32];
@@ -344,7 +363,7 @@ impl<R: Reviewer> Verifier<R> {
     ) -> Result<(), AuthError> {
         let mut wanted: HashMap<Digest, (&'a [u8], i64)> = HashMap::new();
         for (key, token) in records {
-            if self.cached(key, token, now).is_some() {
+            if token.len() > MAX_TOKEN_BYTES || self.cached(key, token, now).is_some() {
                 continue;
             }
             let Some(exp) = unverified_expiry(token) else { continue };
@@ -416,6 +435,9 @@ impl<R: Reviewer> Verifier<R> {
         now: i64,
     ) -> Result<Accepted, Refusal> {
         let Some(token) = token.filter(|t| !t.is_empty()) else { return Err(Refusal::Missing) };
+        if token.len() > MAX_TOKEN_BYTES {
+            return Err(Refusal::Invalid(format!("longer than {MAX_TOKEN_BYTES} bytes")));
+        }
         let Some(exp) = unverified_expiry(token) else {
             return Err(Refusal::Invalid("not a JSON web token with an expiry".into()));
         };
@@ -511,6 +533,28 @@ mod tests {
             decide(&Review::Refused("invalid bearer token".into()), "n", None, &p).unwrap_err().label(),
             "invalid"
         );
+    }
+
+    #[test]
+    fn only_errors_about_the_token_are_verdicts_on_it() {
+        for code in [400, 413, 422] {
+            assert!(refuses_the_token(code), "{code}");
+        }
+        for code in [401, 403, 404, 408, 429, 500, 503] {
+            assert!(!refuses_the_token(code), "{code}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_oversized_token_is_refused_without_asking() {
+        let now = 1_800_000_000;
+        let mut huge = jwt("huge", now + 600);
+        huge.extend(std::iter::repeat_n(b'x', MAX_TOKEN_BYTES));
+        let fake = Fake::default();
+        let mut v = Verifier::new(&fake, policy(), 100);
+        v.prepare([(&b"n"[..], &huge[..])], now).await.unwrap();
+        assert!(fake.asked.lock().unwrap().is_empty());
+        assert_eq!(v.check(Some(&huge), "n", Some(b"n"), now).unwrap_err().label(), "invalid");
     }
 
     #[test]
