@@ -78,6 +78,8 @@ pub struct ServiceAccountRef {
     pub namespace: String,
     /// Its name.
     pub name: String,
+    /// The user name its tokens authenticate as, made once: it is compared for every record.
+    username: String,
 }
 
 impl ServiceAccountRef {
@@ -87,16 +89,19 @@ impl ServiceAccountRef {
     /// A message when either part is missing.
     pub fn parse(raw: &str) -> Result<Self, String> {
         match raw.split_once(':') {
-            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains(':') => {
-                Ok(Self { namespace: ns.to_owned(), name: name.to_owned() })
-            }
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains(':') => Ok(Self {
+                namespace: ns.to_owned(),
+                name: name.to_owned(),
+                username: format!("system:serviceaccount:{ns}:{name}"),
+            }),
             _ => Err(format!("'{raw}' is not namespace:name")),
         }
     }
 
-    /// The user name the apiserver gives this ServiceAccount's tokens.
-    pub fn username(&self) -> String {
-        format!("system:serviceaccount:{}:{}", self.namespace, self.name)
+    /// The user name the apiserver gives this ServiceAccount's tokens
+    /// (`system:serviceaccount:<namespace>:<name>`).
+    pub fn username(&self) -> &str {
+        &self.username
     }
 }
 
@@ -182,10 +187,10 @@ pub fn decide(review: &Review, node: &str, key: Option<&[u8]>, policy: &Policy) 
         Review::Refused(why) => return Err(Refusal::Invalid(why.clone())),
         Review::Authenticated { username, node } => (username, node),
     };
-    if policy.operator.as_ref().is_some_and(|o| *username == o.username()) {
+    if policy.operator.as_ref().is_some_and(|o| username == o.username()) {
         return Ok(Accepted::Operator);
     }
-    if *username != policy.collector.username() {
+    if username != policy.collector.username() {
         return Err(Refusal::NotCollector(username.clone()));
     }
     if bound.as_deref() != Some(node) {

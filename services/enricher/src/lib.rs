@@ -450,7 +450,10 @@ mod tests {
         let c = args(&["--node-auth", "enforce", "--operator-service-account", "gpumedic:ops"]).expect("valid");
         let auth = c.node_auth.expect("enforced");
         assert_eq!(auth.policy.collector.username(), "system:serviceaccount:gpumedic:gpumedic-collector");
-        assert_eq!(auth.policy.operator.map(|o| o.username()).as_deref(), Some("system:serviceaccount:gpumedic:ops"));
+        assert_eq!(
+            auth.policy.operator.as_ref().map(ServiceAccountRef::username),
+            Some("system:serviceaccount:gpumedic:ops")
+        );
         let err = args(&[
             "--node-auth",
             "on",
