@@ -554,7 +554,12 @@ fn assert_kafka_principals(objects: &[Value]) {
         let options =
             env.get("GPUMEDIC_KAFKA_OPTIONS").unwrap_or_else(|| panic!("{}: GPUMEDIC_KAFKA_OPTIONS", name(w)));
         let own = format!("gpumedic-kafka-{}", name(w).trim_start_matches("gpumedic-"));
-        assert_eq!(str_at(options, "/secretKeyRef/name"), Some(own.as_str()), "{}: options from its own Secret", name(w));
+        assert_eq!(
+            str_at(options, "/secretKeyRef/name"),
+            Some(own.as_str()),
+            "{}: options from its own Secret",
+            name(w)
+        );
         assert_eq!(str_at(options, "/secretKeyRef/key"), Some("options"), "{}: the Secret's key", name(w));
     }
 }
