@@ -6,6 +6,8 @@
 //!
 //! Every input is validated (a bad filter is a 400 with the reason) and every query is
 //! parameterised; database failures are a 503 without internal detail (it goes to the log).
+//! Each route is guarded by [`auth::require`]: a bearer token allowed to `list` (the list) or
+//! `get` (one incident) `incidents.gpumedic.io`, unless `--api-auth none`.
 
 use std::sync::{Arc, OnceLock};
 
@@ -20,12 +22,18 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::auth::{self, Access, Verb};
+
 /// The pool, set once the database is reachable; until then the API answers 503.
 pub type SharedPool = Arc<OnceLock<PgPool>>;
 
-/// The API's routes.
-pub fn routes(pool: SharedPool) -> Router {
-    Router::new().route("/api/v1/incidents", get(list)).route("/api/v1/incidents/{id}", get(one)).with_state(pool)
+/// The API's routes, each guarded by `access` for its verb.
+pub fn routes(pool: SharedPool, access: Access) -> Router {
+    let guard = |verb| axum::middleware::from_fn_with_state((access.clone(), verb), auth::require);
+    Router::new()
+        .route("/api/v1/incidents", get(list).route_layer(guard(Verb::List)))
+        .route("/api/v1/incidents/{id}", get(one).route_layer(guard(Verb::Get)))
+        .with_state(pool)
 }
 
 /// An error answer: status and a reason for the caller.

@@ -99,6 +99,8 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
             ("GPUMEDIC_TICK", "500ms".into()),
+            // The API's authentication has its own test (services/cli/tests/api_auth.rs).
+            ("GPUMEDIC_API_AUTH", "none".into()),
         ],
     )
     .expect("starts");

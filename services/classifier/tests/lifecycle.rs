@@ -76,3 +76,31 @@ fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
     }
     assert!(stderr.contains("6 problems"), "{stderr}");
 }
+
+#[test]
+fn invalid_api_auth_flags_are_each_listed() {
+    let (code, stderr) = testbed::run_with_invalid_config(
+        BIN,
+        &[
+            "--kafka-bootstrap",
+            "127.0.0.1:19092",
+            "--database-url",
+            "postgres://u@127.0.0.1/db",
+            "--api-auth",
+            "off",
+            "--api-auth-cache-ttl",
+            "1h",
+            "--api-auth-cache-size",
+            "0",
+        ],
+    );
+    assert_eq!(code, Some(64), "{stderr}");
+    for (field, why) in [
+        ("--api-auth", "kubernetes or none"),
+        ("--api-auth-cache-ttl", "at most 5m"),
+        ("--api-auth-cache-size", "from 1 to 100000"),
+    ] {
+        assert!(stderr.contains(&format!("{field}: ")) && stderr.contains(why), "{field} missing from: {stderr}");
+    }
+    assert!(stderr.contains("3 problems"), "{stderr}");
+}

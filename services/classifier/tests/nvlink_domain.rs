@@ -115,6 +115,8 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
                 ("GPUMEDIC_ACTIONS_TOPIC", actions_topic.clone()),
                 ("GPUMEDIC_DATABASE_URL", url.clone()),
                 ("GPUMEDIC_TICK", "500ms".into()),
+                // The API's authentication has its own test (services/cli/tests/api_auth.rs).
+                ("GPUMEDIC_API_AUTH", "none".into()),
             ],
         )
         .expect("starts")

@@ -1,7 +1,12 @@
 //! `gpumedic incidents`: incident history from the classifier's API, as a table for people or
 //! JSON for scripts.
+//!
+//! The API wants a Kubernetes bearer token whose user may `list`/`get` `incidents.gpumedic.io`
+//! (the ClusterRole `gpumedic-incident-reader`). The token is the first of `--token`,
+//! `--token-file`, `GPUMEDIC_TOKEN` and the current kubeconfig user's token.
 
 use clap::{Args, ValueEnum};
+use secrecy::ExposeSecret as _;
 use serde_json::Value;
 
 /// How results are printed.
@@ -40,6 +45,102 @@ pub struct IncidentsArgs {
     /// `table` for people, `json` for scripts.
     #[arg(long, value_enum, default_value = "table")]
     output: Output,
+    /// The bearer token to send (seen by anyone who can list processes: prefer --token-file or
+    /// GPUMEDIC_TOKEN).
+    #[arg(long, conflicts_with = "token_file")]
+    token: Option<String>,
+    /// A file holding the bearer token to send (e.g. from `kubectl create token`).
+    #[arg(long)]
+    token_file: Option<std::path::PathBuf>,
+}
+
+/// Where the bearer token came from: named in messages, the token never is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenSource {
+    /// `--token`.
+    Flag,
+    /// `--token-file`.
+    File,
+    /// `GPUMEDIC_TOKEN`.
+    Environment,
+    /// The current kubeconfig user's `token` or `tokenFile`.
+    Kubeconfig,
+}
+
+impl std::fmt::Display for TokenSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TokenSource::Flag => "--token",
+            TokenSource::File => "--token-file",
+            TokenSource::Environment => "GPUMEDIC_TOKEN",
+            TokenSource::Kubeconfig => "your kubeconfig",
+        })
+    }
+}
+
+/// The first non-blank token of `candidates`, in their order, trimmed.
+pub fn first_token(candidates: Vec<(Option<String>, TokenSource)>) -> Option<(String, TokenSource)> {
+    candidates.into_iter().find_map(|(t, source)| {
+        let t = t?.trim().to_owned();
+        (!t.is_empty()).then_some((t, source))
+    })
+}
+
+/// The bearer token of the current context's user in the kubeconfig (`KUBECONFIG` or
+/// `~/.kube/config`), if it has one. A kubeconfig that authenticates with a client certificate
+/// or an exec plugin has none.
+fn kubeconfig_token() -> Option<String> {
+    let config = kube::config::Kubeconfig::read().ok()?;
+    let context = config.current_context.as_deref()?;
+    let user = config.contexts.iter().find(|c| c.name == context)?.context.as_ref()?.user.clone()?;
+    let auth = config.auth_infos.iter().find(|a| a.name == user)?.auth_info.as_ref()?;
+    match (&auth.token, &auth.token_file) {
+        (Some(t), _) => Some(t.expose_secret().to_owned()),
+        (None, Some(file)) => std::fs::read_to_string(file).ok(),
+        (None, None) => None,
+    }
+}
+
+/// The token to send, and where it came from; an unreadable `--token-file` is an error.
+fn token(args: &IncidentsArgs) -> Result<Option<(String, TokenSource)>, String> {
+    let file = match &args.token_file {
+        Some(path) => {
+            let t = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+            if t.trim().is_empty() {
+                return Err(format!("--token-file {} is empty", path.display()));
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    let explicit = first_token(vec![
+        (args.token.clone(), TokenSource::Flag),
+        (file, TokenSource::File),
+        (std::env::var("GPUMEDIC_TOKEN").ok(), TokenSource::Environment),
+    ]);
+    Ok(explicit.or_else(|| first_token(vec![(kubeconfig_token(), TokenSource::Kubeconfig)])))
+}
+
+/// What to tell the user when the API refuses who they are (401) or what they ask (403).
+pub fn refusal(status: u16, reason: Option<&str>, sent: Option<TokenSource>) -> Option<String> {
+    match (status, sent) {
+        (401, None) => Some(
+            "401 Unauthorized: the incident API needs a Kubernetes bearer token. Pass --token-file FILE \
+             (e.g. from `kubectl create token`), --token or GPUMEDIC_TOKEN, or use a kubeconfig whose user has a token."
+                .to_owned(),
+        ),
+        (401, Some(source)) => Some(format!(
+            "401 Unauthorized: the classifier did not accept the token from {source} (unknown, expired, or from \
+             another cluster)."
+        )),
+        (403, _) => Some(format!(
+            "403 Forbidden: {}. An operator grants it by binding the ClusterRole gpumedic-incident-reader to you \
+             (docs/deploy.md).",
+            reason.unwrap_or("the token's user may not read incidents")
+        )),
+        _ => None,
+    }
 }
 
 /// Runs the command; the error is printed by the caller.
@@ -61,10 +162,22 @@ pub async fn run(args: IncidentsArgs) -> Result<(), String> {
             client.get(format!("{base}/api/v1/incidents")).query(&q)
         }
     };
+    let token = token(&args)?;
+    let request = match &token {
+        Some((t, _)) => request.bearer_auth(t),
+        None => request,
+    };
     let response = request.send().await.map_err(|e| format!("cannot reach the classifier at {base}: {e}"))?;
     let status = response.status();
-    let body: Value =
-        response.json().await.map_err(|e| format!("the classifier answered {status} without JSON: {e}"))?;
+    let body: Result<Value, _> = response.json().await;
+    if let Some(message) = refusal(
+        status.as_u16(),
+        body.as_ref().ok().and_then(|b| b["error"].as_str()),
+        token.as_ref().map(|(_, source)| *source),
+    ) {
+        return Err(message);
+    }
+    let body = body.map_err(|e| format!("the classifier answered {status} without JSON: {e}"))?;
     if !status.is_success() {
         return Err(format!("{status}: {}", body["error"].as_str().unwrap_or("no reason given")));
     }
@@ -173,5 +286,32 @@ mod tests {
         assert_eq!(lines.len(), 3);
         assert!(lines[1].ends_with("open"), "{t}");
         assert_eq!(lines[0].find("NODE"), lines[1].find("gpu-node-1"), "{t}");
+    }
+
+    #[test]
+    fn the_first_non_blank_token_wins_in_order() {
+        let pick = |flag: Option<&str>, file: Option<&str>, env: Option<&str>| {
+            first_token(vec![
+                (flag.map(str::to_owned), TokenSource::Flag),
+                (file.map(str::to_owned), TokenSource::File),
+                (env.map(str::to_owned), TokenSource::Environment),
+            ])
+        };
+        assert_eq!(pick(Some("a"), Some("b"), Some("c")), Some(("a".into(), TokenSource::Flag)));
+        assert_eq!(pick(None, Some("b\n"), Some("c")), Some(("b".into(), TokenSource::File)));
+        assert_eq!(pick(Some(" "), None, Some("c")), Some(("c".into(), TokenSource::Environment)));
+        assert_eq!(pick(None, None, None), None);
+    }
+
+    #[test]
+    fn refusals_say_what_to_do() {
+        let none = refusal(401, None, None).unwrap();
+        assert!(none.starts_with("401") && none.contains("--token-file"), "{none}");
+        let bad = refusal(401, None, Some(TokenSource::Kubeconfig)).unwrap();
+        assert!(bad.contains("your kubeconfig") && bad.contains("expired"), "{bad}");
+        let denied =
+            refusal(403, Some("user \"x\" cannot list resource \"incidents\""), Some(TokenSource::Flag)).unwrap();
+        assert!(denied.contains("cannot list") && denied.contains("gpumedic-incident-reader"), "{denied}");
+        assert_eq!(refusal(400, Some("status: bad"), None), None);
     }
 }

@@ -150,6 +150,8 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
             ("GPUMEDIC_ALLOW_SYNTHETIC", "true".into()),
             ("GPUMEDIC_TICK", "500ms".into()),
             ("GPUMEDIC_MAX_QUIET", format!("{}s", QUIET.as_secs())),
+            // The API's authentication has its own test (api_auth.rs).
+            ("GPUMEDIC_API_AUTH", "none".into()),
         ],
     )
     .unwrap();

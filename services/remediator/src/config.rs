@@ -9,7 +9,7 @@ use gpumedic_runtime::kafka::{KafkaArgs, KafkaSettings};
 use gpumedic_schemas::topics;
 
 use crate::apply::Settings;
-use crate::drain::{DrainMode, DrainPolicy};
+use crate::drain::{self, DrainPolicy};
 use crate::lease::LeaseSettings;
 use crate::plan::{Mode, Policy};
 use crate::safety::BreakerLimits;
@@ -59,6 +59,20 @@ pub struct Args {
     /// Grace period for evicted pods, overriding the pods' own (unset: theirs).
     #[arg(long, env = "GPUMEDIC_DRAIN_GRACE_SECONDS")]
     drain_grace_seconds: Option<i64>,
+    /// How pods leave a drained node: `immediate` (evict now), `allow-completion` (evict nothing,
+    /// wait for them to finish until the deadline) or `delete-after-timeout` (evict, and
+    /// force-delete what is left at the deadline, PodDisruptionBudget or not).
+    #[arg(long, env = "GPUMEDIC_DRAIN_MODE", default_value = "immediate")]
+    drain_mode: String,
+    /// Exceptions per namespace and priority class, repeatable or `;`-separated, first match wins:
+    /// `namespace=inference-*:mode=allow-completion,deadline=30m`,
+    /// `priorityClass=system-*:mode=skip`,
+    /// `namespace=batch,priorityClass=low:mode=delete-after-timeout,grace=30,deadline=2m`.
+    #[arg(long = "drain-policy", env = "GPUMEDIC_DRAIN_POLICIES", value_delimiter = ';')]
+    drain_policies: Vec<String>,
+    /// Namespace globs never drained, comma-separated.
+    #[arg(long, env = "GPUMEDIC_DRAIN_EXCLUDE_NAMESPACES", value_delimiter = ',', default_value = "kube-system")]
+    drain_exclude_namespaces: Vec<String>,
     /// Evict only the pods on the faulty GPU when the verdict names one.
     #[arg(long, env = "GPUMEDIC_PARTIAL_DRAIN")]
     partial_drain: bool,
@@ -268,6 +282,13 @@ impl Validate for Args {
         }
         let window = p.check("--breaker-window", parse_duration(&self.breaker_window));
         let deadline = p.check("--drain-deadline", parse_duration(&self.drain_deadline));
+        let drain_mode = p.check("--drain-mode", drain::parse_mode(self.drain_mode.trim(), self.drain_grace_seconds));
+        let mut drain_rules = Vec::new();
+        for raw in self.drain_policies.iter().filter(|r| !r.trim().is_empty()) {
+            if let Some(rule) = p.check("--drain-policy", raw.trim().parse::<drain::DrainRule>()) {
+                drain_rules.push(rule);
+            }
+        }
         let max_verdict_age = p.check("--max-verdict-age", parse_duration(&self.max_verdict_age));
         if !(1..=1024).contains(&self.max_in_flight) {
             p.push("--max-in-flight", format!("{} must be between 1 and 1024", self.max_in_flight));
@@ -390,8 +411,15 @@ impl Validate for Args {
             settings: Settings {
                 policy: Policy { mode: mode.expect("checked"), partial_drain: self.partial_drain, ..Policy::default() },
                 drain: DrainPolicy {
-                    mode: DrainMode::Immediate { grace_seconds: self.drain_grace_seconds },
+                    mode: drain_mode.expect("checked"),
                     deadline: deadline.expect("checked"),
+                    rules: drain_rules,
+                    exclude_namespaces: self
+                        .drain_exclude_namespaces
+                        .iter()
+                        .map(|n| n.trim().to_owned())
+                        .filter(|n| !n.is_empty())
+                        .collect(),
                     ..DrainPolicy::default()
                 },
                 ladder: repair_ladder.expect("checked"),

@@ -49,7 +49,7 @@ pub enum DrainError {
 }
 
 /// How pods leave the node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum DrainMode {
     /// Evict now, with the pod's own grace period or the one given.
     Immediate {
@@ -84,6 +84,125 @@ pub struct DrainPolicy {
     pub max_backoff: Duration,
     /// How often to look whether the pods are gone.
     pub poll: Duration,
+    /// Per-namespace and per-priority-class exceptions to `mode` and `deadline`, the first that
+    /// matches a pod wins (see [`DrainRule`]).
+    pub rules: Vec<DrainRule>,
+}
+
+/// An exception to the drain's mode, grace and deadline for the pods it matches: by namespace
+/// glob, by priority class glob, or both (both must match). Unset settings keep the drain's own.
+///
+/// Written `<match>:<settings>`, for example
+/// `namespace=inference-*:mode=allow-completion,deadline=30m` or
+/// `priorityClass=system-*:mode=skip` or
+/// `namespace=batch,priorityClass=low:mode=delete-after-timeout,grace=30,deadline=2m`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainRule {
+    /// The namespace glob the pod's namespace must match, when set.
+    pub namespace: Option<String>,
+    /// The priority class glob the pod's `priorityClassName` must match, when set (a pod without
+    /// one matches only `*`).
+    pub priority_class: Option<String>,
+    /// The mode for the pods matched, or `None` to keep the drain's; `Some(None)` leaves them
+    /// on the node (`mode=skip`).
+    pub mode: Option<Option<DrainMode>>,
+    /// The grace period for evicted pods, overriding the pods' own and the drain's.
+    pub grace_seconds: Option<i64>,
+    /// How long these pods may take.
+    pub deadline: Option<Duration>,
+}
+
+impl DrainRule {
+    fn matches(&self, pod: &Pod) -> bool {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let class = pod.spec.as_ref().and_then(|s| s.priority_class_name.as_deref()).unwrap_or_default();
+        self.namespace.as_deref().is_none_or(|g| glob(g, namespace))
+            && self.priority_class.as_deref().is_none_or(|g| glob(g, class))
+    }
+}
+
+impl std::str::FromStr for DrainRule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (matcher, settings) = s
+            .split_once(':')
+            .ok_or_else(|| format!("'{s}' needs `<match>:<settings>`, such as `namespace=ml-*:mode=skip`"))?;
+        let mut rule =
+            DrainRule { namespace: None, priority_class: None, mode: None, grace_seconds: None, deadline: None };
+        for part in matcher.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+                Some(("namespace", v)) if !v.is_empty() => rule.namespace = Some(v.to_owned()),
+                Some(("priorityClass", v)) if !v.is_empty() => rule.priority_class = Some(v.to_owned()),
+                _ => return Err(format!("'{part}' in '{s}' is not `namespace=<glob>` or `priorityClass=<glob>`")),
+            }
+        }
+        if rule.namespace.is_none() && rule.priority_class.is_none() {
+            return Err(format!("'{s}' matches nothing: give `namespace=<glob>`, `priorityClass=<glob>` or both"));
+        }
+        for part in settings.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+                Some(("mode", "skip")) => rule.mode = Some(None),
+                Some(("mode", v)) => rule.mode = Some(Some(parse_mode(v, None)?)),
+                Some(("grace", v)) => {
+                    let g: i64 = v.parse().map_err(|_| format!("grace '{v}' in '{s}' is not a number of seconds"))?;
+                    if g < 0 {
+                        return Err(format!("grace '{v}' in '{s}' must not be negative"));
+                    }
+                    rule.grace_seconds = Some(g);
+                }
+                Some(("deadline", v)) => {
+                    let d =
+                        gpumedic_runtime::config::parse_duration(v).map_err(|e| format!("deadline in '{s}': {e}"))?;
+                    if d.is_zero() {
+                        return Err(format!("deadline in '{s}' must be more than zero"));
+                    }
+                    rule.deadline = Some(d);
+                }
+                _ => {
+                    return Err(format!(
+                        "'{part}' in '{s}' is not `mode=immediate|allow-completion|delete-after-timeout|skip`, \
+                         `grace=<seconds>` or `deadline=<duration>`"
+                    ));
+                }
+            }
+        }
+        if rule.mode.is_none() && rule.grace_seconds.is_none() && rule.deadline.is_none() {
+            return Err(format!("'{s}' changes nothing: give a mode, a grace or a deadline"));
+        }
+        Ok(rule)
+    }
+}
+
+/// A drain mode by name (`immediate`, `allow-completion`, `delete-after-timeout`), with `grace`.
+pub fn parse_mode(name: &str, grace_seconds: Option<i64>) -> Result<DrainMode, String> {
+    match name {
+        "immediate" => Ok(DrainMode::Immediate { grace_seconds }),
+        "allow-completion" => Ok(DrainMode::AllowCompletion),
+        "delete-after-timeout" => Ok(DrainMode::DeleteAfterTimeout { grace_seconds }),
+        other => Err(format!("'{other}' is not immediate, allow-completion or delete-after-timeout")),
+    }
+}
+
+impl DrainPolicy {
+    /// How `pod` leaves and how long it may take: the first matching rule over the drain's own
+    /// mode and deadline; `None` when a rule leaves it on the node.
+    pub fn for_pod(&self, pod: &Pod) -> Option<(DrainMode, Duration)> {
+        let Some(rule) = self.rules.iter().find(|r| r.matches(pod)) else {
+            return Some((self.mode, self.deadline));
+        };
+        let mode = match rule.mode {
+            Some(None) => return None,
+            Some(Some(m)) => m,
+            None => self.mode,
+        };
+        let mode = match (mode, rule.grace_seconds) {
+            (DrainMode::Immediate { .. }, Some(g)) => DrainMode::Immediate { grace_seconds: Some(g) },
+            (DrainMode::DeleteAfterTimeout { .. }, Some(g)) => DrainMode::DeleteAfterTimeout { grace_seconds: Some(g) },
+            (m, _) => m,
+        };
+        Some((mode, rule.deadline.unwrap_or(self.deadline)))
+    }
 }
 
 impl Default for DrainPolicy {
@@ -97,6 +216,7 @@ impl Default for DrainPolicy {
             initial_backoff: Duration::from_millis(250),
             max_backoff: Duration::from_secs(5),
             poll: Duration::from_millis(250),
+            rules: Vec::new(),
         }
     }
 }
@@ -116,6 +236,8 @@ pub enum SkipReason {
     Namespace,
     /// Partial drain: it does not use the faulty GPU.
     OtherGpu,
+    /// A drain rule (`mode=skip`) leaves it.
+    Policy,
 }
 
 /// Whether one pod leaves.
@@ -167,6 +289,9 @@ pub fn classify(pod: &Pod, scope: &DrainScope, policy: &DrainPolicy) -> Disposit
         && !on_gpu(pod, &gpu.uuid, gpu.index)
     {
         return Disposition::Skip(SkipReason::OtherGpu);
+    }
+    if policy.for_pod(pod).is_none() {
+        return Disposition::Skip(SkipReason::Policy);
     }
     Disposition::Evict
 }
@@ -318,20 +443,57 @@ pub async fn drain(
     scope: &DrainScope,
     policy: &DrainPolicy,
 ) -> Result<DrainReport, DrainError> {
-    let deadline = Instant::now() + policy.deadline;
+    let started = Instant::now();
     let all: Api<Pod> = Api::all(client.clone());
     let pods = list_on_node(&all, node).await.map_err(|source| DrainError::List { node: node.to_owned(), source })?;
     let mut report = DrainReport::default();
-    let mut leaving = Vec::new();
+    // The pods that leave, grouped by how (the drain's mode and deadline, or a rule's).
+    let mut groups: std::collections::BTreeMap<(DrainMode, Duration), Vec<(PodRef, String)>> =
+        std::collections::BTreeMap::new();
     for pod in &pods {
         let r = pod_ref(pod);
-        match classify(pod, scope, policy) {
-            Disposition::Evict => leaving.push((r, pod.metadata.uid.clone().unwrap_or_default())),
-            Disposition::Skip(why) => report.skipped.push((r, why)),
+        match (classify(pod, scope, policy), policy.for_pod(pod)) {
+            (Disposition::Evict, Some(how)) => {
+                groups.entry(how).or_default().push((r, pod.metadata.uid.clone().unwrap_or_default()));
+            }
+            (Disposition::Evict, None) => report.skipped.push((r, SkipReason::Policy)),
+            (Disposition::Skip(why), _) => report.skipped.push((r, why)),
         }
     }
+    let parts = futures::future::join_all(groups.into_iter().map(|((mode, deadline), leaving)| {
+        let all = all.clone();
+        async move { drain_group(client, &all, node, leaving, mode, started + deadline, policy).await }
+    }))
+    .await;
+    for part in parts {
+        report.evicted.extend(part.evicted);
+        report.completed.extend(part.completed);
+        report.force_deleted.extend(part.force_deleted);
+        report.blocked.extend(part.blocked);
+        report.remaining.extend(part.remaining);
+        report.failed.extend(part.failed);
+    }
+    for list in [&mut report.evicted, &mut report.completed, &mut report.force_deleted, &mut report.remaining] {
+        list.sort();
+    }
+    report.skipped.sort();
+    report.blocked.sort();
+    report.failed.sort();
+    Ok(report)
+}
 
-    let grace = match policy.mode {
+/// Drains `leaving` (pods of `node`, by reference and UID) in `mode` until `deadline`.
+async fn drain_group(
+    client: &kube::Client,
+    all: &Api<Pod>,
+    node: &str,
+    leaving: Vec<(PodRef, String)>,
+    mode: DrainMode,
+    deadline: Instant,
+    policy: &DrainPolicy,
+) -> DrainReport {
+    let mut report = DrainReport::default();
+    let grace = match mode {
         DrainMode::Immediate { grace_seconds } | DrainMode::DeleteAfterTimeout { grace_seconds } => Some(grace_seconds),
         DrainMode::AllowCompletion => None,
     };
@@ -360,7 +522,7 @@ pub async fn drain(
         awaited = leaving;
     }
 
-    let still = wait_gone(&all, node, &awaited, deadline, policy.poll).await;
+    let still = wait_gone(all, node, &awaited, deadline, policy.poll).await;
     for (r, uid) in awaited {
         match (still.contains(&uid), grace) {
             (true, _) => report.remaining.push(r),
@@ -369,7 +531,7 @@ pub async fn drain(
         }
     }
 
-    if matches!(policy.mode, DrainMode::DeleteAfterTimeout { .. }) {
+    if matches!(mode, DrainMode::DeleteAfterTimeout { .. }) {
         let overdue: Vec<PodRef> = std::mem::take(&mut report.remaining)
             .into_iter()
             .chain(std::mem::take(&mut report.blocked).into_iter().map(|(r, _)| r))
@@ -397,13 +559,7 @@ pub async fn drain(
             }
         }
     }
-    for list in [&mut report.evicted, &mut report.completed, &mut report.force_deleted, &mut report.remaining] {
-        list.sort();
-    }
-    report.skipped.sort();
-    report.blocked.sort();
-    report.failed.sort();
-    Ok(report)
+    report
 }
 
 async fn list_on_node(all: &Api<Pod>, node: &str) -> Result<Vec<Pod>, kube::Error> {
@@ -547,6 +703,67 @@ mod tests {
         let rs = pod(json!({"metadata": {"name": "a", "namespace": "ml", "ownerReferences": [
             {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r", "uid": "u"}]}}));
         assert_eq!(classify(&rs, &all(), &p), Disposition::Evict);
+    }
+
+    #[test]
+    fn drain_rules_parse_and_every_mistake_says_what_is_wrong() {
+        let r: DrainRule =
+            "namespace=ml-*,priorityClass=low:mode=delete-after-timeout,grace=30,deadline=2m".parse().unwrap();
+        assert_eq!(
+            r,
+            DrainRule {
+                namespace: Some("ml-*".into()),
+                priority_class: Some("low".into()),
+                mode: Some(Some(DrainMode::DeleteAfterTimeout { grace_seconds: None })),
+                grace_seconds: Some(30),
+                deadline: Some(Duration::from_secs(120)),
+            }
+        );
+        assert_eq!("priorityClass=system-*:mode=skip".parse::<DrainRule>().unwrap().mode, Some(None));
+        for (bad, says) in [
+            ("namespace=a", "needs `<match>:<settings>`"),
+            (":mode=skip", "matches nothing"),
+            ("node=a:mode=skip", "is not `namespace=<glob>`"),
+            ("namespace=a:mode=gently", "is not immediate, allow-completion or delete-after-timeout"),
+            ("namespace=a:grace=-1", "must not be negative"),
+            ("namespace=a:deadline=0s", "must be more than zero"),
+            ("namespace=a:", "changes nothing"),
+        ] {
+            let e = bad.parse::<DrainRule>().expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_first_matching_rule_decides_how_a_pod_leaves() {
+        let policy = DrainPolicy {
+            mode: DrainMode::Immediate { grace_seconds: Some(5) },
+            rules: vec![
+                "priorityClass=system-*:mode=skip".parse().unwrap(),
+                "namespace=serving:mode=allow-completion,deadline=30m".parse().unwrap(),
+                "namespace=serving-*:grace=60".parse().unwrap(),
+            ],
+            ..DrainPolicy::default()
+        };
+        let with = |ns: &str, class: Option<&str>| {
+            let mut p = pod(json!({"metadata": {"name": "a", "namespace": ns}}));
+            p.spec.get_or_insert_with(Default::default).priority_class_name = class.map(str::to_owned);
+            p
+        };
+        assert_eq!(policy.for_pod(&with("serving", Some("system-node-critical"))), None);
+        assert_eq!(
+            policy.for_pod(&with("serving", None)),
+            Some((DrainMode::AllowCompletion, Duration::from_secs(1800)))
+        );
+        assert_eq!(
+            policy.for_pod(&with("serving-eu", None)),
+            Some((DrainMode::Immediate { grace_seconds: Some(60) }, policy.deadline))
+        );
+        assert_eq!(policy.for_pod(&with("batch", None)), Some((policy.mode, policy.deadline)));
+        assert_eq!(
+            classify(&with("batch", Some("system-cluster-critical")), &all(), &policy),
+            Disposition::Skip(SkipReason::Policy)
+        );
     }
 
     #[test]

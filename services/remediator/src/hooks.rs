@@ -790,6 +790,7 @@ mod tests {
             verdict_id: "7b2c7a4e-0000-4000-8000-000000000001".into(),
             incident_id: "i1".into(),
             recovery: false,
+            reissue: false,
         };
         let steps = parse_steps("reset_gpu=10m,reboot_node=30m", Duration::from_secs(60)).unwrap();
         Ladder::new(&request.verdict_id, RecommendedAction::ResetGpu, &request, &steps, Utc::now())

@@ -370,6 +370,7 @@ mod tests {
             verdict_id: "v1".into(),
             incident_id: "i1".into(),
             recovery: false,
+            reissue: false,
         }
     }
 

@@ -152,6 +152,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         lease_namespace: config.lease.namespace.clone(),
         consuming,
         open_persisted: AtomicBool::new(false),
+        persisted_ledger: std::sync::Mutex::new(std::collections::BTreeSet::new()),
         status_writes: tokio::sync::Mutex::new(()),
         refused_ladders: std::sync::Mutex::new(std::collections::HashSet::new()),
     });

@@ -214,6 +214,7 @@ mod tests {
                 verdict_id: String::new(),
                 incident_id: String::new(),
                 recovery: false,
+                reissue: false,
             },
             deferred_at: not_before,
             not_before,

@@ -642,8 +642,9 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
     let current = node.condition(type_);
     let up_to_date = current.is_some_and(|c| {
         c.status == "True"
-            && c.reason.as_deref() == Some(request.reason.as_str())
-            && c.message.as_deref() == Some(request.message.as_str())
+            && (request.reissue
+                || (c.reason.as_deref() == Some(request.reason.as_str())
+                    && c.message.as_deref() == Some(request.message.as_str())))
     });
     if !up_to_date {
         let transition = current.is_none_or(|c| c.status != "True");
@@ -866,6 +867,7 @@ mod tests {
             verdict_id: "v1".into(),
             incident_id: "i1".into(),
             recovery: false,
+            reissue: false,
         }
     }
 
@@ -1136,6 +1138,21 @@ mod tests {
         applied_to(&mut view, &incident("critical", Action::Drain, Subsystem::Gpu, "Xid79"));
         applied_to(&mut view, &incident("minor", Action::Monitor, minor_subsystem, "EccContained"));
         view
+    }
+
+    #[test]
+    fn a_reissued_verdict_leaves_a_condition_another_open_incident_wrote() {
+        // Both incidents use GpuUnhealthy; the minor one wrote it last.
+        let mut view = node();
+        let critical = incident("critical", Action::Cordon, Subsystem::Gpu, "Xid79");
+        applied_to(&mut view, &critical);
+        applied_to(&mut view, &incident("minor", Action::Monitor, Subsystem::Gpu, "EccContained"));
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("EccContained")));
+        let again = Remediation { reissue: true, ..critical.clone() };
+        assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+        // A verdict from the classifier still writes its reason: the condition tells the latest.
+        let fresh = must_apply(plan(&view, &critical, &Policy::default(), &mut allow()));
+        assert_eq!(fresh.conditions.len(), 1);
     }
 
     #[test]

@@ -150,6 +150,11 @@ pub struct Remediation {
     pub incident_id: String,
     /// True when the verdict says the node is healthy again: undo what gpumedic applied.
     pub recovery: bool,
+    /// True when the resync re-issues an open incident's verdict: a condition of its type that
+    /// already reads `True` is left as it reads (another open incident may have written it), so
+    /// incidents sharing a condition do not rewrite it in turn at every resync.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reissue: bool,
 }
 
 #[cfg(test)]

@@ -368,7 +368,7 @@ async fn resync_verdict(
     if !shared.fleet.manages(&verdict.node).await? {
         return Ok(());
     }
-    let request = verdicts::remediation(verdict);
+    let request = crate::request::Remediation { reissue: !verdict.recovery, ..verdicts::remediation(verdict) };
     let outcome = handler.act(verdict, &request).await;
     persist_trip(shared).await?;
     let result = match outcome {

@@ -375,7 +375,8 @@ fn assert_remediator(objects: &[Value], mode: &str) {
 }
 
 /// Bindings point at roles and ServiceAccounts that are deployed, in the right namespace, and
-/// only the enricher and the remediator are bound at all.
+/// only the enricher, the classifier (its incident API's token reviews) and the remediator are
+/// bound at all.
 fn assert_rbac(objects: &[Value]) {
     let mut bound = BTreeSet::new();
     for b in objects.iter().filter(|o| matches!(kind(o), "RoleBinding" | "ClusterRoleBinding")) {
@@ -401,7 +402,37 @@ fn assert_rbac(objects: &[Value]) {
             bound.insert(name(sa).to_owned());
         }
     }
-    assert_eq!(bound, BTreeSet::from(["gpumedic-enricher".to_owned(), "gpumedic-remediator".to_owned()]));
+    assert_eq!(
+        bound,
+        BTreeSet::from([
+            "gpumedic-classifier".to_owned(),
+            "gpumedic-enricher".to_owned(),
+            "gpumedic-remediator".to_owned()
+        ])
+    );
+    // The classifier creates token and access reviews, nothing else: no read, no write.
+    let classifier = find(objects, "ClusterRole", "gpumedic-classifier");
+    let mut reviews = BTreeSet::new();
+    for rule in classifier.pointer("/rules").and_then(Value::as_array).expect("rules") {
+        assert_eq!(rule["verbs"], serde_json::json!(["create"]), "the classifier only creates reviews: {rule}");
+        for (group, resource) in
+            [("authentication.k8s.io", "tokenreviews"), ("authorization.k8s.io", "subjectaccessreviews")]
+        {
+            if rule["apiGroups"] == serde_json::json!([group]) && rule["resources"] == serde_json::json!([resource]) {
+                reviews.insert(resource);
+            }
+        }
+    }
+    assert_eq!(reviews.len(), 2, "the classifier creates tokenreviews and subjectaccessreviews: {classifier}");
+    // Granted to nobody by the base: operators bind it to who may read incident history.
+    let reader = find(objects, "ClusterRole", "gpumedic-incident-reader");
+    assert_eq!(
+        reader.pointer("/rules"),
+        Some(
+            &serde_json::json!([{"apiGroups": ["gpumedic.io"], "resources": ["incidents"], "verbs": ["get", "list"]}])
+        ),
+        "the incident reader gets and lists incidents.gpumedic.io only"
+    );
     let enricher = find(objects, "ClusterRole", "gpumedic-enricher");
     for rule in enricher.pointer("/rules").and_then(Value::as_array).expect("rules") {
         let verbs: BTreeSet<&str> = rule["verbs"].as_array().expect("verbs").iter().filter_map(Value::as_str).collect();
@@ -413,13 +444,11 @@ fn assert_rbac(objects: &[Value]) {
             "the enricher reads nodes and pods: {resources:?}"
         );
     }
-    for sa in ["gpumedic-collector", "gpumedic-classifier"] {
-        assert_eq!(
-            find(objects, "ServiceAccount", sa).pointer("/automountServiceAccountToken"),
-            Some(&Value::Bool(false)),
-            "{sa} never calls the API, so it gets no token"
-        );
-    }
+    assert_eq!(
+        find(objects, "ServiceAccount", "gpumedic-collector").pointer("/automountServiceAccountToken"),
+        Some(&Value::Bool(false)),
+        "gpumedic-collector never calls the API, so it gets no token"
+    );
 }
 
 /// Ingress denied by default, the admin port open to the monitoring namespace.

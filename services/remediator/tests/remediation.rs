@@ -335,6 +335,55 @@ async fn delete_after_timeout_force_deletes_what_a_pdb_holds_past_the_deadline()
 }
 
 #[tokio::test]
+async fn drain_rules_per_namespace_and_priority_class_choose_how_each_pod_leaves() {
+    let client = admin().await;
+    let name = gpu_node(&client).await;
+    let (kept, work) = (namespace(&client).await, namespace(&client).await);
+    // A priority class of the test's own, as a cluster would have for its critical serving pods.
+    let class = gpumedic_runtime::testbed::unique_name("critical");
+    let classes: Api<k8s_openapi::api::scheduling::v1::PriorityClass> = Api::all(client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({ "metadata": { "name": class }, "value": 1000 })).unwrap(),
+        )
+        .await
+        .expect("priority class created");
+    pod(&client, &kept, "left-alone", &name, json!({})).await;
+    pod(&client, &work, "plain", &name, json!({})).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &work);
+    let held: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "serving", "labels": { "app": "serving" } },
+        "spec": { "nodeName": name, "priorityClassName": class, "containers": [{ "name": "main", "image": "busybox" }] }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &held).await.expect("pod created");
+    mark_running(&client, &work, "serving").await;
+    blocking_pdb(&client, &work, "serving", "serving", 1).await;
+
+    let mut drain = fast_drain(Duration::from_secs(20));
+    drain.rules = vec![
+        format!("namespace={kept}:mode=skip").parse().expect("a rule"),
+        format!("priorityClass={class}:mode=delete-after-timeout,grace=0,deadline=2s").parse().expect("a rule"),
+    ];
+    let r = remediator(Settings { drain, ..Settings::default() }).await;
+    let started = std::time::Instant::now();
+    let report = drain_report(r.remediate(&request(&name, Action::Drain), 10).await.expect("drain"));
+    assert_eq!(report.evicted.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["plain"]);
+    assert_eq!(report.force_deleted.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["serving"]);
+    assert_eq!(
+        report.skipped.iter().map(|(p, w)| (p.name.as_str(), *w)).collect::<Vec<_>>(),
+        [("left-alone", SkipReason::Policy)]
+    );
+    assert!(report.complete(), "{report:?}");
+    assert!(started.elapsed() < Duration::from_secs(20), "the PDB-held pod went at its own 2 s deadline");
+    assert_eq!(pods_left(&client, &kept).await, ["left-alone"]);
+    assert!(pods_left(&client, &work).await.is_empty());
+    classes.delete(&class, &DeleteParams::default()).await.expect("priority class deleted");
+    cleanup(&client, &[&name], &[&kept, &work]).await;
+}
+
+#[tokio::test]
 async fn allow_completion_waits_for_pods_to_finish_without_evicting() {
     let client = admin().await;
     let name = gpu_node(&client).await;

@@ -183,6 +183,7 @@ pub fn request(node: &str, action: Action) -> Remediation {
         verdict_id: testbed::unique_name("verdict"),
         incident_id: "i1".into(),
         recovery: false,
+        reissue: false,
     }
 }
 
