@@ -630,7 +630,12 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
     let claims_quarantine = claim.quarantines;
     // `incident_id` names the incident that holds the node, so a marking incident does not take
     // it over from a quarantining one.
-    if claims_quarantine || !record.incidents.get(&record.incident_id).is_some_and(|c| c.quarantines) {
+    // A resync's re-issue moves nothing: two open incidents re-issued in turn would otherwise
+    // take the holder from each other at every pass.
+    let holder_quarantines = record.incidents.get(&record.incident_id).is_some_and(|c| c.quarantines);
+    if !(request.reissue && record.incidents.contains_key(&record.incident_id))
+        && (claims_quarantine || !holder_quarantines)
+    {
         record.incident_id.clone_from(&request.incident_id);
     }
     let mut plan = Plan::new(
@@ -1148,6 +1153,13 @@ mod tests {
         applied_to(&mut view, &critical);
         applied_to(&mut view, &incident("minor", Action::Monitor, Subsystem::Gpu, "EccContained"));
         assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("EccContained")));
+        let again = Remediation { reissue: true, ..critical.clone() };
+        assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+        // Nor does it take the node over from the incident that holds it.
+        let both = incident("both", Action::Drain, Subsystem::Gpu, "Xid48");
+        let mut view = view;
+        applied_to(&mut view, &both);
+        assert_eq!(view.applied().unwrap().unwrap().incident_id, "both");
         let again = Remediation { reissue: true, ..critical.clone() };
         assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
         // A verdict from the classifier still writes its reason: the condition tells the latest.
