@@ -100,7 +100,8 @@ pub enum Fault {
 }
 
 /// The schedule: when each fault starts, from the start of the stream, and how long the stream
-/// runs. The full schedule takes about 6 minutes of stream, the short one 100 s.
+/// runs at least. A step starts once the one before it has recovered, so on a busy machine the
+/// schedule runs late and the stream runs on until 5 s after its last step.
 pub fn schedule(short: bool) -> (Vec<(Duration, Fault)>, Duration) {
     let s = Duration::from_secs;
     if short {
@@ -246,7 +247,11 @@ impl Service {
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        anyhow::bail!("the {} was not ready after {timeout:?} (last /readyz: {last}); see {}", self.name, self.log.display())
+        anyhow::bail!(
+            "the {} was not ready after {timeout:?} (last /readyz: {last}); see {}",
+            self.name,
+            self.log.display()
+        )
     }
 
     /// SIGTERM and wait (the end of the run).
@@ -386,11 +391,19 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
     println!("chaos: starting private servers ({}) in {}", servers::SERVERS.join(", "), state.display());
     let took = bed.up(&servers::SERVERS).await?;
-    println!("chaos: private servers up in {:.0} s: Kafka {}, {}", took.as_secs_f64(), bed.bootstrap(), bed.database_url());
+    println!(
+        "chaos: private servers up in {:.0} s: Kafka {}, {}",
+        took.as_secs_f64(),
+        bed.bootstrap(),
+        bed.database_url()
+    );
     let outcome = run_on(&o, &bed).await;
     match &outcome {
         Ok(r) if r.passed && !o.keep => bed.wipe().await?,
-        _ if o.keep => println!("chaos: --keep: the private servers stay up; stop them with `GPUMEDIC_TESTBED={} compose/down`", state.display()),
+        _ if o.keep => println!(
+            "chaos: --keep: the private servers stay up; stop them with `GPUMEDIC_TESTBED={} compose/down`",
+            state.display()
+        ),
         _ => {
             // Keep the evidence (service and server logs), stop the servers.
             bed.down(&servers::SERVERS).await?;
@@ -521,7 +534,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         let (stop, sent, ids, rate) = (stop.clone(), sent.clone(), ids.clone(), o.rate);
         std::thread::spawn(move || -> anyhow::Result<Fleet> {
             let mut n: u64 = 0;
-            while start.elapsed() < stream_for && !stop.load(Ordering::Relaxed) {
+            // Until the schedule is done and the stream has run its length, whichever is later.
+            while !stop.load(Ordering::Relaxed) {
                 let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
                 if n >= due {
                     std::thread::sleep(Duration::from_millis(2));
@@ -583,7 +597,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                     tokio::time::sleep(pg_pause).await;
                     // Every process of the cluster, including any the postmaster forked before it stopped.
                     let again = bed.postgres_pids().unwrap_or_default();
-                    let all: Vec<u32> = pids.iter().chain(again.iter()).copied().collect::<HashSet<_>>().into_iter().collect();
+                    let all: Vec<u32> =
+                        pids.iter().chain(again.iter()).copied().collect::<HashSet<_>>().into_iter().collect();
                     servers::signal(&all, "CONT")?;
                     format!("{} processes stopped for {} s", pids.len(), pg_pause.as_secs())
                 }
@@ -604,7 +619,9 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
             );
             reports.push(r);
         }
-        while start.elapsed() < stream_for {
+        // The last fault gets some stream after it too.
+        let until = stream_for.max(start.elapsed() + Duration::from_secs(5));
+        while start.elapsed() < until {
             watch(&mut services, &mut unexpected, start).await;
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -627,8 +644,7 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         watch(&mut services, &mut unexpected, start).await;
         let b = bootstrap.clone();
         let (lags, ends) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-            let lags: Vec<i64> =
-                GROUPS.iter().map(|(g, t)| group_lag(&b, g, t)).collect::<anyhow::Result<_>>()?;
+            let lags: Vec<i64> = GROUPS.iter().map(|(g, t)| group_lag(&b, g, t)).collect::<anyhow::Result<_>>()?;
             Ok((lags, (topic_end(&b, topics::VERDICTS)?, topic_end(&b, topics::ACTIONS)?)))
         })
         .await??;
@@ -647,7 +663,10 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     let settle_s = settling.elapsed().as_secs_f64();
-    println!("chaos: settled in {settle_s:.0} s (every lag 0, verdicts and actions still for {} s)", o.settle_quiet.as_secs());
+    println!(
+        "chaos: settled in {settle_s:.0} s (every lag 0, verdicts and actions still for {} s)",
+        o.settle_quiet.as_secs()
+    );
 
     // Read everything back.
     let mut c = proofs::Collected {
@@ -674,10 +693,14 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                 Err(_) => undecodable += 1,
             }
         }
-        let verdicts: Vec<Verdict> =
-            read_topic(&b, topics::VERDICTS)?.iter().map(|p| gpumedic_schemas::decode(p)).collect::<std::result::Result<_, _>>()?;
-        let outcomes: Vec<ActionOutcome> =
-            read_topic(&b, topics::ACTIONS)?.iter().map(|p| gpumedic_schemas::decode(p)).collect::<std::result::Result<_, _>>()?;
+        let verdicts: Vec<Verdict> = read_topic(&b, topics::VERDICTS)?
+            .iter()
+            .map(|p| gpumedic_schemas::decode(p))
+            .collect::<std::result::Result<_, _>>()?;
+        let outcomes: Vec<ActionOutcome> = read_topic(&b, topics::ACTIONS)?
+            .iter()
+            .map(|p| gpumedic_schemas::decode(p))
+            .collect::<std::result::Result<_, _>>()?;
         Ok((raw, dead, verdicts, outcomes, undecodable))
     })
     .await??;
@@ -772,10 +795,9 @@ fn describe(fault: Fault, o: &Options) -> String {
         Fault::Kill(s) => format!("SIGKILL {s}"),
         Fault::Restart("kubernetes") => "restart etcd and the kube-apiserver".to_owned(),
         Fault::Restart(s) => format!("restart {s}"),
-        Fault::PausePostgres => format!(
-            "SIGSTOP PostgreSQL for {} s",
-            o.pg_pause.map_or(if o.short { 20 } else { 45 }, |d| d.as_secs())
-        ),
+        Fault::PausePostgres => {
+            format!("SIGSTOP PostgreSQL for {} s", o.pg_pause.map_or(if o.short { 20 } else { 45 }, |d| d.as_secs()))
+        }
     }
 }
 

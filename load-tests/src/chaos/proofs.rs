@@ -172,10 +172,13 @@ pub fn check(c: &Collected, fleet: &HashSet<String>, now: DateTime<Utc>) -> Find
     f.verdicts_not_published = sorted(c.verdicts_recorded.difference(&published).copied());
 
     let answered: HashSet<Uuid> = c.outcomes.iter().map(|o| o.verdict_id).collect();
-    f.verdicts_without_outcome =
-        sorted(published.iter().filter(|id| !answered.contains(id)).copied().filter(|id| {
-            c.verdicts.iter().find(|v| v.verdict_id == *id).is_some_and(|v| fleet.contains(&v.node))
-        }));
+    f.verdicts_without_outcome = sorted(
+        published
+            .iter()
+            .filter(|id| !answered.contains(id))
+            .copied()
+            .filter(|id| c.verdicts.iter().find(|v| v.verdict_id == *id).is_some_and(|v| fleet.contains(&v.node))),
+    );
     let mut applied: BTreeMap<(Uuid, String), usize> = BTreeMap::new();
     for o in c.outcomes.iter().filter(|o| o.status == ActionStatus::Applied) {
         *applied.entry((o.verdict_id, wire_name(&o.action))).or_default() += 1;
@@ -256,11 +259,7 @@ fn node_states(c: &Collected, now: DateTime<Utc>) -> Vec<String> {
             }
         } else if !held.is_empty() {
             if !quarantined && !node.annotations.contains_key(DEFERRED_ANNOTATION) {
-                wrong.push(format!(
-                    "{}: held incident(s) {} neither quarantined nor deferred",
-                    node.name,
-                    join(&held)
-                ));
+                wrong.push(format!("{}: held incident(s) {} neither quarantined nor deferred", node.name, join(&held)));
             }
         } else if node.unschedulable || tainted || !claims_quarantine.is_empty() {
             wrong.push(format!(
@@ -269,8 +268,11 @@ fn node_states(c: &Collected, now: DateTime<Utc>) -> Vec<String> {
             ));
         }
         // A quarantine claim for an incident PostgreSQL says is closed: its recovery was not applied.
-        let stale: Vec<&String> =
-            claims_quarantine.iter().filter(|id| id.parse::<Uuid>().map_or(true, |u| !open.contains(&u))).copied().collect();
+        let stale: Vec<&String> = claims_quarantine
+            .iter()
+            .filter(|id| id.parse::<Uuid>().map_or(true, |u| !open.contains(&u)))
+            .copied()
+            .collect();
         if !stale.is_empty() && !must.is_empty() {
             wrong.push(format!("{}: quarantine claims of closed incidents {stale:?}", node.name));
         }

@@ -78,7 +78,9 @@ impl PrivateTestbed {
         let taken: Vec<String> = self
             .ports()
             .iter()
-            .filter(|(_, p)| std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], *p).into(), Duration::from_millis(300)).is_ok())
+            .filter(|(_, p)| {
+                std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], *p).into(), Duration::from_millis(300)).is_ok()
+            })
             .map(|(v, p)| format!("{p} ({v})"))
             .collect();
         anyhow::ensure!(
@@ -113,7 +115,12 @@ impl PrivateTestbed {
         cmd.stdout(log.try_clone()?).stderr(log);
         let started = Instant::now();
         let status = tokio::task::spawn_blocking(move || cmd.status()).await??;
-        anyhow::ensure!(status.success(), "compose/{name} {} failed ({status}); see {}", args.join(" "), log_path.display());
+        anyhow::ensure!(
+            status.success(),
+            "compose/{name} {} failed ({status}); see {}",
+            args.join(" "),
+            log_path.display()
+        );
         Ok(started.elapsed())
     }
 
@@ -154,7 +161,10 @@ impl PrivateTestbed {
             let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
             // The fields after the command (which may hold spaces) start after its last ')'.
-            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
             if ppid == Some(postmaster) {
                 pids.push(pid);
             }
