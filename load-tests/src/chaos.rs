@@ -269,6 +269,13 @@ impl Service {
     }
 }
 
+impl Drop for Service {
+    /// A run that ends early (an error, a failed settle) leaves no service behind.
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// Counts the records the broker refused for good: events the harness, not the pipeline, lost.
 struct Deliveries {
     failed: Arc<AtomicU64>,
@@ -294,9 +301,10 @@ async fn kube_client(path: &std::path::Path) -> anyhow::Result<kube::Client> {
 
 /// Every record of `topic` (all partitions, from the start to the current end).
 fn read_topic(bootstrap: &str, topic: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+    // No group: partitions are assigned, nothing is committed, and dropping it does not wait for
+    // a group to be left.
     let consumer: BaseConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", testbed::unique_name("chaos-reader"))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
         .create()?;
@@ -332,31 +340,78 @@ fn read_topic(bootstrap: &str, topic: &str) -> anyhow::Result<Vec<Vec<u8>>> {
     Ok(out)
 }
 
-/// The summed lag of `group` over `topics` (a partition it never committed counts from its start).
-fn group_lag(bootstrap: &str, group: &str, topics: &[&str]) -> anyhow::Result<i64> {
-    let consumer: BaseConsumer =
-        rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).set("group.id", group).create()?;
-    let timeout = Duration::from_secs(10);
-    let mut tpl = TopicPartitionList::new();
-    for topic in topics {
-        let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-        for t in metadata.topics() {
-            for p in t.partitions() {
-                tpl.add_partition(topic, p.id());
-            }
+/// Reads the committed offsets of the services' consumer groups: one consumer per group, created
+/// once and never subscribed (so it never joins the group), and never dropped: librdkafka's close
+/// of a consumer configured with a `group.id` can wait indefinitely, which once held a run in its
+/// settle step for minutes past every timeout.
+struct GroupLag {
+    consumers: Vec<(&'static str, &'static [&'static str], BaseConsumer)>,
+}
+
+impl GroupLag {
+    /// The consumers, leaked: they live until the process ends.
+    fn leaked(bootstrap: &str) -> anyhow::Result<&'static Self> {
+        let mut consumers = Vec::new();
+        for (group, topics) in GROUPS {
+            let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", bootstrap)
+                .set("group.id", group)
+                .set("enable.auto.commit", "false")
+                .create()?;
+            consumers.push((group, topics, consumer));
         }
+        Ok(Box::leak(Box::new(Self { consumers })))
     }
-    let committed = consumer.committed_offsets(tpl, timeout)?;
-    let mut lag = 0;
-    for e in committed.elements() {
-        let (low, high) = consumer.fetch_watermarks(e.topic(), e.partition(), timeout)?;
-        let at = match e.offset() {
-            Offset::Offset(o) => o,
-            _ => low,
-        };
-        lag += (high - at).max(0);
+
+    /// The summed lag of each group over its topics, in [`GROUPS`] order (a partition a group never
+    /// committed counts from its start).
+    fn lags(&self) -> anyhow::Result<Vec<i64>> {
+        let timeout = Duration::from_secs(10);
+        let mut lags = Vec::new();
+        for (group, topics, consumer) in &self.consumers {
+            let mut tpl = TopicPartitionList::new();
+            for topic in *topics {
+                let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+                for t in metadata.topics() {
+                    for p in t.partitions() {
+                        tpl.add_partition(topic, p.id());
+                    }
+                }
+            }
+            let committed =
+                consumer.committed_offsets(tpl, timeout).with_context(|| format!("the offsets of {group}"))?;
+            let mut lag = 0;
+            for e in committed.elements() {
+                let (low, high) = consumer.fetch_watermarks(e.topic(), e.partition(), timeout)?;
+                let at = match e.offset() {
+                    Offset::Offset(o) => o,
+                    _ => low,
+                };
+                lag += (high - at).max(0);
+            }
+            lags.push(lag);
+        }
+        Ok(lags)
     }
-    Ok(lag)
+}
+
+/// Runs blocking `work` (librdkafka calls) on a thread of its own and waits for it at most `limit`:
+/// past it the run goes on with an error and the thread is left to finish or die with the process,
+/// so no blocking call can hold the run.
+async fn bounded<T: Send + 'static>(
+    what: &str,
+    limit: Duration,
+    work: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> anyhow::Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("chaos-blocking".to_owned()).spawn(move || {
+        let _ = tx.send(work());
+    })?;
+    match tokio::time::timeout(limit, rx).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => anyhow::bail!("{what}: the thread panicked"),
+        Err(_) => anyhow::bail!("{what} did not finish within {limit:?}"),
+    }
 }
 
 /// The end offsets of `topic`, summed: a figure that changes when anything is appended.
@@ -501,6 +556,9 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                     ("GPUMEDIC_BREAKER_MAX_COUNT", "100000".to_owned()),
                     ("GPUMEDIC_QUARANTINES_PER_MINUTE", "100000".to_owned()),
                     ("GPUMEDIC_MAINTENANCE_CHECK", "5s".to_owned()),
+                    // As deployed: the leader resyncs nodes against the open incidents in the store.
+                    ("GPUMEDIC_INCIDENT_DATABASE_URL", bed.database_url()),
+                    ("GPUMEDIC_RESYNC_INTERVAL", "10s".to_owned()),
                 ]);
                 env
             },
@@ -629,7 +687,11 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
     }
     .await;
     stop.store(true, Ordering::Relaxed);
-    let fleet = producing.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
+    // The producer flushes for at most 300 s; a minute more for the rest.
+    let fleet = bounded("stopping the stream", Duration::from_secs(360), move || {
+        producing.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))?
+    })
+    .await?;
     let stream_s = start.elapsed().as_secs_f64();
     steps?;
     let produced = sent.load(Ordering::Relaxed);
@@ -640,14 +702,29 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
     let settling = Instant::now();
     let mut last_ends = (-1, -1);
     let mut still_since = Instant::now();
+    let group_lag = GroupLag::leaked(&bootstrap)?;
     loop {
         watch(&mut services, &mut unexpected, start).await;
         let b = bootstrap.clone();
-        let (lags, ends) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-            let lags: Vec<i64> = GROUPS.iter().map(|(g, t)| group_lag(&b, g, t)).collect::<anyhow::Result<_>>()?;
-            Ok((lags, (topic_end(&b, topics::VERDICTS)?, topic_end(&b, topics::ACTIONS)?)))
+        let measured = bounded("reading the consumer groups' lag", Duration::from_secs(60), move || {
+            Ok((group_lag.lags()?, (topic_end(&b, topics::VERDICTS)?, topic_end(&b, topics::ACTIONS)?)))
         })
-        .await??;
+        .await;
+        let (lags, ends) = match measured {
+            Ok(m) => m,
+            Err(e) => {
+                // Counts as not settled; the settle timeout still bounds the wait.
+                println!("  settle: {e:#}");
+                anyhow::ensure!(
+                    settling.elapsed() < o.settle_timeout,
+                    "the pipeline did not settle within {:?}: {e:#}",
+                    o.settle_timeout
+                );
+                still_since = Instant::now();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+        };
         if ends != last_ends || lags.iter().any(|l| *l > 0) {
             still_since = Instant::now();
             last_ends = ends;
@@ -674,36 +751,37 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         ..proofs::Collected::default()
     };
     let b = bootstrap.clone();
-    let (raw, dead, verdicts, outcomes, undecodable) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let mut undecodable = 0usize;
-        let raw: HashSet<Uuid> = read_topic(&b, topics::HEALTH_RAW)?
-            .iter()
-            .filter_map(|p| gpumedic_schemas::decode::<HealthEvent>(p).ok().map(|e| e.event_id))
-            .collect();
-        let mut dead = HashSet::new();
-        for p in read_topic(&b, &dead_letter_topic(topics::HEALTH_RAW))? {
-            match gpumedic_schemas::decode::<HealthEvent>(&p) {
-                Ok(e) => drop(dead.insert(e.event_id)),
-                Err(_) => undecodable += 1,
+    let (raw, dead, verdicts, outcomes, undecodable) =
+        bounded("reading the topics back", Duration::from_secs(900), move || {
+            let mut undecodable = 0usize;
+            let raw: HashSet<Uuid> = read_topic(&b, topics::HEALTH_RAW)?
+                .iter()
+                .filter_map(|p| gpumedic_schemas::decode::<HealthEvent>(p).ok().map(|e| e.event_id))
+                .collect();
+            let mut dead = HashSet::new();
+            for p in read_topic(&b, &dead_letter_topic(topics::HEALTH_RAW))? {
+                match gpumedic_schemas::decode::<HealthEvent>(&p) {
+                    Ok(e) => drop(dead.insert(e.event_id)),
+                    Err(_) => undecodable += 1,
+                }
             }
-        }
-        for p in read_topic(&b, &dead_letter_topic(topics::HEALTH_ENRICHED))? {
-            match gpumedic_schemas::decode::<EnrichedHealthEvent>(&p) {
-                Ok(e) => drop(dead.insert(e.event.event_id)),
-                Err(_) => undecodable += 1,
+            for p in read_topic(&b, &dead_letter_topic(topics::HEALTH_ENRICHED))? {
+                match gpumedic_schemas::decode::<EnrichedHealthEvent>(&p) {
+                    Ok(e) => drop(dead.insert(e.event.event_id)),
+                    Err(_) => undecodable += 1,
+                }
             }
-        }
-        let verdicts: Vec<Verdict> = read_topic(&b, topics::VERDICTS)?
-            .iter()
-            .map(|p| gpumedic_schemas::decode(p))
-            .collect::<std::result::Result<_, _>>()?;
-        let outcomes: Vec<ActionOutcome> = read_topic(&b, topics::ACTIONS)?
-            .iter()
-            .map(|p| gpumedic_schemas::decode(p))
-            .collect::<std::result::Result<_, _>>()?;
-        Ok((raw, dead, verdicts, outcomes, undecodable))
-    })
-    .await??;
+            let verdicts: Vec<Verdict> = read_topic(&b, topics::VERDICTS)?
+                .iter()
+                .map(|p| gpumedic_schemas::decode(p))
+                .collect::<std::result::Result<_, _>>()?;
+            let outcomes: Vec<ActionOutcome> = read_topic(&b, topics::ACTIONS)?
+                .iter()
+                .map(|p| gpumedic_schemas::decode(p))
+                .collect::<std::result::Result<_, _>>()?;
+            Ok((raw, dead, verdicts, outcomes, undecodable))
+        })
+        .await?;
     (c.raw_topic, c.dead_lettered, c.verdicts, c.outcomes) = (raw, dead, verdicts, outcomes);
     if undecodable > 0 {
         println!("chaos: {undecodable} dead-lettered records could not be decoded (their ids are unknown)");

@@ -13,6 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
+/// The longest a compose script may run (starting Kafka, PostgreSQL and the apiserver together
+/// takes under a minute on a quiet machine).
+const SCRIPT_LIMIT: Duration = Duration::from_secs(300);
+
 /// The servers the scenario runs, by their `compose/up` names.
 pub const SERVERS: [&str; 3] = ["postgres", "kafka", "kubernetes"];
 
@@ -114,7 +118,15 @@ impl PrivateTestbed {
         let mut cmd = self.script(name, args);
         cmd.stdout(log.try_clone()?).stderr(log);
         let started = Instant::now();
-        let status = tokio::task::spawn_blocking(move || cmd.status()).await??;
+        let mut child = tokio::process::Command::from(cmd).kill_on_drop(true).spawn()?;
+        let status = match tokio::time::timeout(SCRIPT_LIMIT, child.wait()).await {
+            Ok(status) => status?,
+            Err(_) => anyhow::bail!(
+                "compose/{name} {} did not finish within {SCRIPT_LIMIT:?}; see {}",
+                args.join(" "),
+                log_path.display()
+            ),
+        };
         anyhow::ensure!(
             status.success(),
             "compose/{name} {} failed ({status}); see {}",
