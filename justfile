@@ -60,7 +60,7 @@ chaos *args:
     {{cargo}} build --release -p gpumedic-collector -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
     target/release/gpumedic-load-tests chaos {{args}}
 
-# The chaos suite's short variant (about 3 minutes): one of each fault.
+# The chaos suite's short variant (about 5 minutes when the pipeline settles): one of each fault.
 chaos-short *args:
     just chaos --short {{args}}
 

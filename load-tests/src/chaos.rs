@@ -45,7 +45,8 @@ use servers::PrivateTestbed;
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
 pub struct Options {
-    /// The short variant (about 3 minutes, for CI): a 100-second schedule with one of each fault.
+    /// The short variant (about 5 minutes when the pipeline settles): a 100-second schedule with
+    /// one of each fault.
     #[arg(long)]
     short: bool,
     /// Events per second from the simulated fleet.
