@@ -14,10 +14,14 @@
 //!   [`fleet`]).
 //! - `soak`: the pipeline for 30 minutes at 5,000 events per second from the simulated fleet,
 //!   each service's RSS and consumer lag sampled; both must stay flat (see [`soak`]).
+//! - `chaos`: the pipeline at 2,000 events per second on private servers while every service is
+//!   SIGKILLed and Kafka, PostgreSQL and the apiserver are restarted or paused; proves by id that
+//!   no event, incident or node action was lost or duplicated (see [`chaos`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
 
 mod backtest;
+mod chaos;
 mod classify;
 mod fleet;
 mod latency;
@@ -79,6 +83,9 @@ enum Scenario {
     /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
     /// mass drain (see load-tests/src/remediation.rs).
     Remediation(remediation::Args),
+    /// The pipeline under faults on private servers (services killed, Kafka, PostgreSQL and the
+    /// apiserver restarted, PostgreSQL paused), proven by id at the end; exits 1 when a proof fails.
+    Chaos(chaos::Options),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -132,6 +139,11 @@ async fn main() -> anyhow::Result<()> {
             write_result(&cli.out_dir, "soak.json", &result)?;
         }
         Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
+        Scenario::Chaos(options) => {
+            let result = chaos::run(options).await?;
+            write_result(&cli.out_dir, "chaos.json", &result)?;
+            anyhow::ensure!(result.passed(), "chaos: a proof failed (see the figures above and chaos.json)");
+        }
     }
     Ok(())
 }

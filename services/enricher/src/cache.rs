@@ -2,16 +2,19 @@
 //! one API call per event.
 //!
 //! Two watchers (Nodes; Pods that request `nvidia.com/gpu`) feed one index: node name to its
-//! context and its GPU workloads. Readiness waits until both have listed everything once.
+//! context and its GPU workloads. Readiness waits until both have listed everything once; a watch
+//! that fails starts over with a complete list after a backoff, and readiness waits for that list.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
-use futures::TryStreamExt as _;
+use futures::StreamExt as _;
 use gpumedic_runtime::admin::ReadyFlag;
 use gpumedic_schemas::enriched::Workload;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt as _};
 use tokio_util::sync::CancellationToken;
 
@@ -158,62 +161,186 @@ pub fn gpu_workload(pod: &Pod) -> Option<(String, Workload)> {
     ))
 }
 
+/// One watched kind as the cache indexes it: what an event does to the index, and how a complete
+/// list replaces what the index held.
+trait Indexed<K> {
+    /// The kind in logs and metrics (`nodes`, `pods`).
+    const RESOURCE: &'static str;
+    /// The object's key in the index.
+    fn key(object: &K) -> String;
+    /// Adds or replaces `object`.
+    fn apply(&self, object: &K);
+    /// Removes `object`.
+    fn delete(&self, object: &K);
+    /// Removes every entry whose key is not in `listed` (what a complete list did not name was
+    /// deleted while the watch was down).
+    fn retain(&self, listed: &HashSet<String>);
+}
+
+struct NodeIndex {
+    cache: ClusterCache,
+    settings: ContextSettings,
+}
+
+impl Indexed<Node> for NodeIndex {
+    const RESOURCE: &'static str = "nodes";
+    fn key(node: &Node) -> String {
+        node.name_any()
+    }
+    fn apply(&self, node: &Node) {
+        self.cache.apply_node(node, &self.settings);
+    }
+    fn delete(&self, node: &Node) {
+        self.cache.delete_node(node);
+    }
+    fn retain(&self, listed: &HashSet<String>) {
+        self.cache.inner.write().expect("cache lock").nodes.retain(|name, _| listed.contains(name));
+    }
+}
+
+struct PodIndex {
+    cache: ClusterCache,
+}
+
+impl Indexed<Pod> for PodIndex {
+    const RESOURCE: &'static str = "pods";
+    fn key(pod: &Pod) -> String {
+        pod_key(pod)
+    }
+    fn apply(&self, pod: &Pod) {
+        self.cache.apply_pod(pod);
+    }
+    fn delete(&self, pod: &Pod) {
+        self.cache.remove_pod(&pod_key(pod));
+    }
+    fn retain(&self, listed: &HashSet<String>) {
+        let gone: Vec<String> = {
+            let index = self.cache.inner.read().expect("cache lock");
+            index.pods.keys().filter(|k| !listed.contains(*k)).cloned().collect()
+        };
+        for key in gone {
+            self.cache.remove_pod(&key);
+        }
+    }
+}
+
+/// One list-then-watch of a kind, applied to the index: the keys a list in progress has named so
+/// far, so that its end can drop what it did not name.
+struct Listing<I> {
+    index: I,
+    listed: Option<HashSet<String>>,
+}
+
+impl<I> Listing<I> {
+    fn new(index: I) -> Self {
+        Self { index, listed: None }
+    }
+
+    /// Applies one event; true when it ends a complete list (the index is then whole).
+    fn handle<K>(&mut self, event: watcher::Event<K>) -> bool
+    where
+        I: Indexed<K>,
+    {
+        match event {
+            watcher::Event::Init => self.listed = Some(HashSet::new()),
+            watcher::Event::InitApply(o) => {
+                if let Some(listed) = self.listed.as_mut() {
+                    listed.insert(I::key(&o));
+                }
+                self.index.apply(&o);
+            }
+            watcher::Event::InitDone => {
+                if let Some(listed) = self.listed.take() {
+                    self.index.retain(&listed);
+                }
+                return true;
+            }
+            watcher::Event::Apply(o) => self.index.apply(&o),
+            watcher::Event::Delete(o) => self.index.delete(&o),
+        }
+        false
+    }
+}
+
+/// Readiness of the cache: both kinds listed completely since their watch last failed.
+struct Synced {
+    nodes: AtomicBool,
+    pods: AtomicBool,
+    flag: ReadyFlag,
+}
+
+impl Synced {
+    fn set(&self, resource: &str, synced: bool) {
+        let part = if resource == NodeIndex::RESOURCE { &self.nodes } else { &self.pods };
+        part.store(synced, Ordering::Release);
+        self.flag.set(self.nodes.load(Ordering::Acquire) && self.pods.load(Ordering::Acquire));
+    }
+}
+
 /// Keeps `cache` current until `token` is cancelled; `synced` turns ready once Nodes and Pods have
 /// each been listed completely.
+///
+/// A watch that fails (the apiserver restarting or unreachable) is logged, counted in
+/// `gpumedic_enricher_watch_failures_total`, and started again after a backoff (0.8 s doubling to
+/// 30 s, with jitter) with a complete list, which also drops what was deleted meanwhile. Until
+/// that list is complete `synced` is false; the cache keeps serving what it holds.
 pub async fn run_watchers(
     client: Client,
     cache: ClusterCache,
     settings: ContextSettings,
     synced: ReadyFlag,
     token: CancellationToken,
-) -> Result<(), kube::runtime::watcher::Error> {
-    let nodes_synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let pods_synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mark = {
-        let (n, p, synced) = (nodes_synced.clone(), pods_synced.clone(), synced.clone());
-        move || {
-            if n.load(std::sync::atomic::Ordering::Acquire) && p.load(std::sync::atomic::Ordering::Acquire) {
-                synced.set(true);
-            }
-        }
-    };
+) {
+    let synced = Synced { nodes: AtomicBool::new(false), pods: AtomicBool::new(false), flag: synced };
+    let nodes = keep_watching(
+        Api::<Node>::all(client.clone()),
+        Listing::new(NodeIndex { cache: cache.clone(), settings }),
+        &synced,
+        &token,
+    );
+    let pods = keep_watching(Api::<Pod>::all(client), Listing::new(PodIndex { cache }), &synced, &token);
+    futures::future::join(nodes, pods).await;
+}
 
-    let node_stream = {
-        let cache = cache.clone();
-        let mark = mark.clone();
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).default_backoff().try_for_each(
-            move |event| {
-                match event {
-                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => cache.apply_node(&n, &settings),
-                    watcher::Event::Delete(n) => cache.delete_node(&n),
-                    watcher::Event::Init => {}
-                    watcher::Event::InitDone => {
-                        nodes_synced.store(true, std::sync::atomic::Ordering::Release);
-                        mark();
+/// Watches one kind into `listing` until `token` is cancelled, starting over after each failure.
+async fn keep_watching<K, I>(api: Api<K>, mut listing: Listing<I>, synced: &Synced, token: &CancellationToken)
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    I: Indexed<K>,
+{
+    let mut backoff = watcher::DefaultBackoff::default();
+    loop {
+        let mut stream = std::pin::pin!(watcher(api.clone(), watcher::Config::default()));
+        let failure = loop {
+            let next = tokio::select! {
+                () = token.cancelled() => return,
+                next = stream.next() => next,
+            };
+            match next {
+                Some(Ok(event)) => {
+                    if listing.handle(event) {
+                        synced.set(I::RESOURCE, true);
+                        tracing::info!(resource = I::RESOURCE, "The cluster cache listed {} completely.", I::RESOURCE);
                     }
                 }
-                futures::future::ready(Ok(()))
-            },
-        )
-    };
-    let pod_stream = {
-        let cache = cache.clone();
-        watcher(Api::<Pod>::all(client), watcher::Config::default()).default_backoff().try_for_each(move |event| {
-            match event {
-                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => cache.apply_pod(&p),
-                watcher::Event::Delete(p) => cache.remove_pod(&pod_key(&p)),
-                watcher::Event::Init => {}
-                watcher::Event::InitDone => {
-                    pods_synced.store(true, std::sync::atomic::Ordering::Release);
-                    mark();
-                }
+                Some(Err(e)) => break e.to_string(),
+                None => break "the watch stream ended".to_owned(),
             }
-            futures::future::ready(Ok(()))
-        })
-    };
-    tokio::select! {
-        () = token.cancelled() => Ok(()),
-        r = futures::future::try_join(node_stream, pod_stream) => r.map(|_| ()),
+        };
+        synced.set(I::RESOURCE, false);
+        metrics::counter!("gpumedic_enricher_watch_failures_total", "resource" => I::RESOURCE).increment(1);
+        let delay = backoff.next().unwrap_or(Duration::from_secs(30));
+        tracing::warn!(
+            resource = I::RESOURCE,
+            error = %failure,
+            retry_in_ms = delay.as_millis() as u64,
+            "The watch of {} failed; the cluster cache serves what it holds and is not ready until it has listed them again.",
+            I::RESOURCE
+        );
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
     }
 }
 
@@ -298,5 +425,50 @@ mod tests {
         cache.remove_pod("ml/p");
         assert_eq!(cache.node("gpu-2").unwrap().workloads.len(), 0);
         assert!(cache.node("gpu-3").is_none());
+    }
+
+    #[test]
+    fn a_list_after_a_failed_watch_drops_what_was_deleted_meanwhile() {
+        let cache = ClusterCache::default();
+        let named = |n: &str| node(serde_json::json!({ "metadata": { "name": n } }));
+        let on = |name: &str, node: &str| {
+            pod(serde_json::json!({ "metadata": { "name": name, "namespace": "ml" },
+                "spec": { "nodeName": node, "containers": [{ "name": "c", "resources": { "limits": { "nvidia.com/gpu": "1" } } }] } }))
+        };
+        let mut nodes = Listing::new(NodeIndex { cache: cache.clone(), settings: ContextSettings::default() });
+        let mut pods = Listing::new(PodIndex { cache: cache.clone() });
+        for event in
+            [watcher::Event::Init, watcher::Event::InitApply(named("a")), watcher::Event::InitApply(named("b"))]
+        {
+            assert!(!nodes.handle(event), "not whole before InitDone");
+        }
+        assert!(nodes.handle(watcher::Event::InitDone));
+        pods.handle(watcher::Event::Init);
+        pods.handle(watcher::Event::InitApply(on("p", "a")));
+        pods.handle(watcher::Event::InitApply(on("q", "a")));
+        assert!(pods.handle(watcher::Event::InitDone));
+        assert_eq!(cache.node("a").unwrap().workloads.len(), 2);
+
+        // The watches failed; meanwhile b and the pod q were deleted and c was added. The new
+        // lists name what is there now.
+        for event in
+            [watcher::Event::Init, watcher::Event::InitApply(named("a")), watcher::Event::InitApply(named("c"))]
+        {
+            nodes.handle(event);
+        }
+        assert!(cache.node("b").is_some(), "kept (and served) until the list is complete");
+        assert!(nodes.handle(watcher::Event::InitDone));
+        assert!(cache.node("b").is_none(), "not listed: deleted while the watch was down");
+        assert!(cache.node("c").is_some());
+        pods.handle(watcher::Event::Init);
+        pods.handle(watcher::Event::InitApply(on("p", "a")));
+        assert!(pods.handle(watcher::Event::InitDone));
+        let workloads = cache.node("a").unwrap().workloads;
+        assert_eq!(workloads.iter().map(|w| w.pod.as_str()).collect::<Vec<_>>(), ["p"]);
+
+        // Watch events between lists apply as they come.
+        nodes.handle(watcher::Event::Delete(named("c")));
+        assert!(!nodes.handle(watcher::Event::Apply(named("d"))));
+        assert!(cache.node("c").is_none() && cache.node("d").is_some());
     }
 }

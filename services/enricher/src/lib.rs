@@ -249,7 +249,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let context = config.context.clone();
     service.shutdown.spawn("cluster-cache", async move {
         let client = k8s::client().await?;
-        cache::run_watchers(client, watch_cache, context, synced, token).await?;
+        cache::run_watchers(client, watch_cache, context, synced, token).await;
         Ok::<_, gpumedic_runtime::BoxError>(())
     });
     let producer = match config.kafka.producer(NAME) {

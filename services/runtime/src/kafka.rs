@@ -665,17 +665,29 @@ pub const POLL_GRACE: Duration = Duration::from_secs(5);
 /// kept in `early`, in order, for the loop to take next, and the assignment is paused again.
 /// librdkafka fetches a resumed partition from the last record it handed out, so nothing is
 /// skipped or read twice.
+///
+/// librdkafka keeps a partition's pause across a rebalance: one paused, revoked (a session that
+/// timed out while the broker restarted) and assigned again stays paused. So the hold resumes
+/// every partition it ever paused, not only those assigned when it resumes; otherwise the
+/// consumer would sit ready with its partitions assigned and never fetch again.
 pub(crate) struct Hold<'c> {
     consumer: &'c Consumer,
     /// Whether the assignment is paused.
     pub(crate) paused: bool,
+    /// Every partition paused since the last resume, assigned now or not.
+    paused_partitions: std::collections::BTreeSet<(String, i32)>,
     /// Records polled while paused, in order, for the loop to take first.
     pub(crate) early: std::collections::VecDeque<Record>,
 }
 
 impl<'c> Hold<'c> {
     pub(crate) fn new(consumer: &'c Consumer) -> Self {
-        Self { consumer, paused: false, early: std::collections::VecDeque::new() }
+        Self {
+            consumer,
+            paused: false,
+            paused_partitions: std::collections::BTreeSet::new(),
+            early: std::collections::VecDeque::new(),
+        }
     }
 
     /// Pauses every assigned partition.
@@ -683,6 +695,7 @@ impl<'c> Hold<'c> {
         match self.consumer.assignment() {
             Ok(tpl) => match self.consumer.pause(&tpl) {
                 Ok(()) => {
+                    self.paused_partitions.extend(tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())));
                     if !self.paused {
                         tracing::info!(
                             partitions = tpl.count(),
@@ -702,10 +715,20 @@ impl<'c> Hold<'c> {
         if !self.paused {
             return;
         }
-        match self.consumer.assignment().and_then(|tpl| self.consumer.resume(&tpl).map(|()| tpl.count())) {
+        let resumed = self.consumer.assignment().and_then(|mut tpl| {
+            // Those revoked meanwhile too: they stay paused in librdkafka when assigned again.
+            for (topic, partition) in &self.paused_partitions {
+                if tpl.find_partition(topic, *partition).is_none() {
+                    tpl.add_partition(topic, *partition);
+                }
+            }
+            self.consumer.resume(&tpl).map(|()| tpl.count())
+        });
+        match resumed {
             Ok(partitions) => {
                 tracing::info!(partitions, "Partitions resumed.");
                 self.paused = false;
+                self.paused_partitions.clear();
             }
             Err(e) => {
                 tracing::warn!(error = %e, "Could not resume the partitions; trying again after the next record.")
@@ -1600,6 +1623,53 @@ mod tests {
             payloads.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
         }
         assert!(payloads.iter().all(|p| p == "after"), "{payloads:?}");
+    }
+
+    /// Against the testbed's Kafka: a partition the hold paused, then lost and got back (a
+    /// session that timed out while the broker restarted), is fetched again after the hold resumes,
+    /// although the assignment was empty when it resumed. librdkafka keeps a partition's pause
+    /// across assignments; a consumer that resumed only its assignment then never fetched again.
+    #[tokio::test]
+    async fn a_partition_paused_then_revoked_and_assigned_again_is_fetched_after_the_resume() {
+        use rdkafka::Message as _;
+        let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
+        let topic = crate::testbed::unique_name("hold-revoke");
+        settings.ensure_topics(&[TopicSpec::new(&topic, 1)]).await.expect("topic");
+        let producer = settings.producer("hold-test").expect("producer");
+        let context = ServiceContext {
+            service: "hold-test",
+            assigned: crate::admin::Readiness::default().register("assigned"),
+            assignment: Assignment::default(),
+        };
+        let consumer: Consumer = settings
+            .client_config_with("hold-test", &[("group.id", &crate::testbed::unique_name("hold-revoke"))])
+            .create_with_context(context)
+            .expect("consumer");
+        let at = |offset| {
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            tpl.add_partition_offset(&topic, 0, offset).expect("offset");
+            tpl
+        };
+        let next = async || {
+            let m = tokio::time::timeout(Duration::from_secs(20), consumer.recv()).await;
+            m.map(|m| String::from_utf8_lossy(m.expect("record").payload().unwrap_or_default()).into_owned())
+        };
+
+        consumer.assign(&at(rdkafka::Offset::Beginning)).expect("assigned");
+        publish(&producer, &topic, "k", b"first", &[]).await.expect("published");
+        assert_eq!(next().await.ok().as_deref(), Some("first"));
+        let mut hold = Hold::new(&consumer);
+        hold.pause();
+        assert!(hold.paused);
+        // Revoked while paused; the handler finishes and the hold resumes with nothing assigned.
+        consumer.unassign().expect("unassigned");
+        hold.resume();
+        assert!(!hold.paused);
+        // Assigned again: its records must flow.
+        consumer.assign(&at(rdkafka::Offset::Offset(1))).expect("assigned again");
+        publish(&producer, &topic, "k", b"second", &[]).await.expect("published");
+        assert_eq!(next().await.ok().as_deref(), Some("second"), "the partition stayed paused");
     }
 
     #[test]
