@@ -1157,7 +1157,6 @@ mod tests {
         assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
         // Nor does it take the node over from the incident that holds it.
         let both = incident("both", Action::Drain, Subsystem::Gpu, "Xid48");
-        let mut view = view;
         applied_to(&mut view, &both);
         assert_eq!(view.applied().unwrap().unwrap().incident_id, "both");
         let again = Remediation { reissue: true, ..critical.clone() };
