@@ -157,21 +157,6 @@ fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, severity
     }
 }
 
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-async fn metric(process: &ServiceProcess, line: &str) -> bool {
-    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
-}
-
 /// Waits until `node` carries no deferred action.
 async fn plan_removed(client: &kube::Client, node: &str) {
     eventually("the deferred action to be removed", Duration::from_secs(15), async || {

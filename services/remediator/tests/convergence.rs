@@ -190,21 +190,6 @@ fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery
     }
 }
 
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-async fn metric(process: &ServiceProcess, line: &str) -> bool {
-    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
-}
-
 #[tokio::test]
 async fn a_verdict_refused_while_paused_is_acted_on_after_the_resume_while_its_incident_is_open() {
     let w = World::new().await;

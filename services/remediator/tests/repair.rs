@@ -287,17 +287,6 @@ fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery
     }
 }
 
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
     labels(node).get("gpumedic.io/state").cloned()
 }
