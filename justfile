@@ -15,6 +15,10 @@ demo *args:
 test *args:
     ./scripts/test.sh {{args}}
 
+# The tests that need no server (unit tests of every crate), in a minute or two.
+unit:
+    {{cargo}} test --workspace --all-features --lib --bins
+
 # What CI runs: the tests, clippy with warnings denied, and the format check.
 ci:
     ./.ci/run

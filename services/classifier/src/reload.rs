@@ -6,9 +6,9 @@
 //!
 //! The engine keys its per-node state by rule id and GPU and records the rule version it was
 //! built under; [`Engine::replace_rules`](crate::rules::Engine::replace_rules) keeps the state
-//! (counts, bursts, open incidents) of every rule whose id and version are unchanged and drops
-//! that of rules removed or changed (a changed rule must bump its version), whose open incidents
-//! are then no longer followed.
+//! (counts, bursts, open incidents) of every rule whose id and version are unchanged; a changed
+//! rule (which must bump its version) starts counting afresh but keeps following its open
+//! incidents, so they clear on the new version's evidence; a removed rule's state is dropped.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::Classifier;
+use crate::classifier::Classifier;
 use crate::rules::{RuleError, RuleSet, SyntheticPolicy, check_dir};
 
 /// What identifies the state of a rules directory: each rule file's name, size and modification

@@ -9,6 +9,12 @@
 //! node with its boot id. Only the second can act on a collector's simulated GPUs:
 //! `--fall-off-bus --gpu N` (the GPU stops answering and the driver's Xid 79 line is published)
 //! and `--reboot` (a new boot id, every GPU back); docs/collector.md describes both.
+//!
+//! Straight to Kafka, an enricher that enforces node authentication refuses an event without a
+//! token of the node's collector. An operator authenticates with `--token-file`: a token of the
+//! ServiceAccount the enricher names in `--operator-service-account` (audience `gpumedic`,
+//! `kubectl create token gpumedic-operator -n gpumedic --audience gpumedic --duration 10m`),
+//! which may speak for any node; the enricher counts and logs every such event.
 
 use clap::Args;
 use gpumedic_runtime::config::{Problems, Validate as _};
@@ -67,6 +73,11 @@ pub struct InjectArgs {
     /// How many copies to send (each a distinct event).
     #[arg(long, default_value_t = 1)]
     count: u32,
+    /// A file holding the operator's ServiceAccount token (audience `gpumedic`), sent with each
+    /// event straight to Kafka so that an enricher enforcing node authentication accepts it (see
+    /// docs/security.md). Not used with `--collector`, which sends its own node's token.
+    #[arg(long, env = "GPUMEDIC_INJECT_TOKEN_FILE", conflicts_with = "collector")]
+    token_file: Option<std::path::PathBuf>,
 }
 
 /// Builds the event the flags describe.
@@ -195,9 +206,13 @@ pub async fn run(args: InjectArgs) -> Result<(), String> {
     // Published exactly as a collector publishes its own events.
     let codec = settings.codec().await.map_err(|e| e.to_string())?;
     let emitter = gpumedic_collector::sources::Emitter { producer, codec };
+    let token = match &args.token_file {
+        None => None,
+        Some(path) => Some(gpumedic_collector::node_token::read_token(path).map_err(|e| format!("--token-file: {e}"))?),
+    };
     for _ in 0..args.count {
         let event = event(&args).map_err(|p| gpumedic_runtime::config::render_problems("gpumedic inject", &p))?;
-        emitter.emit(&event).await.map_err(|e| e.to_string())?;
+        emitter.emit_with_token(&event, token.as_deref()).await.map_err(|e| e.to_string())?;
         println!("{}", event.event_id);
     }
     Ok(())
@@ -243,5 +258,13 @@ mod tests {
         let a = parse(&["--kafka-bootstrap", "k:9092", "--node", "n", "--xid", "79", "--gpu", "3"]).unwrap();
         let e = event(&a).unwrap();
         assert_eq!((e.node.as_str(), e.entity.gpu_index, e.synthetic), ("n", Some(3), true));
+    }
+
+    #[test]
+    fn an_operator_token_is_for_injections_straight_to_kafka() {
+        let a = parse(&["--kafka-bootstrap", "k:9092", "--node", "n", "--xid", "79", "--token-file", "/t"]).unwrap();
+        assert_eq!(a.token_file.as_deref(), Some(std::path::Path::new("/t")));
+        // A collector sends its own node's token.
+        assert!(parse(&["--collector", "127.0.0.1:9401", "--xid", "79", "--token-file", "/t"]).is_err());
     }
 }

@@ -13,6 +13,7 @@ pub mod identity;
 pub mod ingest;
 pub mod inventory;
 pub mod kernel_log;
+pub mod node_token;
 pub mod nvml_xid;
 pub mod publisher;
 pub mod sampler;
@@ -105,6 +106,15 @@ pub struct Args {
     /// Xid events from NVML's event set: `auto` (only when the kernel log is off), `on` or `off`.
     #[arg(long, env = "GPUMEDIC_NVML_XIDS", default_value = "auto")]
     nvml_xids: String,
+    /// The collector's projected ServiceAccount token (audience `gpumedic`, bound to this pod),
+    /// attached to every raw record so the enricher can check that this node speaks only for
+    /// itself; re-read when the kubelet rotates it. `off` sends records without a token.
+    #[arg(long, env = "GPUMEDIC_NODE_TOKEN_FILE", default_value = node_token::DEFAULT_TOKEN_FILE)]
+    node_token_file: String,
+    /// Refuse to start when the node token file cannot be read (an enricher that enforces node
+    /// authentication dead-letters records without a token). Off: a missing token is a warning.
+    #[arg(long, env = "GPUMEDIC_REQUIRE_NODE_TOKEN")]
+    require_node_token: bool,
     #[command(flatten)]
     dcgm: dcgm::source::DcgmArgs,
     #[command(flatten)]
@@ -161,6 +171,11 @@ pub struct Config {
     pub synthetic_addr: Option<SocketAddr>,
     /// Whether Xid events come from NVML's event set.
     pub nvml_xids: nvml_xid::XidChoice,
+    /// The node token file, when records carry a token (`--node-token-file`).
+    pub node_token_file: Option<PathBuf>,
+    /// The token read from it at start, empty when the file could not be read (allowed unless
+    /// `--require-node-token`). Its `Debug` never shows the credential.
+    pub node_token: node_token::NodeToken,
     /// The DCGM source.
     pub dcgm: dcgm::source::DcgmSettings,
     /// The cloud maintenance source.
@@ -243,6 +258,26 @@ impl Validate for Args {
             ),
         };
         let nvml_xids = p.check("--nvml-xids", nvml_xid::XidChoice::parse(&self.nvml_xids));
+        let node_token_file = match self.node_token_file.as_str() {
+            "" | "off" => None,
+            path => Some(PathBuf::from(path)),
+        };
+        let node_token = match &node_token_file {
+            None if self.require_node_token => {
+                p.push("--node-token-file", "--require-node-token needs a token file, not off");
+                None
+            }
+            None => None,
+            Some(path) => match node_token::read_token(path) {
+                Ok(token) => Some(token),
+                Err(e) if self.require_node_token => {
+                    p.push("--node-token-file", e.to_string());
+                    None
+                }
+                // Said at start, by `run`, where logging is set up.
+                Err(_) => None,
+            },
+        };
         let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
         let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
@@ -264,6 +299,8 @@ impl Validate for Args {
             ingest_max_message_bytes: ingest_max_message_bytes.expect("checked"),
             synthetic_addr,
             nvml_xids: nvml_xids.expect("checked"),
+            node_token_file,
+            node_token: node_token::NodeToken::new(node_token),
             dcgm: dcgm.expect("checked"),
             cloud: cloud.expect("checked"),
         })
@@ -337,6 +374,20 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         _ => config.boot_id.clone(),
     };
     tracing::info!(%boot_id, "Every event carries this boot id.");
+    let node_token = config.node_token.clone();
+    match (&config.node_token_file, node_token.get()) {
+        (None, _) => tracing::warn!(
+            "No node token file is configured (--node-token-file off): records carry no node token, and an enricher that enforces node authentication dead-letters them."
+        ),
+        (Some(path), None) => tracing::warn!(
+            path = %path.display(),
+            "The node token file cannot be read: records carry no node token until it can, and an enricher that enforces node authentication dead-letters them."
+        ),
+        (Some(path), Some(_)) => tracing::info!(path = %path.display(), "Every record carries this node's token."),
+    }
+    if let Some(path) = config.node_token_file.clone() {
+        service.shutdown.spawn("node-token", node_token.clone().follow(path, token.clone()));
+    }
     let node_identity = identity::NodeIdentity::new(boot_id);
     // The publisher starts without Kafka: events spool until the broker answers.
     let (publisher, sink) = Publisher::open(
@@ -351,6 +402,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         node_identity,
     )
     .map_err(|e| failed("spool", e.into()))?;
+    let publisher = publisher.with_node_token(node_token);
     service.shutdown.spawn("publisher", publisher.run(token.clone()));
     ready.set(true);
     tracing::info!(node = %config.node_name, topic = topics::HEALTH_RAW, "Collector ready to publish.");
@@ -505,6 +557,21 @@ mod tests {
         let err = args(&["--synthetic-addr", "0.0.0.0:9401"]).expect_err("not loopback");
         assert!(err.list().iter().any(|p| p.field == "--synthetic-addr" && p.message.contains("loopback")));
         assert_eq!(args(&["--ingest-socket", "off"]).expect("valid").ingest_socket, None);
+    }
+
+    #[test]
+    fn a_missing_node_token_is_a_problem_only_when_required() {
+        let c = args(&["--node-token-file", "/nonexistent/token"]).expect("valid: said at start");
+        assert_eq!((c.node_token_file, c.node_token.get()), (Some(PathBuf::from("/nonexistent/token")), None));
+        let err = args(&["--node-token-file", "/nonexistent/token", "--require-node-token"]).expect_err("required");
+        assert!(err.list().iter().any(|p| p.field == "--node-token-file" && p.message.contains("/nonexistent/token")));
+        assert!(args(&["--node-token-file", "off", "--require-node-token"]).is_err());
+        assert_eq!(args(&["--node-token-file", "off"]).expect("valid").node_token_file, None);
+        let file = std::env::temp_dir().join(format!("gpumedic-token-{}", uuid::Uuid::new_v4()));
+        std::fs::write(&file, "header.payload.signature\n").unwrap();
+        let c = args(&["--node-token-file", file.to_str().unwrap(), "--require-node-token"]).expect("valid");
+        assert_eq!(c.node_token.get().as_deref(), Some(&b"header.payload.signature"[..]));
+        std::fs::remove_file(&file).unwrap();
     }
 
     #[test]

@@ -29,6 +29,12 @@
 //! waits, drops its own heartbeats ([`Outbox`]). A source is never answered before its event is
 //! either acknowledged by Kafka or durable in the spool.
 //!
+//! # The node token
+//! Every record is produced with the collector's node token ([`NodeToken`]) in header
+//! `gpumedic.node-token`, read at the moment the record is handed to Kafka: a spooled record is
+//! kept without it and leaves with the token current when it is drained, so a record spooled
+//! through an outage longer than a token's life is not refused as expired.
+//!
 //! # Duplicates
 //! The producer is idempotent (`enable.idempotence`), so librdkafka's own retries add no copies.
 //! A copy can still reach the topic when a record is sent again by the collector: after a failed
@@ -55,6 +61,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::identity::NodeIdentity;
+use crate::node_token::NodeToken;
 use crate::spool::{Appended, Spool, SpoolError, SpoolRecord};
 
 /// Most spooled records in flight while the spool drains.
@@ -247,6 +254,7 @@ pub struct Publisher {
     producer: Producer,
     spool: Spool,
     rx: mpsc::Receiver<Outgoing>,
+    node_token: NodeToken,
 }
 
 type Delivery = BoxFuture<'static, Done>;
@@ -297,15 +305,27 @@ impl Publisher {
     ) -> Result<(Self, Sink), SpoolError> {
         let spool = Spool::open(&settings.spool_dir, settings.spool_max_bytes)?;
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
-        Ok((Self { settings, producer, spool, rx }, Sink { tx, codec, identity }))
+        Ok((Self { settings, producer, spool, rx, node_token: NodeToken::default() }, Sink { tx, codec, identity }))
+    }
+
+    /// Produces every record with `token` (read at each produce, so a rotation applies to the
+    /// next record); without it records carry no node token.
+    #[must_use]
+    pub fn with_node_token(mut self, token: NodeToken) -> Self {
+        self.node_token = token;
+        self
     }
 
     fn send(&self, record: &SpoolRecord) -> Result<BoxFuture<'static, Result<(), Failure>>, Failure> {
         let tp = kafka::traceparent(None);
-        let headers = OwnedHeaders::new_with_capacity(3)
+        let mut headers = OwnedHeaders::new_with_capacity(4)
             .insert(Header { key: record_headers::TRACEPARENT, value: Some(tp.as_bytes()) })
             .insert(Header { key: record_headers::EVENT_ID, value: Some(record.id.as_bytes()) })
             .insert(Header { key: record_headers::CONTENT_TYPE, value: Some(HealthEvent::CONTENT_TYPE.as_bytes()) });
+        // The token of now, not of when the record was spooled (see the module documentation).
+        if let Some(token) = self.node_token.get() {
+            headers = headers.insert(Header { key: record_headers::NODE_TOKEN, value: Some(&token[..]) });
+        }
         let fr = FutureRecord::to(&self.settings.topic).key(&record.key).payload(&record.value).headers(headers);
         let delivery = self.producer.send_result(fr).map_err(|(e, _)| Failure::of(&e))?;
         Ok(Box::pin(async move {

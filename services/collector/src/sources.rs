@@ -29,6 +29,13 @@ pub struct Emitter {
 impl Emitter {
     /// Publishes `event` and waits for Kafka's acknowledgement.
     pub async fn emit(&self, event: &HealthEvent) -> Result<(), KafkaError> {
+        self.emit_with_token(event, None).await
+    }
+
+    /// Publishes `event` with `node_token` in its `gpumedic.node-token` header (an operator's
+    /// token for `gpumedic inject`, checked by an enricher that enforces node authentication),
+    /// and waits for Kafka's acknowledgement.
+    pub async fn emit_with_token(&self, event: &HealthEvent, node_token: Option<&[u8]>) -> Result<(), KafkaError> {
         let bytes = self.codec.encode(event).expect("events built by the collector always encode");
         let id = event.event_id.to_string();
         let envelope = kafka::Envelope {
@@ -38,7 +45,19 @@ impl Emitter {
             content_type: HealthEvent::CONTENT_TYPE,
             incoming_trace: None,
         };
-        kafka::publish_record(&self.producer, envelope, &bytes).await?;
+        match node_token {
+            None => kafka::publish_record(&self.producer, envelope, &bytes).await?,
+            Some(t) => {
+                let tp = kafka::traceparent(None);
+                let headers = [
+                    (kafka::record_headers::TRACEPARENT, tp.as_bytes()),
+                    (kafka::record_headers::EVENT_ID, id.as_bytes()),
+                    (kafka::record_headers::CONTENT_TYPE, HealthEvent::CONTENT_TYPE.as_bytes()),
+                    (kafka::record_headers::NODE_TOKEN, t),
+                ];
+                kafka::publish(&self.producer, topics::HEALTH_RAW, &event.node, &bytes, &headers).await?;
+            }
+        }
         metrics::counter!("gpumedic_collector_events_total", "kind" => format!("{:?}", event.kind)).increment(1);
         Ok(())
     }

@@ -10,6 +10,12 @@
 //! some Xids (with catalog context, named by PCI bus id as the kernel log does), and a few for
 //! nodes the cache does not know.
 //!
+//! `decode_verify_enrich_encode_1000_mixed` adds what `--node-auth=enforce` adds: each record
+//! carries its node's token (a real token's size), the batch's tokens are looked up in the review
+//! cache ([`Verifier::prepare`], every token reviewed already, as in steady state where a node's
+//! token changes about hourly), and each record is checked against its node and key
+//! ([`Verifier::check`]).
+//!
 //! ```sh
 //! cargo bench -p gpumedic-enricher --bench enrich -- --warm-up-time 1 --measurement-time 5
 //! ```
@@ -19,6 +25,7 @@ use std::hint::black_box;
 
 use chrono::Utc;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gpumedic_enricher::auth::{AuthError, Policy, Review, Reviewer, ServiceAccountRef, Verifier};
 use gpumedic_enricher::cache::{ClusterCache, ContextSettings};
 use gpumedic_enricher::catalog::XidCatalog;
 use gpumedic_enricher::enrich;
@@ -163,6 +170,35 @@ fn enrich_step(
     gpumedic_schemas::codec::encode_into(&enriched, out).expect("encodes");
 }
 
+/// Answers every token as the collector's on the node it names, as the apiserver would for a
+/// Pod-bound token; counts nothing (steady state asks it nothing).
+struct Apiserver;
+
+impl Reviewer for Apiserver {
+    async fn review(&self, token: &str) -> Result<Review, AuthError> {
+        let signature = token.split('.').nth(2).unwrap_or_default();
+        let node = signature.split('~').next().unwrap_or_default().to_owned();
+        Ok(Review::Authenticated {
+            username: "system:serviceaccount:gpumedic:gpumedic-collector".into(),
+            node: Some(node),
+        })
+    }
+}
+
+/// A token the size of a projected ServiceAccount token (about 1 KiB), for `node`; the fake
+/// apiserver reads the node from its last part.
+fn token(node: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let claims = format!(
+        r#"{{"aud":["gpumedic"],"exp":{},"iat":1764590000,"iss":"https://kubernetes.default.svc","kubernetes.io":{{"namespace":"gpumedic","node":{{"name":"{node}","uid":"5e5b9c1a-0000-4000-8000-000000000000"}},"pod":{{"name":"gpumedic-collector-x7k2p","uid":"9f1c2d3e-0000-4000-8000-000000000000"}},"serviceaccount":{{"name":"gpumedic-collector","uid":"0a1b2c3d-0000-4000-8000-000000000000"}}}},"nbf":1764590000,"sub":"system:serviceaccount:gpumedic:gpumedic-collector"}}"#,
+        chrono::Utc::now().timestamp() + 3600
+    );
+    // The signature's place holds the node and RS256's 342 characters.
+    format!("{}.{}.{node}~{}", b64(r#"{"alg":"RS256","kid":"k8s-signing-key-0001"}"#), b64(&claims), "x".repeat(342))
+        .into_bytes()
+}
+
 fn bench(c: &mut Criterion) {
     let cache = filled_cache();
     let inventory = filled_inventory();
@@ -187,6 +223,39 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             for payload in &events {
                 enrich_step(&cache, &inventory, &catalog, black_box(payload), &mut out);
+            }
+        })
+    });
+
+    // With node authentication: every record with its node's token, the cache warm.
+    let keyed: Vec<(Vec<u8>, Vec<u8>)> = events
+        .iter()
+        .map(|payload| {
+            let node = gpumedic_schemas::decode::<HealthEvent>(payload).expect("decodes").node;
+            let t = token(&node);
+            (node.into_bytes(), t)
+        })
+        .collect();
+    let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    let policy =
+        Policy { collector: ServiceAccountRef::parse("gpumedic:gpumedic-collector").expect("valid"), operator: None };
+    let mut verifier = Verifier::new(Apiserver, policy, 100_000);
+    let now = Utc::now().timestamp();
+    runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], &t[..])), now)).expect("reviewed");
+    assert!(verifier.len() > NODES / 2, "one review per node's token");
+    assert!(keyed[0].1.len() > 900, "a token the size of a real one");
+    group.bench_function("decode_verify_enrich_encode_1000_mixed", |b| {
+        b.iter(|| {
+            runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], &t[..])), now)).expect("cached");
+            for (payload, (key, token)) in events.iter().zip(&keyed) {
+                let event: HealthEvent = gpumedic_schemas::decode(black_box(payload)).expect("decodes");
+                let accepted = verifier.check(Some(token), &event.node, Some(key), now);
+                assert!(accepted.is_ok(), "{accepted:?}");
+                let node = cache.node(&event.node);
+                let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
+                let enriched = enrich::enrich(event, node.as_ref(), gpu, &catalog, Utc::now());
+                out.clear();
+                gpumedic_schemas::codec::encode_into(&enriched, &mut out).expect("encodes");
             }
         })
     });

@@ -8,7 +8,12 @@
 //! identity from the node's latest `gpu_inventory` event ([`inventory`]); one that cannot be is
 //! passed on marked `gpu_unresolved`, and counted. A record that cannot be decoded goes to
 //! `gpumedic.health.raw.v1.dlq` with the reason.
+//!
+//! With `--node-auth=enforce`, a record is enriched only when it carries a token of the
+//! collector of the node it claims ([`auth`]); any other goes to the dead-letter topic with the
+//! reason, counted per claimed node, before it can touch a cache.
 
+pub mod auth;
 pub mod cache;
 pub mod catalog;
 pub mod enrich;
@@ -29,6 +34,7 @@ use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
 
+use crate::auth::{Accepted, KubeReviewer, NodeAuthMode, Policy, ServiceAccountRef, Verifier};
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
 use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
@@ -86,6 +92,31 @@ pub struct Args {
     /// collector refreshes every 5 minutes).
     #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_AGE", default_value = "15m")]
     inventory_max_age: String,
+    /// Whether raw records must carry a valid token of the collector of the node they claim:
+    /// `enforce` (the Kustomize base) dead-letters every other record; `off` (the default, for
+    /// pipelines whose collectors run outside Kubernetes: the demo, tests) checks nothing.
+    #[arg(long, env = "GPUMEDIC_NODE_AUTH", default_value = "off")]
+    node_auth: String,
+    /// The collectors' ServiceAccount, `namespace:name`: only its Pod-bound tokens speak for a
+    /// node.
+    #[arg(long, env = "GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", default_value = "gpumedic:gpumedic-collector")]
+    collector_service_account: String,
+    /// A ServiceAccount, `namespace:name`, whose tokens may speak for any node (`gpumedic
+    /// inject --token-file`); each such record is counted and logged. None when empty.
+    #[arg(long, env = "GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", default_value = "")]
+    operator_service_account: String,
+    /// Most token reviews cached (one per collector token: a node's token changes about hourly).
+    #[arg(long, env = "GPUMEDIC_NODE_TOKEN_CACHE_SIZE", default_value_t = 100_000)]
+    node_token_cache_size: usize,
+}
+
+/// How node tokens are checked, when they are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAuthSettings {
+    /// Whose tokens are accepted.
+    pub policy: Policy,
+    /// Most reviews cached.
+    pub cache_size: usize,
 }
 
 /// The validated configuration.
@@ -109,6 +140,8 @@ pub struct Config {
     pub batch: BatchSettings,
     /// Bounds of the GPU inventory cache.
     pub inventory: InventoryLimits,
+    /// Node authentication; `None` when `--node-auth=off`.
+    pub node_auth: Option<NodeAuthSettings>,
 }
 
 impl Validate for Args {
@@ -153,6 +186,29 @@ impl Validate for Args {
                     None
                 }
             });
+        let mode = p.check("--node-auth", NodeAuthMode::parse(&self.node_auth));
+        let collector =
+            p.check("--collector-service-account", ServiceAccountRef::parse(&self.collector_service_account));
+        let operator = match self.operator_service_account.as_str() {
+            "" => None,
+            raw => p.check("--operator-service-account", ServiceAccountRef::parse(raw)),
+        };
+        if operator.is_some() && operator == collector {
+            p.push(
+                "--operator-service-account",
+                "must differ from --collector-service-account (it may speak for any node)",
+            );
+        }
+        if !(1..=10_000_000).contains(&self.node_token_cache_size) {
+            p.push("--node-token-cache-size", format!("{} is not from 1 to 10000000", self.node_token_cache_size));
+        }
+        let node_auth = match (mode, collector) {
+            (Some(NodeAuthMode::Enforce), Some(collector)) => Some(NodeAuthSettings {
+                policy: Policy { collector, operator },
+                cache_size: self.node_token_cache_size,
+            }),
+            _ => None,
+        };
         let catalog = match &self.xid_catalog {
             None => Some(XidCatalog::embedded()),
             Some(path) => p.check("--xid-catalog", XidCatalog::load(path).map_err(|e| e.to_string())),
@@ -178,6 +234,7 @@ impl Validate for Args {
                 max_gpus: self.inventory_max_gpus,
                 max_age: max_age.expect("checked"),
             },
+            node_auth,
         })
     }
 }
@@ -210,7 +267,31 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
         }
     };
+    let auth = match &config.node_auth {
+        None => {
+            tracing::warn!(
+                "Node authentication is off (--node-auth=off): any holder of the Kafka credential can publish events for any node."
+            );
+            None
+        }
+        Some(settings) => {
+            let client = match k8s::client().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "Cannot build the Kubernetes client that reviews node tokens.");
+                    return Err(ShutdownError::TaskFailed { task: "node-auth".into(), source: Box::new(e) });
+                }
+            };
+            tracing::info!(
+                collector = %settings.policy.collector.username(),
+                operator = settings.policy.operator.as_ref().map(ServiceAccountRef::username).unwrap_or_default(),
+                "Node authentication is enforced: a raw record is enriched only with a token of the collector on the node it claims."
+            );
+            Some(Verifier::new(KubeReviewer::new(client), settings.policy.clone(), settings.cache_size))
+        }
+    };
     let handler = Enrich {
+        auth,
         cache,
         inventory: InventoryCache::new(config.inventory),
         catalog: config.catalog,
@@ -239,6 +320,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
 /// rest go on; a failed produce or an unreachable schema registry retries the whole batch
 /// (consumers deduplicate by event id).
 pub struct Enrich {
+    /// The node token check, when enforced.
+    auth: Option<Verifier<KubeReviewer>>,
     cache: ClusterCache,
     /// Owned by the handler, which is one task: no lock on the hot path.
     inventory: InventoryCache,
@@ -256,6 +339,15 @@ impl BatchHandler for Enrich {
         // Counted once per batch rather than per event: a metrics lookup per event costs more
         // than the resolution itself.
         let mut unresolved = [0u64; Unresolved::ALL.len()];
+        let now_s = now.timestamp();
+        if let Some(auth) = &mut self.auth {
+            // Every token of the batch reviewed (or cached) first; an apiserver that does not
+            // answer fails the batch, which is retried: no record is accepted unreviewed.
+            let tokens = records
+                .iter()
+                .filter_map(|r| Some((r.key.as_deref().unwrap_or_default(), r.header(record_headers::NODE_TOKEN)?)));
+            auth.prepare(tokens, now_s).await?;
+        }
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
                 dispositions[i] = Disposition::DeadLetter("empty record".into());
@@ -269,6 +361,31 @@ impl BatchHandler for Enrich {
                     continue;
                 }
             };
+            if let Some(auth) = &mut self.auth {
+                match auth.check(record.header(record_headers::NODE_TOKEN), &event.node, record.key.as_deref(), now_s) {
+                    Ok(Accepted::Node) => {}
+                    Ok(Accepted::Operator) => {
+                        metrics::counter!("gpumedic_enricher_records_operator_total").increment(1);
+                        tracing::info!(node = %event.node, event_id = %event.event_id, "An operator published a raw event for a node; enriching it.");
+                    }
+                    Err(refusal) => {
+                        // A node the cluster does not know is one label, whatever name it claims:
+                        // the label set stays bounded by the cluster's nodes.
+                        let claimed = if self.cache.node(&event.node).is_some() {
+                            event.node.clone()
+                        } else {
+                            "unknown".to_owned()
+                        };
+                        metrics::counter!("gpumedic_enricher_records_unauthenticated_total", "claimed_node" => claimed, "reason" => refusal.label())
+                            .increment(1);
+                        // The consumer loop logs the dead-lettering with the reason; this adds who was claimed.
+                        tracing::debug!(claimed_node = %event.node, event_id = %event.event_id, reason = %refusal,
+                            "A raw record does not carry a valid token of the node it claims; dead-lettering it.");
+                        dispositions[i] = Disposition::DeadLetter(refusal.to_string());
+                        continue;
+                    }
+                }
+            }
             let node = self.cache.node(&event.node);
             if node.is_none() {
                 metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
@@ -314,5 +431,46 @@ impl BatchHandler for Enrich {
         }
         metrics::gauge!("gpumedic_enricher_inventory_nodes").set(self.inventory.len() as f64);
         Ok(dispositions)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Result<Config, Problems> {
+        let mut argv = vec!["gpumedic-enricher", "--kafka-bootstrap", "127.0.0.1:1"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).expect("parses").validate()
+    }
+
+    #[test]
+    fn node_auth_is_off_unless_enforced_and_names_valid_service_accounts() {
+        assert_eq!(args(&[]).expect("valid").node_auth, None);
+        let c = args(&["--node-auth", "enforce", "--operator-service-account", "gpumedic:ops"]).expect("valid");
+        let auth = c.node_auth.expect("enforced");
+        assert_eq!(auth.policy.collector.username(), "system:serviceaccount:gpumedic:gpumedic-collector");
+        assert_eq!(
+            auth.policy.operator.as_ref().map(ServiceAccountRef::username),
+            Some("system:serviceaccount:gpumedic:ops")
+        );
+        let err = args(&[
+            "--node-auth",
+            "on",
+            "--collector-service-account",
+            "gpumedic",
+            "--operator-service-account",
+            "x:y:z",
+            "--node-token-cache-size",
+            "0",
+        ])
+        .expect_err("invalid");
+        let fields: Vec<&str> = err.list().iter().map(|p| p.field.as_str()).collect();
+        for f in ["--node-auth", "--collector-service-account", "--operator-service-account", "--node-token-cache-size"]
+        {
+            assert!(fields.contains(&f), "{f} in {fields:?}");
+        }
+        let same = args(&["--node-auth", "enforce", "--operator-service-account", "gpumedic:gpumedic-collector"]);
+        assert!(same.is_err(), "the operator may not be the collector");
     }
 }

@@ -330,7 +330,8 @@ impl Remediator {
             if let Some((pod, why)) = report.blocked.first() {
                 detail.push_str(&format!("; {pod}: {why}"));
             }
-            tracing::warn!(node = name, report = %detail, "The drain did not finish by its deadline.");
+            tracing::warn!(node = name, report = %detail, "The drain did not finish by its deadline; the resync drains again.");
+            metrics::counter!("gpumedic_remediator_drains_incomplete_total").increment(1);
             self.record(node, &[note("DrainIncomplete", detail, true)]).await;
         }
         Ok(report)

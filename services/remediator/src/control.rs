@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{SecondsFormat, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde::Serialize;
@@ -49,6 +49,9 @@ pub mod keys {
     pub const LAST_RESET_BY: &str = "lastResetBy";
     /// When the last reset was carried out.
     pub const LAST_RESET_AT: &str = "lastResetAt";
+    /// The quarantines the breaker counts within its window, as JSON `{"<node>": "<RFC 3339>"}`:
+    /// the budget every leader shares, so a failover does not hand out a fresh one.
+    pub const QUARANTINE_LEDGER: &str = "quarantineLedger";
 }
 
 /// The status object as read.
@@ -79,6 +82,9 @@ pub struct Status {
     pub last_reset_by: Option<String>,
     /// When it was carried out.
     pub last_reset_at: Option<String>,
+    /// The quarantines counted within the breaker's window: node and when (see
+    /// [`keys::QUARANTINE_LEDGER`]); an unreadable ledger reads as empty.
+    pub quarantine_ledger: BTreeMap<String, DateTime<Utc>>,
 }
 
 impl Status {
@@ -99,6 +105,17 @@ impl Status {
             reset_requested_at: text(keys::RESET_REQUESTED_AT),
             last_reset_by: text(keys::LAST_RESET_BY),
             last_reset_at: text(keys::LAST_RESET_AT),
+            quarantine_ledger: data
+                .get(keys::QUARANTINE_LEDGER)
+                .and_then(|v| serde_json::from_str::<BTreeMap<String, String>>(v).ok())
+                .map(|m| {
+                    m.into_iter()
+                        .filter_map(|(node, at)| {
+                            DateTime::parse_from_rfc3339(&at).ok().map(|t| (node, t.with_timezone(&Utc)))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
         }
     }
 
@@ -136,7 +153,16 @@ pub fn reset_done_patch(by: &str, at: &str) -> Value {
         keys::LAST_RESET_AT: at,
         keys::RESET_REQUESTED_BY: Value::Null,
         keys::RESET_REQUESTED_AT: Value::Null,
+        keys::QUARANTINE_LEDGER: Value::Null,
     }))
+}
+
+/// The quarantines the breaker counts within its window (written by the leader after each
+/// remediation that changed them).
+pub fn ledger_patch(ledger: &BTreeMap<String, DateTime<Utc>>) -> Value {
+    let text: BTreeMap<&str, String> =
+        ledger.iter().map(|(n, at)| (n.as_str(), at.to_rfc3339_opts(SecondsFormat::Secs, true))).collect();
+    data_patch(json!({ keys::QUARANTINE_LEDGER: serde_json::to_string(&text).unwrap_or_default() }))
 }
 
 /// An operator asks for a breaker reset (written by `gpumedic breaker reset`).

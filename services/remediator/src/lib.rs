@@ -96,6 +96,7 @@ fn register_metrics() {
     }
     for name in [
         "gpumedic_remediator_writes_refused_not_leading_total",
+        "gpumedic_remediator_drains_incomplete_total",
         "gpumedic_remediator_breaker_trips_total",
         "gpumedic_remediator_breaker_resets_total",
         "gpumedic_remediator_leadership_lost_total",
@@ -184,6 +185,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         lease_namespace: config.lease.namespace.clone(),
         consuming,
         open_persisted: AtomicBool::new(false),
+        persisted_ledger: std::sync::Mutex::new(std::collections::BTreeSet::new()),
         status_writes: tokio::sync::Mutex::new(()),
         refused_ladders: std::sync::Mutex::new(std::collections::HashSet::new()),
     });

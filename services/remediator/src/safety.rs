@@ -135,6 +135,12 @@ impl CircuitBreaker {
         self.limits.window
     }
 
+    /// The quarantines counted within the window at `now`: node and when.
+    pub fn ledger(&mut self, now: Instant) -> Vec<(String, Instant)> {
+        self.expire(now);
+        self.quarantined.iter().map(|(n, at)| (n.clone(), *at)).collect()
+    }
+
     /// How many quarantines count within the window at `now`.
     pub fn counted(&mut self, now: Instant) -> usize {
         self.expire(now);

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) consuming: ReadyFlag,
     /// Whether the status object says the breaker is open, as last read or written.
     pub(crate) open_persisted: AtomicBool,
+    /// The nodes of the breaker's ledger as last written to the status object.
+    pub(crate) persisted_ledger: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Serialises the leader's writes to the status object (a trip and a reset must not cross).
     pub(crate) status_writes: tokio::sync::Mutex<()>,
     /// The unreadable ladders already reported with an Event (node, annotation value).
@@ -65,14 +67,21 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
     let wall = chrono::Utc::now();
     let mut gate = lock_gate(&shared.remediator);
     let window = gate.breaker.window();
-    let quarantined: Vec<(String, Instant)> = nodes
-        .iter()
-        .filter_map(|n| {
-            let added = quarantined_at(n)?;
-            let age = (wall - added).to_std().unwrap_or_default();
-            (age < window).then(|| (n.metadata.name.clone().unwrap_or_default(), now.checked_sub(age).unwrap_or(now)))
-        })
-        .collect();
+    // The shared ledger, and gpumedic's taints still on nodes (a ledger written before a crash may
+    // lack the last quarantine): the later time of the two per node.
+    let mut quarantined: std::collections::BTreeMap<String, Instant> = std::collections::BTreeMap::new();
+    let from_taints =
+        nodes.iter().filter_map(|n| Some((n.metadata.name.clone().unwrap_or_default(), quarantined_at(n)?)));
+    for (node, added) in status.quarantine_ledger.clone().into_iter().chain(from_taints) {
+        let age = (wall - added).to_std().unwrap_or_default();
+        if age < window {
+            let at = now.checked_sub(age).unwrap_or(now);
+            let entry = quarantined.entry(node).or_insert(at);
+            *entry = (*entry).max(at);
+        }
+    }
+    *shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+        status.quarantine_ledger.keys().cloned().collect();
     let trip = status
         .breaker_open
         .then(|| status.breaker_reason.clone().unwrap_or_else(|| "tripped under an earlier leader".to_owned()));
@@ -102,9 +111,32 @@ pub(crate) fn lock_gate(remediator: &Remediator) -> std::sync::MutexGuard<'_, Ga
     remediator.gate().lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Writes a trip the gate has and the status object does not show yet. Called after every
-/// remediation, before its outcome is acknowledged, so no trip is lost to a crash.
+/// Writes the breaker's ledger when it counts a quarantine the status object does not show yet
+/// (expired entries go at the next write), so every leader shares one budget.
+async fn persist_ledger(shared: &Shared) -> Result<(), BoxError> {
+    let (now, wall) = (Instant::now(), chrono::Utc::now());
+    let entries = lock_gate(&shared.remediator).breaker.ledger(now);
+    let ledger: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>> = entries
+        .into_iter()
+        .map(|(node, at)| {
+            (node, wall - chrono::Duration::from_std(now.saturating_duration_since(at)).unwrap_or_default())
+        })
+        .collect();
+    let nodes: std::collections::BTreeSet<String> = ledger.keys().cloned().collect();
+    if nodes.is_subset(&shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner)) {
+        return Ok(());
+    }
+    let _writing = shared.status_writes.lock().await;
+    shared.status.patch(&control::ledger_patch(&ledger)).await?;
+    *shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = nodes;
+    Ok(())
+}
+
+/// Writes what the breaker counts (its ledger) and a trip the gate has that the status object
+/// does not show yet. Called after every remediation, before its outcome is acknowledged, so
+/// neither a quarantine counted nor a trip is lost to a crash or a failover.
 pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
+    persist_ledger(shared).await?;
     if shared.open_persisted.load(Ordering::Acquire) {
         return Ok(());
     }
@@ -157,6 +189,7 @@ pub(crate) async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
         let was_open = lock_gate(&shared.remediator).breaker.trip().is_some();
         lock_gate(&shared.remediator).breaker.reset();
         shared.status.patch(&control::reset_done_patch(&by, &control::now())).await?;
+        shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         shared.open_persisted.store(false, Ordering::Release);
         metrics::gauge!("gpumedic_remediator_breaker_open").set(0.0);
         metrics::counter!("gpumedic_remediator_breaker_resets_total").increment(1);

@@ -107,7 +107,15 @@ pub fn outcome_for(
 ) -> ActionOutcome {
     let (status, detail) = match result {
         Ok(Outcome::Applied { plan, drain }) => {
-            let mut d = describe(plan);
+            // The contract has no incomplete status (a new symbol waits for a schema release):
+            // the detail starts with "drain incomplete" instead, so it reads apart from a drain
+            // that finished.
+            let mut d = match drain {
+                Some(r) if !r.complete() => {
+                    format!("drain incomplete (retried at the next resync): {}", describe(plan))
+                }
+                _ => describe(plan),
+            };
             if let Some(r) = drain {
                 d.push_str(&format!(
                     "; drain: {} evicted, {} completed, {} force-deleted, {} skipped, {} blocked, {} remaining, {} failed",

@@ -387,6 +387,38 @@ async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gp
 }
 
 #[tokio::test]
+async fn a_failover_does_not_refresh_the_breaker_budget_even_after_the_quarantined_node_recovered() {
+    let w = World::new().await;
+    let (first, second) = (w.node().await, w.node().await);
+    // One quarantine per hour, whatever the share.
+    let limits = [("GPUMEDIC_BREAKER_MAX_COUNT", "1".to_owned())];
+    let mut r = w.start("rem-a", &limits);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let incident = uuid::Uuid::new_v4();
+    let v = verdict(&first, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    // It recovers: gpumedic's taint, which a new leader used to count the budget from, is gone.
+    let v = verdict(&first, incident, RecommendedAction::None, Severity::Info, true);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(gpumedic_taints(&get_node(&w.client, &first).await).is_empty());
+    let status = w.status().await;
+    assert!(status.quarantine_ledger.contains_key(&first), "the budget spent is shared: {status:?}");
+
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut r = w.start("rem-b", &limits);
+    r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    let v = verdict(&second, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    w.publish(&v).await;
+    let o = w.outcome(v.verdict_id, |_| true).await;
+    assert_eq!(o.status, ActionStatus::BlockedByBreaker, "the new leader counts the first quarantine: {}", o.detail);
+    assert!(!cordoned(&get_node(&w.client, &second).await));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&first, &second], &[&w.ns]).await;
+}
+
+#[tokio::test]
 async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through() {
     let w = World::new().await;
     let name = w.node().await;

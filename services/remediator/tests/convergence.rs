@@ -117,7 +117,12 @@ impl World {
 
     /// Starts the remediator in `mode`, resyncing every second.
     async fn start(&self, mode: &str) -> ServiceProcess {
-        let env = vec![
+        self.start_with(mode, &[]).await
+    }
+
+    /// [`World::start`] with `extra` settings.
+    async fn start_with(&self, mode: &str, extra: &[(&str, String)]) -> ServiceProcess {
+        let mut env = vec![
             ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
             ("GPUMEDIC_GROUP", self.group.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
@@ -136,6 +141,10 @@ impl World {
             ("GPUMEDIC_INCIDENT_DATABASE_URL", self.store.url.clone()),
             ("GPUMEDIC_RESYNC_INTERVAL", "1s".into()),
         ];
+        for (k, v) in extra {
+            env.retain(|(key, _)| key != k);
+            env.push((k, v.clone()));
+        }
         let mut r = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
         r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
         r
@@ -293,6 +302,65 @@ async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and
     })
     .await;
     assert!(released.ends_with(" 1"), "released exactly once: {released}");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried_until_it_finishes() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+    let w = World::new().await;
+    let name = w.node().await;
+    pod(&w.client, &w.ns, "held", &name, json!({ "labels": { "app": "held" } })).await;
+    mark_running(&w.client, &w.ns, "held").await;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(w.client.clone(), &w.ns);
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "held" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "held" } } }
+    }))
+    .unwrap();
+    let created = pdbs.create(&PostParams::default(), &pdb).await.expect("pdb created");
+    // No controller-manager in the testbed: write the status its disruption controller would.
+    let status = json!({ "status": { "observedGeneration": created.metadata.generation, "disruptionsAllowed": 0,
+        "currentHealthy": 1, "desiredHealthy": 1, "expectedPods": 1 } });
+    pdbs.patch_status("held", &PatchParams::default(), &Patch::Merge(status)).await.expect("pdb status");
+
+    let mut r = w.start_with("cordon-drain", &[("GPUMEDIC_DRAIN_DEADLINE", "1s".into())]).await;
+    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false);
+    w.issue(&v).await;
+    let o = wait_for_outcome(&w.actions, v.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    assert!(o.detail.starts_with("drain incomplete"), "{}", o.detail);
+    assert_eq!(pods_left(&w.client, &w.ns).await, ["held"]);
+    eventually("the incomplete drain to be counted", Duration::from_secs(10), async || {
+        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        body.lines()
+            .any(|l| l.starts_with("gpumedic_remediator_drains_incomplete_total") && !l.ends_with(" 0"))
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        get_node(&w.client, &name)
+            .await
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("gpumedic.io/state")
+            .map(String::as_str),
+        Some("draining")
+    );
+
+    // The budget goes; no new verdict: the resync drains again and the node reads drained.
+    pdbs.delete("held", &DeleteParams::default()).await.expect("pdb deleted");
+    eventually("the resync to finish the drain", Duration::from_secs(60), async || {
+        let node = get_node(&w.client, &name).await;
+        let drained =
+            node.metadata.labels.unwrap_or_default().get("gpumedic.io/state").map(String::as_str) == Some("drained");
+        (drained && pods_left(&w.client, &w.ns).await.is_empty()).then_some(())
+    })
+    .await;
+    let o = wait_for_outcome(&w.actions, v.verdict_id, |o| o.detail.starts_with("resync")).await;
+    assert_eq!(o.status, ActionStatus::Applied, "{}", o.detail);
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }

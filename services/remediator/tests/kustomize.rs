@@ -571,6 +571,25 @@ fn every_overlay_renders_a_deployment_that_can_run() {
         assert_rbac(&objects);
         assert_network_policies(&objects);
         assert_monitoring(&objects);
+        assert_kafka_principals(&objects);
+    }
+}
+
+/// Each workload talks to Kafka as its own principal: its options (with its SASL password) come
+/// from its own Secret, `gpumedic-kafka-<service>`, never from one shared by all four.
+fn assert_kafka_principals(objects: &[Value]) {
+    for w in workloads(objects) {
+        let env = environment(objects, &containers(w)[0]);
+        let options =
+            env.get("GPUMEDIC_KAFKA_OPTIONS").unwrap_or_else(|| panic!("{}: GPUMEDIC_KAFKA_OPTIONS", name(w)));
+        let own = format!("gpumedic-kafka-{}", name(w).trim_start_matches("gpumedic-"));
+        assert_eq!(
+            str_at(options, "/secretKeyRef/name"),
+            Some(own.as_str()),
+            "{}: options from its own Secret",
+            name(w)
+        );
+        assert_eq!(str_at(options, "/secretKeyRef/key"), Some("options"), "{}: the Secret's key", name(w));
     }
 }
 
@@ -599,9 +618,11 @@ fn the_kafka_and_otel_components_reach_every_service() {
         let env = environment(&objects, c);
         let options =
             env.get("GPUMEDIC_KAFKA_OPTIONS").unwrap_or_else(|| panic!("{}: GPUMEDIC_KAFKA_OPTIONS", name(w)));
+        // Each workload's own Secret (one Kafka principal per service); the shared Secret
+        // gpumedic-kafka is gone.
         assert_eq!(
             str_at(options, "/secretKeyRef/name"),
-            Some("gpumedic-kafka"),
+            Some(format!("gpumedic-kafka-{}", name(w).trim_start_matches("gpumedic-")).as_str()),
             "{}: options from the Secret",
             name(w)
         );

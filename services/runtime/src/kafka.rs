@@ -1233,6 +1233,10 @@ pub mod record_headers {
     pub const EVENT_ID: &str = "gpumedic.event-id";
     /// The record's media type.
     pub const CONTENT_TYPE: &str = "content-type";
+    /// On a raw health record: the producing collector's projected ServiceAccount token (audience
+    /// `gpumedic`), bound to its Pod and so to its node. The enricher verifies it against the
+    /// record's node (docs/security.md).
+    pub const NODE_TOKEN: &str = "gpumedic.node-token";
 }
 
 /// The OpenTelemetry context a `traceparent` header carries, if it is a valid one.

@@ -365,13 +365,27 @@ impl Engine {
     }
 
     /// Replaces the rules (after a successful reload), keeping the state of every rule whose id
-    /// and version are unchanged; state of removed or changed rules is dropped.
+    /// and version are unchanged. A changed rule (same id, new version) starts counting afresh
+    /// but keeps its open incidents, followed under the new version; a removed rule's state is
+    /// dropped.
     pub fn replace_rules(&mut self, rules: RuleSet) {
         self.rules = rules;
         let rules = &self.rules;
         for node in self.nodes.values_mut() {
             node.keys.retain(|(rule_id, _), st| {
-                rules.get(rule_id).is_some_and(|r| r.version == st.version && st.cond.fits(&r.condition))
+                let Some(r) = rules.get(rule_id) else { return false };
+                if r.version == st.version && st.cond.fits(&r.condition) {
+                    return true;
+                }
+                // A changed rule (a new version) starts counting afresh, but its open incidents
+                // stay followed under the new version, so they clear on its evidence: a version
+                // bump never orphans an open incident and the quarantine it holds.
+                if st.incident.is_some() {
+                    st.version = r.version;
+                    st.cond = CondState::new(&r.condition);
+                    return true;
+                }
+                false
             });
             node.next_deadline = Some(i64::MIN);
         }
@@ -1186,17 +1200,21 @@ rules:
     }
 
     #[test]
-    fn replacing_rules_keeps_unchanged_state_and_drops_changed() {
+    fn replacing_rules_keeps_unchanged_state_and_follows_a_changed_rules_open_incidents() {
         let mut e = Engine::new(rules(RULES));
         e.observe(&xid("a", 0, "g0", 13));
         e.observe(&xid("b", S, "g0", 13));
         e.observe(&xid("c", 0, "g0", 62));
+        let before: Vec<String> = e.open_incidents().iter().map(|i| i.rule_id.clone()).collect();
+        assert_eq!(before, ["guess"], "the Xid 62 incident is open");
         e.replace_rules(rules(&RULES.replacen(
             "version: 1\n    description: Xid 62",
             "version: 2\n    description: Xid 62",
             1,
         )));
-        assert!(e.open_incidents().is_empty(), "the changed rule's incident is dropped");
+        let after: Vec<String> = e.open_incidents().iter().map(|i| i.rule_id.clone()).collect();
+        assert_eq!(after, before, "a version bump does not orphan the open incident");
+        assert_eq!(e.snapshot().nodes[0].keys.iter().find(|k| k.rule == "guess").map(|k| k.state.version), Some(2));
         assert_eq!(e.observe(&xid("d", 2 * S, "g0", 13)).len(), 1, "the unchanged count kept its two events");
     }
 

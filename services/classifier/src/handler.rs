@@ -1,0 +1,199 @@
+//! The consumer's batch handler ([`Handler`]): a batch of records decoded, its events observed
+//! through the engine, its verdicts published, and all of it written to Postgres at once.
+
+use std::sync::Arc;
+
+use gpumedic_runtime::BoxError;
+use gpumedic_runtime::kafka::{BatchHandler, Disposition, Record, record_headers};
+use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Verdict};
+use tokio::sync::Mutex;
+
+use crate::classifier::{Classifier, ClassifierError};
+use crate::rules::engine::{Absorbed, Decision, Engine};
+use crate::{nvlink, observe, store, workload};
+
+/// Where a batch's time goes: `decode` (Avro and the JSON kept in Postgres), `classify` (the
+/// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
+fn stage_seconds(stage: &'static str, from: std::time::Instant, to: std::time::Instant) {
+    metrics::histogram!("gpumedic_classifier_batch_stage_seconds", "stage" => stage)
+        .record(to.duration_since(from).as_secs_f64());
+}
+
+/// Identifies a batch by its first and last record and its length: the consumer loop offers a
+/// failed batch again unchanged, so the same key means the same records.
+type BatchKey = (String, i32, i64, String, i32, i64, usize);
+
+fn batch_key(records: &[Record]) -> Option<BatchKey> {
+    let (first, last) = (records.first()?, records.last()?);
+    Some((
+        first.topic.clone(),
+        first.partition,
+        first.offset,
+        last.topic.clone(),
+        last.partition,
+        last.offset,
+        records.len(),
+    ))
+}
+
+/// A failed batch's key, its decisions with the index of the record behind each, and the
+/// sympathetic events it absorbed.
+type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>);
+
+/// The consumer's batch handler: enriched events into the engine and all of the batch into
+/// Postgres at once; action outcomes into the record.
+pub struct Handler {
+    classifier: Arc<Mutex<Classifier>>,
+    actions_topic: String,
+    /// Decisions of the batch being retried, with the index of the record behind each, and the
+    /// sympathetic events it absorbed: the engine has already taken its events in (and would
+    /// ignore them a second time), so they must not be lost with a failed publish or write.
+    retrying: Option<Retry>,
+}
+
+impl Handler {
+    /// A handler over `classifier`, recording outcomes read from `actions_topic`.
+    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String) -> Self {
+        Handler { classifier, actions_topic, retrying: None }
+    }
+}
+
+impl BatchHandler for Handler {
+    #[tracing::instrument(name = "classify_batch", skip_all, fields(records = records.len()))]
+    async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
+        let started = std::time::Instant::now();
+        let mut dispositions = vec![Disposition::Done; records.len()];
+        let (codec, parts, workload_faults, skew) = {
+            let c = self.classifier.lock().await;
+            (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance)
+        };
+        // One batch per concurrent write; a node's rows all go to the same one.
+        let mut batch = store::Batch::parts(parts, records.len());
+        let mut observations = Vec::with_capacity(records.len());
+        let mut sightings = Vec::new();
+        for (i, record) in records.iter().enumerate() {
+            let Some(payload) = record.payload.as_deref() else {
+                dispositions[i] = Disposition::DeadLetter("empty record".into());
+                continue;
+            };
+            if record.topic == self.actions_topic {
+                match codec.decode::<ActionOutcome>(payload).await {
+                    // Outcomes refer to verdicts of earlier batches, already written.
+                    Ok(outcome) => batch[0].actions.push(&outcome),
+                    // An unreachable schema registry: the whole batch waits and is retried.
+                    Err(e) if e.is_transient() => return Err(Box::new(e)),
+                    Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
+                }
+                continue;
+            }
+            match codec.decode::<EnrichedHealthEvent>(payload).await {
+                Ok(mut event) => {
+                    // Bounded before it is recorded, so the engine, Postgres and a rebuild from
+                    // Postgres all see the same time.
+                    if let Some(at) = observe::bounded_observed_at(event.event.observed_at, record.timestamp_ms, skew) {
+                        clock_skew_clamped(&event, at);
+                        event.event.observed_at = at;
+                    }
+                    match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
+                        Ok(()) => {
+                            sightings.extend(workload::sighting(&event, &workload_faults));
+                            let key = (event.event.event_id, event.event.observed_at);
+                            observations.push((i, key, observe::observation(&event)));
+                        }
+                        Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
+                    }
+                }
+                Err(e) if e.is_transient() => return Err(Box::new(e)),
+                Err(e) => dispositions[i] = Disposition::DeadLetter(format!("{}: {e}", e.reason())),
+            }
+        }
+        let key = batch_key(records);
+        let c = &mut *self.classifier.lock().await;
+        // Before any record of a newly assigned partition: that node's state comes first.
+        c.reconcile().await?;
+        let decoded = std::time::Instant::now();
+        stage_seconds("decode", started, decoded);
+        let (decisions, absorbed) = match self.retrying.take() {
+            Some((k, decisions, absorbed)) if Some(&k) == key.as_ref() => (decisions, absorbed),
+            _ => {
+                // Only events new to Postgres are observed: one recorded there had its verdicts
+                // published before it was written, however long ago (the engine's own memory of
+                // ids is short). The insert skips them too; they count as duplicates below.
+                let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
+                let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
+                let fresh: Vec<_> = observations.iter().filter(|(_, key, _)| !recorded.contains(key)).collect();
+                // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
+                let mut roots = nvlink::Roots::new(c.engine.rules());
+                roots.load(&c.pool, fresh.iter().map(|(_, _, o)| o)).await.map_err(ClassifierError::from)?;
+                let mut decisions = Vec::new();
+                for (i, _, o) in fresh {
+                    let made = c.engine.observe(&roots.attach(o));
+                    roots.learn(&made);
+                    decisions.extend(made.into_iter().map(|d| (d, *i)));
+                }
+                count_refused(&mut c.engine);
+                let absorbed = c.engine.take_absorbed();
+                nvlink::absorbed(&absorbed);
+                (decisions, absorbed)
+            }
+        };
+        for a in &absorbed {
+            batch[store::part_of(&a.node, parts)].sympathetic.push(a);
+        }
+        let classified = std::time::Instant::now();
+        stage_seconds("classify", decoded, classified);
+        let outcome = async {
+            let traced: Vec<(Decision, Option<&[u8]>)> =
+                decisions.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
+            let published = c.publish(&traced).await?;
+            let acknowledged = std::time::Instant::now();
+            stage_seconds("publish", classified, acknowledged);
+            let mut by_part: Vec<Vec<(Decision, Verdict)>> = vec![Vec::new(); parts];
+            for (d, v) in published {
+                by_part[store::part_of(&v.node, parts)].push((d, v));
+            }
+            for (b, published) in batch.iter_mut().zip(&by_part) {
+                b.decisions = store::DecisionRows::new(published);
+            }
+            let written = store::write_parts(&c.pool, &batch).await?;
+            // After the events are recorded: a failure here retries the batch, which writes
+            // nothing twice.
+            c.record_workload_faults(sightings).await?;
+            stage_seconds("write", acknowledged, std::time::Instant::now());
+            Ok::<_, ClassifierError>(written)
+        }
+        .await;
+        match outcome {
+            Ok(written) => {
+                let events = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
+                metrics::counter!("gpumedic_classifier_events_total").increment(events);
+                metrics::counter!("gpumedic_classifier_duplicate_events_total")
+                    .increment(events.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
+                Ok(dispositions)
+            }
+            Err(e) => {
+                if let Some(key) = key {
+                    self.retrying = Some((key, decisions, absorbed));
+                }
+                Err(Box::new(e))
+            }
+        }
+    }
+}
+
+/// Counts and logs an event whose observed_at was bounded by its record's timestamp.
+fn clock_skew_clamped(event: &EnrichedHealthEvent, to: chrono::DateTime<chrono::Utc>) {
+    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(1);
+    tracing::warn!(node = %event.event.node, event_id = %event.event.event_id, observed_at = %event.event.observed_at,
+        record_time = %to, "An event said it happened after the record carrying it was written; it counts at the record's time.");
+}
+
+/// Counts and logs the observations the engine refused as impossible: never a fault, never
+/// healthy evidence, but an operator wants to know a node sends them (a broken sensor, a collector
+/// bug, a clock far off).
+fn count_refused(engine: &mut Engine) {
+    for r in engine.take_refused() {
+        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => r.reason.as_str()).increment(1);
+        tracing::warn!(node = %r.node, event_id = %r.event_id, reason = %r.reason, "Refused an impossible observation before any rule.");
+    }
+}

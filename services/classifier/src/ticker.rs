@@ -1,0 +1,50 @@
+//! The ticker: time-based conditions (burst ends, quiet periods) evaluated when no event arrives.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+
+use crate::classifier::{Classifier, ClassifierError};
+use crate::rules::engine::Decision;
+use crate::store;
+
+/// Evaluates time-based conditions every `every`, so a quiet period ends without a new event.
+pub(crate) async fn ticker(
+    classifier: Arc<Mutex<Classifier>>,
+    every: Duration,
+    token: tokio_util::sync::CancellationToken,
+) -> Result<(), ClassifierError> {
+    loop {
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            () = tokio::time::sleep(every) => {}
+        }
+        let mut c = classifier.lock().await;
+        // Never a deadline for a node another replica owns now.
+        if let Err(e) = c.reconcile().await {
+            tracing::warn!(error = %e, "Cannot bring the engine in line with the partition assignment; not ticking.");
+            continue;
+        }
+        let decisions: Vec<(Decision, Option<&[u8]>)> =
+            c.engine.tick(chrono::Utc::now().timestamp_micros()).into_iter().map(|d| (d, None)).collect();
+        if decisions.is_empty() {
+            continue;
+        }
+        // The engine already moved on, so retry from the decisions we hold until both writes
+        // succeed (ids are deterministic: a repeat publish is deduplicated downstream).
+        loop {
+            match c.publish(&decisions).await {
+                Ok(published) => match store::record_decisions(&c.pool, &published).await {
+                    Ok(()) => break,
+                    Err(e) => tracing::warn!(error = %e, "Cannot record tick decisions; retrying."),
+                },
+                Err(e) => tracing::warn!(error = %e, "Cannot publish tick verdicts; retrying."),
+            }
+            tokio::select! {
+                () = token.cancelled() => return Ok(()),
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The node token on the collector's records, through the binary and the real Kafka: every raw
+//! record carries the token file's content in `gpumedic.node-token`; a record spooled while Kafka
+//! was unreachable leaves with the token current when it is sent, not the one of when it was
+//! spooled; a token the kubelet rotates reaches the next records without a restart; and
+//! `--require-node-token` refuses to start without the file.
+
+use std::time::Duration;
+
+use gpumedic_runtime::kafka::record_headers;
+use gpumedic_runtime::testbed;
+use gpumedic_schemas::topics;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
+
+async fn post(addr: std::net::SocketAddr, body: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let request = format!(
+        "POST /v1/inject HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    let text = String::from_utf8_lossy(&raw);
+    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    Ok((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
+}
+
+/// Injects one Xid through the synthetic endpoint; its event id once it is spooled or published.
+async fn inject(addr: std::net::SocketAddr) -> String {
+    let mut last = String::new();
+    for _ in 0..100 {
+        match post(addr, r#"{"xid": 79}"#).await {
+            Ok((200, answer)) => {
+                let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON");
+                return v["event_ids"][0].as_str().expect("an id").to_owned();
+            }
+            Ok((code, answer)) => panic!("inject answered {code}: {answer}"),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the synthetic endpoint did not answer: {last}")
+}
+
+/// The node token header of the raw record of event `id`.
+async fn token_of(id: &str) -> Vec<u8> {
+    let record = testbed::wait_for_record(
+        topics::HEALTH_RAW,
+        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    record.header(record_headers::NODE_TOKEN).expect("a node token header").to_vec()
+}
+
+/// Starts a collector for `node` with fault injection on; the process and its injection address.
+fn start_with_addr(
+    bootstrap: String,
+    node: &str,
+    state: &std::path::Path,
+    token: &std::path::Path,
+) -> (testbed::ServiceProcess, std::net::SocketAddr) {
+    let synthetic = testbed::free_local_addr().expect("a free port");
+    let env = [
+        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+        ("GPUMEDIC_NODE_NAME", node.to_owned()),
+        ("GPUMEDIC_GPU_BACKEND", "off".into()),
+        ("GPUMEDIC_KMSG_PATH", "off".into()),
+        ("GPUMEDIC_STATE_DIR", state.display().to_string()),
+        ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
+        ("GPUMEDIC_DELIVERY_TIMEOUT", "2s".into()),
+        ("GPUMEDIC_NODE_TOKEN_FILE", token.display().to_string()),
+        ("GPUMEDIC_REQUIRE_NODE_TOKEN", "true".into()),
+    ];
+    (testbed::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
+}
+
+#[tokio::test]
+async fn records_carry_the_token_of_when_they_are_sent() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testbed::unique_name("token-node");
+    let dir = std::env::temp_dir().join(testbed::unique_name("collector-token"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (state, token) = (dir.join("state"), dir.join("token"));
+    std::fs::write(&token, "token-of-the-outage\n").unwrap();
+
+    // Kafka unreachable (nothing listens there): the event is spooled.
+    let nowhere = testbed::free_local_addr().expect("a free port").to_string();
+    let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token);
+    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let spooled = inject(addr).await;
+    collector.terminate(Duration::from_secs(15)).await.expect("stops");
+
+    // The kubelet rotated the token meanwhile; Kafka is back.
+    std::fs::write(&token, "token-after-the-outage\n").unwrap();
+    let (mut collector, addr) = start_with_addr(bootstrap.clone(), &node, &state, &token);
+    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let direct = inject(addr).await;
+    assert_eq!(token_of(&spooled).await, b"token-after-the-outage", "a spooled record leaves with today's token");
+    assert_eq!(token_of(&direct).await, b"token-after-the-outage");
+
+    // Rotated while running: a later record carries the new token, without a restart.
+    std::fs::write(&token, "token-rotated-while-running\n").unwrap();
+    let mut rotated = false;
+    for _ in 0..40 {
+        let id = inject(addr).await;
+        if token_of(&id).await == b"token-rotated-while-running" {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(rotated, "the rotated token reached the records");
+    collector.terminate(Duration::from_secs(15)).await.expect("stops");
+
+    // Required and missing: a configuration error, exit 64.
+    let (code, stderr) = testbed::run_with_invalid_config(
+        BIN,
+        &[
+            "--kafka-bootstrap",
+            "127.0.0.1:1",
+            "--node-name",
+            &node,
+            "--node-token-file",
+            "/nonexistent/gpumedic/token",
+            "--require-node-token",
+        ],
+    );
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains("--node-token-file") && stderr.contains("/nonexistent/gpumedic/token"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
