@@ -15,6 +15,9 @@ KUBERNETES_VERSION="${KUBERNETES_VERSION:-v1.36.3}"
 REGISTRY_VERSION="${REGISTRY_VERSION:-2.4.2.Final}"
 # Jaeger v2: the OTLP receiver the tracing test reads traces back from.
 JAEGER_VERSION="${JAEGER_VERSION:-v1.76.0}"
+# Prometheus's promtool, for the alert rule tests. The Go module version v0.316.0 is Prometheus
+# 3.16.0 (Prometheus tags its Go module v0.<minor>.<patch>).
+PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
 
 # Ports on 127.0.0.1, chosen away from the defaults so a system PostgreSQL on 5432 or a developer's
 # own Kafka on 9092 never clash with the testbed.

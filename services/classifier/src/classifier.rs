@@ -127,8 +127,11 @@ impl Classifier {
         for (_, v) in &out {
             tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
                 recovery = v.recovery, verdict_id = %v.verdict_id, "Verdict published.");
-            metrics::counter!("gpumedic_classifier_verdicts_total", "severity" => format!("{:?}", v.severity).to_lowercase(),
-                "recovery" => v.recovery.to_string()).increment(1);
+            // The rule is a label: rules are few (the rules directory's), and a dashboard shows
+            // which of them decide.
+            metrics::counter!("gpumedic_classifier_verdicts_total", "rule" => v.rule_id.clone(),
+                "severity" => format!("{:?}", v.severity).to_lowercase(), "recovery" => v.recovery.to_string())
+            .increment(1);
         }
         Ok(out)
     }

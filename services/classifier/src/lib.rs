@@ -62,11 +62,25 @@ use crate::ticker::ticker;
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "classifier";
 
+/// Registers, at zero, the counters that only move on a rare event, so `/metrics` names them from
+/// the start: dashboards and alerts find them, and `increase()` sees their first step.
+fn register_metrics() {
+    for reason in rules::sanity::Invalid::ALL {
+        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => reason.as_str()).increment(0);
+    }
+    metrics::counter!("gpumedic_classifier_workload_faults_total").increment(0);
+    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(0);
+    for result in ["ok", "refused"] {
+        metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => result).increment(0);
+    }
+}
+
 /// Runs the classifier until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let api_pool = api::SharedPool::default();
     let access = auth::Access::start(&config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone(), access));
+    register_metrics();
     let db_ready = service.readiness.register("database");
     let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();

@@ -6,7 +6,11 @@
 //! lost GPU's own heartbeat) does, once, after the quiet period (uncordoned, taint and condition
 //! cleared, incident resolved, one recovery verdict). Xid 13 once on another node is info only and
 //! changes nothing on it; Xid 13 from three processes on one GPU asks for diagnostics, without a
-//! cordon.
+//! cordon. Every metric the shipped alerts and dashboards name is then exported by one of the four
+//! services.
+
+#[path = "support/observability.rs"]
+mod observability;
 
 use std::process::Command;
 use std::time::Duration;
@@ -170,6 +174,10 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
             ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
             ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
             ("GPUMEDIC_DRAIN_DEADLINE", "30s".into()),
+            // The resync against the open incidents runs as in production, often enough that its
+            // metrics are there when the test reads them.
+            ("GPUMEDIC_INCIDENT_DATABASE_URL", url.clone()),
+            ("GPUMEDIC_RESYNC_INTERVAL", "5s".into()),
         ],
     )
     .unwrap();
@@ -400,6 +408,15 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     assert!(String::from_utf8_lossy(&out.stderr).contains("status"), "a bad filter is refused with the reason");
 
     assert_eq!(recoveries().await, 1, "released exactly once");
+
+    // Every metric an alert or a dashboard panel names is exported by one of the services.
+    let mut scrapes = Vec::new();
+    for s in [&collector, &enricher, &classifier, &remediator] {
+        let (code, body) = testbed::http_get(s.admin_addr(), "/metrics").await.expect("scrape /metrics");
+        assert_eq!(code, 200, "{body}");
+        scrapes.push(body);
+    }
+    observability::assert_every_used_metric_is_exported(&scrapes);
 
     for s in [&mut collector, &mut enricher, &mut classifier, &mut remediator] {
         let status = s.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));

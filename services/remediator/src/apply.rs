@@ -316,7 +316,12 @@ impl Remediator {
             None => "all pods".to_owned(),
         };
         self.record(node, &[note("DrainStarted", format!("Draining {what} through the Eviction API"), false)]).await;
+        let started = Instant::now();
         let report = drain(&self.evictions, name, scope, &self.settings.drain).await?;
+        // How long drains take, finished or cut off by their deadline (a dashboard's panel).
+        let result = if report.complete() { "complete" } else { "incomplete" };
+        metrics::histogram!("gpumedic_remediator_drain_seconds", "result" => result)
+            .record(started.elapsed().as_secs_f64());
         if report.complete() {
             self.record(node, &[note("Drained", report.summary(), false)]).await;
             self.advance(nodes, name, State::Drained).await?;

@@ -73,9 +73,38 @@ use crate::term::Shared;
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "remediator";
 
+/// Registers, at zero, the counters that only move on a rare event, so `/metrics` names them from
+/// the start: dashboards and alerts find them, and `increase()` sees their first step.
+fn register_metrics() {
+    for recovery in ["false", "true"] {
+        metrics::counter!("gpumedic_remediator_stale_verdicts_total", "recovery" => recovery).increment(0);
+    }
+    for result in ["ok", "failed"] {
+        metrics::counter!("gpumedic_remediator_resync_runs_total", "result" => result).increment(0);
+    }
+    // Not resync_actions_total: it appears with the resync's first action, which the convergence
+    // test waits for by the series' appearance.
+    for reason in ["no_record", "unknown_incident"] {
+        metrics::counter!("gpumedic_remediator_resync_skipped_total", "reason" => reason).increment(0);
+    }
+    for until in ["window", "time", "idle"] {
+        metrics::counter!("gpumedic_remediator_deferred_total", "until" => until).increment(0);
+    }
+    for name in [
+        "gpumedic_remediator_writes_refused_not_leading_total",
+        "gpumedic_remediator_drains_incomplete_total",
+        "gpumedic_remediator_breaker_trips_total",
+        "gpumedic_remediator_breaker_resets_total",
+        "gpumedic_remediator_leadership_lost_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+}
+
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
+    register_metrics();
     let kube_ready = service.readiness.register("gpu-nodes-counted");
     let lease_ready = service.readiness.register("lease-reachable");
     // Named for what it means on the leader; a standby holds it ready, because a standby is a

@@ -316,6 +316,7 @@ impl KafkaSettings {
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),
             source,
         })?;
+        register_consumer_metrics(service, topics);
         Ok(consumer)
     }
 
@@ -803,6 +804,25 @@ fn report_poison(service: &'static str, record: &Record, attempts: u32, reason: 
     metrics::counter!(format!("gpumedic_{service}_poison_records_total"), "topic" => record.topic.clone()).increment(1);
     tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, attempts, %reason,
         "The handler fails on this record the same way every time; it goes to the dead-letter topic.");
+}
+
+/// Registers, at zero, the consumer counters of `service` for each of its `topics`, so `/metrics`
+/// names them before the first record is dead-lettered or retried: dashboards and alerts find
+/// them, and `increase()` sees their first step.
+fn register_consumer_metrics(service: &str, topics: &[&str]) {
+    // Recorded into the exporter `/metrics` renders, however early the consumer is made.
+    crate::admin::metrics_handle();
+    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(0);
+    for topic in topics {
+        let topic = (*topic).to_owned();
+        for outcome in ["ok", "dead_lettered"] {
+            metrics::counter!(format!("gpumedic_{service}_records_total"), "topic" => topic.clone(), "outcome" => outcome)
+                .increment(0);
+        }
+        for name in ["dead_letters_failed_total", "poison_records_total"] {
+            metrics::counter!(format!("gpumedic_{service}_{name}"), "topic" => topic.clone()).increment(0);
+        }
+    }
 }
 
 /// The at-least-once loop: receive, handle, store the offset; dead-letter invalid records; retry

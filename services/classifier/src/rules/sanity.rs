@@ -46,6 +46,19 @@ pub enum Invalid {
 }
 
 impl Invalid {
+    /// Every reason, so the metric's series exist (at zero) before the first refusal.
+    pub const ALL: [Invalid; 9] = [
+        Invalid::Temperature,
+        Invalid::Threshold,
+        Invalid::Power,
+        Invalid::NotFinite,
+        Invalid::NegativeCounter,
+        Invalid::CounterBackwards,
+        Invalid::FromTheFuture,
+        Invalid::OldBoot,
+        Invalid::WindowOver,
+    ];
+
     /// The metric label and log word.
     pub fn as_str(self) -> &'static str {
         match self {
