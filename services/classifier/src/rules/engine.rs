@@ -359,6 +359,13 @@ impl Engine {
         self.nodes.len()
     }
 
+    /// How many nodes have a time-based decision still to come (a threshold being held, a quiet
+    /// period being counted): the decisions a tick may yet make with no new event. Exact right
+    /// after [`Engine::tick`].
+    pub fn nodes_awaiting_time(&self) -> usize {
+        self.nodes.values().filter(|n| n.next_deadline.is_some()).count()
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> &RuleSet {
         &self.rules
