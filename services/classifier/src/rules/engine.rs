@@ -1161,6 +1161,22 @@ rules:
     }
 
     #[test]
+    fn a_quiet_period_being_counted_is_a_node_awaiting_time_until_the_tick_that_ends_it() {
+        let mut e = Engine::new(rules(RULES));
+        let guess = e.observe(&xid("a", 0, "g0", 62)).remove(0);
+        e.tick(S);
+        assert_eq!(e.nodes_awaiting_time(), 0, "no clear evidence yet: the incident waits for an event, not for time");
+        // The reset is proven (the driver's None) and the GPU's own heartbeat starts the quiet period.
+        e.observe(&xid("b", 2 * S, "g0", 154).field("recovery_action", "None"));
+        e.observe(&Observation::new("h", "n1", 3 * S, "monitor_health").gpu("g0").healthy());
+        assert!(e.tick(4 * S).is_empty());
+        assert_eq!(e.nodes_awaiting_time(), 1, "a quiet period is being counted");
+        let back = e.tick(3 * S + 600 * S);
+        assert!(back.len() == 1 && back[0].recovery && back[0].incident_id == guess.incident_id, "{back:#?}");
+        assert_eq!(e.nodes_awaiting_time(), 0, "the quiet period ended: nothing left to wait for");
+    }
+
+    #[test]
     fn ids_depend_on_rule_node_gpu_and_first_evidence_only() {
         let run = |node: &str, first: &str| {
             let mut e = Engine::new(rules(RULES));
