@@ -47,6 +47,10 @@ pub struct Options {
     /// Keep the database at the end (by default it is dropped).
     #[arg(long)]
     keep: bool,
+    /// Measure against a database a run with `--keep` left (its name, printed by that run)
+    /// instead of writing the history again; it is kept.
+    #[arg(long)]
+    reuse_database: Option<String>,
     /// The classifier binary; by default the one built next to this program.
     #[arg(long)]
     classifier_bin: Option<std::path::PathBuf>,
@@ -152,16 +156,12 @@ fn round(nodes: usize, at: chrono::DateTime<chrono::Utc>, round: u64, faults: u6
     out
 }
 
-/// Runs the scenario and prints one line per figure.
-pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let admin = testbed::require_postgres().await?;
-    let db = testbed::unique_name("bench_restart").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await?;
-    let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+/// Writes `--history` of the fleet's events into the fresh database at `url`, oldest first;
+/// returns the events, the Xids among them and the seconds it took.
+async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<(u64, u64, f64)> {
+    let pool = gpumedic_classifier::connect_and_migrate(url, 1).await?;
 
     // A daily partition for every day of the history, as the retention job keeps them.
-    let now = chrono::Utc::now();
     let start = now - chrono::Duration::from_std(o.history)?;
     let mut day = start.date_naive();
     while day < now.date_naive() {
@@ -214,16 +214,44 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
     let write_seconds = writing.elapsed().as_secs_f64();
     sqlx::query("VACUUM ANALYZE health_events").execute(&pool).await?;
+    println!("  written: {events} events ({faults} Xids) in {write_seconds:.0} s");
+    pool.close().await;
+    Ok((events, faults, write_seconds))
+}
+
+/// Runs the scenario and prints one line per figure.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let bootstrap = testbed::require_kafka().await?;
+    let admin = testbed::require_postgres().await?;
+    let now = chrono::Utc::now();
+    let (db, url, events, faults, write_seconds) = match &o.reuse_database {
+        Some(db) => {
+            let base = testbed::database_url();
+            let url = format!("{}/{db}", base.rsplit_once('/').map_or(base.as_str(), |(p, _)| p));
+            let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
+            let events: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
+            let faults: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM health_events WHERE xid IS NOT NULL").fetch_one(&pool).await?;
+            pool.close().await;
+            println!("classifier-restart: reusing database {db}: {events} events ({faults} Xids)");
+            (db.clone(), url, events as u64, faults as u64, 0.0)
+        }
+        None => {
+            let db = testbed::unique_name("bench_restart").replace('-', "_");
+            let url = testbed::fresh_database(&admin, &db).await?;
+            let (events, faults, write_seconds) = write_history(&o, &url, now).await?;
+            println!("  database {db}");
+            (db, url, events, faults, write_seconds)
+        }
+    };
+    let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
     let table_bytes: i64 = sqlx::query_scalar(
         "SELECT COALESCE(sum(pg_total_relation_size(inhrelid)), 0)::bigint FROM pg_inherits
           WHERE inhparent = 'health_events'::regclass",
     )
     .fetch_one(&pool)
     .await?;
-    println!(
-        "  written: {events} events ({faults} Xids) in {write_seconds:.0} s; health_events {:.1} GiB with indexes",
-        table_bytes as f64 / (1u64 << 30) as f64
-    );
+    println!("  health_events: {:.1} GiB with indexes", table_bytes as f64 / (1u64 << 30) as f64);
 
     // Ceiling: the rebuild's query, read and counted, nothing else.
     let reading = Instant::now();
@@ -317,13 +345,13 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         "  classifier: rebuilt {owned_nodes:.0} nodes from {events} events in {rebuild_seconds:.1} s ({replay_per_sec:.0} events/s), \
          {total:.1} s from process start; peak RSS {peak_rss:.0} MiB (limit 1024 MiB), {rss_after:.0} MiB after"
     );
-    if !o.keep {
+    if !o.keep && o.reuse_database.is_none() {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db}\" WITH (FORCE)"))).execute(&admin).await.ok();
     }
     Ok(Result {
         scenario: "classifier-restart",
         nodes: o.nodes,
-        gpus,
+        gpus: o.nodes * GPUS_PER_NODE,
         history_hours: o.history.as_secs_f64() / 3600.0,
         events,
         faults,
