@@ -82,10 +82,25 @@ impl Classifier {
                 .into_iter()
                 .filter(|n| gained.contains(&kafka::partition_for(n.as_bytes(), count)))
                 .collect();
-            let (rebuilt, events) = store::rebuild(&self.pool, self.engine.rules().clone(), since, &nodes).await?;
+            let (mut rebuilt, events) = store::rebuild(&self.pool, self.engine.rules().clone(), since, &nodes).await?;
+            // The store's open incidents of these partitions stay followed, whatever the replay
+            // made of them (a new rule version, an incident older than the window).
+            let stored: Vec<_> = store::open_incidents(&self.pool)
+                .await?
+                .into_iter()
+                .filter(|i| gained.contains(&kafka::partition_for(i.node.as_bytes(), count)))
+                .collect();
+            let reattached = rebuilt.reattach(stored);
+            if reattached.unknown_rule > 0 {
+                tracing::warn!(
+                    incidents = reattached.unknown_rule,
+                    "Open incidents of rules the rule set no longer has are not followed; close them by hand (docs/operations.md)."
+                );
+            }
             let open = rebuilt.open_incidents().len();
             self.engine.adopt(rebuilt);
             tracing::info!(partitions = ?gained, nodes = nodes.len(), events, open_incidents = open,
+                renamed = reattached.renamed, restored = reattached.restored,
                 seconds = started.elapsed().as_secs_f64(), "Rebuilt the state of the nodes of newly assigned partitions.");
             metrics::histogram!("gpumedic_classifier_rebuild_seconds").record(started.elapsed().as_secs_f64());
         }

@@ -508,6 +508,49 @@ pub async fn rebuild(
     Ok((engine, replayed))
 }
 
+/// Every incident the store holds open, with the action of its latest verdict and how many
+/// verdicts it has had, for [`crate::rules::Engine::reattach`] after a rebuild. A row whose
+/// severity or action this version cannot read is skipped with a warning.
+pub async fn open_incidents(pool: &PgPool) -> Result<Vec<crate::rules::StoredIncident>, StoreError> {
+    let rows: Vec<(Uuid, String, String, Option<String>, String, DateTime<Utc>, Option<String>, i64)> = sqlx::query_as(
+        "SELECT i.incident_id, i.node, i.rule_id, i.gpu_uuid, i.severity, i.opened_at, v.action, v.n
+               FROM incidents i
+               CROSS JOIN LATERAL (
+                   SELECT count(*) AS n, (array_agg(action ORDER BY issued_at DESC))[1] AS action
+                     FROM verdicts WHERE verdicts.incident_id = i.incident_id) v
+              WHERE i.resolved_at IS NULL",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(incident_id, node, rule_id, gpu, severity, opened_at, action, n)| {
+            Some(crate::rules::StoredIncident {
+                incident_id,
+                node,
+                rule_id,
+                gpu,
+                severity: parse("severity", &severity)?,
+                action: parse("action", action.as_deref().unwrap_or("none"))?,
+                opened_at_micros: opened_at.timestamp_micros(),
+                verdicts: u32::try_from(n).unwrap_or(u32::MAX),
+            })
+        })
+        .collect())
+}
+
+/// A severity or action as the store writes it (its serde name), or a warning and nothing.
+fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(text.to_owned())).ok().or_else(|| {
+        tracing::warn!(
+            value = text,
+            field = what,
+            "An open incident in the store has a value this version cannot read; it is not re-attached."
+        );
+        None
+    })
+}
+
 /// A recorded event, with the root incident on another node it was absorbed into, if any.
 type RebuildRow =
     (serde_json::Value, Option<Uuid>, Option<String>, Option<String>, Option<String>, Option<DateTime<Utc>>);

@@ -190,6 +190,38 @@ pub struct Incident {
     pub cleared: BTreeSet<String>,
 }
 
+/// An incident the store holds open, as [`Engine::reattach`] takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredIncident {
+    /// The incident's id.
+    pub incident_id: Uuid,
+    /// The node.
+    pub node: String,
+    /// The rule.
+    pub rule_id: String,
+    /// The GPU, for a GPU-scoped incident.
+    pub gpu: Option<String>,
+    /// Its severity now.
+    pub severity: Severity,
+    /// The action of its latest verdict.
+    pub action: Action,
+    /// When it opened (microseconds since the epoch).
+    pub opened_at_micros: i64,
+    /// How many verdicts it has had (the next one takes this as its step).
+    pub verdicts: u32,
+}
+
+/// What [`Engine::reattach`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reattached {
+    /// Replayed incidents that took the stored incident's identity.
+    pub renamed: usize,
+    /// Stored incidents followed again with no replayed evidence.
+    pub restored: usize,
+    /// Stored incidents of rules the rule set no longer has.
+    pub unknown_rule: usize,
+}
+
 /// The state of one rule for one node or GPU.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeyState {
@@ -352,6 +384,62 @@ impl Engine {
     /// any state held for them. What `rebuilt` refused was counted when first seen.
     pub fn adopt(&mut self, rebuilt: Engine) {
         self.nodes.extend(rebuilt.nodes);
+    }
+
+    /// Puts the incidents the store holds open back under the engine after a rebuild from
+    /// events, so none is orphaned: a rebuild under a new rule version gives a replayed fault a
+    /// new incident id, and an incident opened before the rebuild window has no event left to
+    /// replay. A replayed incident on the same (rule, GPU) takes the stored identity and step; a
+    /// stored incident with none is followed again as it stood (severity, action, opened at),
+    /// and clears on the current rule's evidence and proof like any other. Incidents of a rule
+    /// the rule set no longer has are left alone and counted.
+    pub fn reattach(&mut self, stored: Vec<StoredIncident>) -> Reattached {
+        let mut done = Reattached::default();
+        for s in stored {
+            let Some(rule) = self.rules.get(&s.rule_id) else {
+                done.unknown_rule += 1;
+                continue;
+            };
+            let gpu = if rule.scope == Scope::Node { None } else { s.gpu.clone() };
+            let key: Key = (s.rule_id.clone(), gpu);
+            let node = self.nodes.entry(s.node.clone()).or_default();
+            let step = s.verdicts.saturating_sub(1);
+            match node.keys.get_mut(&key).and_then(|st| st.incident.as_mut()) {
+                Some(inc) if inc.id == s.incident_id => continue,
+                Some(inc) => {
+                    inc.id = s.incident_id;
+                    inc.step = inc.step.max(step);
+                    inc.opened_at = inc.opened_at.min(s.opened_at_micros);
+                    done.renamed += 1;
+                }
+                None => {
+                    let st = node.keys.entry(key).or_insert_with(|| KeyState {
+                        version: rule.version,
+                        cond: CondState::new(&rule.condition),
+                        incident: None,
+                    });
+                    st.version = rule.version;
+                    st.incident = Some(Incident {
+                        id: s.incident_id,
+                        opened_at: s.opened_at_micros,
+                        step,
+                        severity: s.severity,
+                        action: s.action,
+                        then: Vec::new(),
+                        evidence: Vec::new(),
+                        synthetic: false,
+                        clear_since: None,
+                        overridden_by: None,
+                        boot: None,
+                        gpus: BTreeSet::new(),
+                        cleared: BTreeSet::new(),
+                    });
+                    done.restored += 1;
+                }
+            }
+            node.next_deadline = Some(i64::MIN);
+        }
+        done
     }
 
     /// How many nodes the engine holds state for.
@@ -1174,6 +1262,39 @@ rules:
         let back = e.tick(3 * S + 600 * S);
         assert!(back.len() == 1 && back[0].recovery && back[0].incident_id == guess.incident_id, "{back:#?}");
         assert_eq!(e.nodes_awaiting_time(), 0, "the quiet period ended: nothing left to wait for");
+    }
+
+    #[test]
+    fn reattach_takes_the_stored_identity_and_follows_an_incident_with_no_replayed_evidence() {
+        let mut e = Engine::new(rules(RULES));
+        e.observe(&xid("a", 0, "g0", 62));
+        let (stored, restored) = (Uuid::from_u128(7), Uuid::from_u128(8));
+        let incident = |id, node: &str, rule: &str, gpu: Option<&str>, verdicts| StoredIncident {
+            incident_id: id,
+            node: node.into(),
+            rule_id: rule.into(),
+            gpu: gpu.map(str::to_owned),
+            severity: Severity::Warning,
+            action: Action::Monitor,
+            opened_at_micros: 0,
+            verdicts,
+        };
+        let done = e.reattach(vec![
+            incident(stored, "n1", "guess", Some("g0"), 2),
+            incident(restored, "n2", "three", None, 1),
+            incident(Uuid::from_u128(9), "n3", "gone", None, 1),
+            // Already followed under its own id: nothing to do.
+            incident(stored, "n1", "guess", Some("g0"), 2),
+        ]);
+        assert_eq!(done, Reattached { renamed: 1, restored: 1, unknown_rule: 1 });
+        let open: BTreeSet<Uuid> = e.open_incidents().iter().map(|i| i.incident_id).collect();
+        assert_eq!(open, BTreeSet::from([stored, restored]), "the replayed id gave way to the stored one");
+        // The restored node-wide incident clears on the node's own healthy evidence (quiet 0 s),
+        // with the step after the stored verdicts, so its verdict id is new.
+        let back = e.observe(&Observation::new("h", "n2", 5 * S, "monitor_health").healthy());
+        assert!(back.len() == 1 && back[0].recovery && back[0].incident_id == restored, "{back:#?}");
+        assert_eq!(back[0].step, 1);
+        assert!(e.open_incidents().iter().all(|i| i.incident_id != restored));
     }
 
     #[test]
