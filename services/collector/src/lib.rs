@@ -17,6 +17,7 @@ pub mod node_token;
 pub mod nvml_xid;
 pub mod publisher;
 pub mod sampler;
+pub mod socket_claim;
 pub mod sources;
 pub mod spool;
 pub mod synthetic;
