@@ -352,6 +352,10 @@ pub enum CollectorError {
     Spool(#[from] spool::SpoolError),
 }
 
+/// The GPU backend to sample: its name, how to open it (again), and the instance opened at start
+/// when there is one (for NVML's Xid watcher).
+type SamplingBackend = (&'static str, sources::BackendOpener, Option<Box<dyn GpuBackend>>);
+
 /// Runs the collector until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
@@ -411,7 +415,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut simulated = None;
     // The backend is opened on the sampling worker's thread and opened again after a failure
     // (with backoff) or a hang; NVML is tried once here too, for the Xid watcher.
-    let backend: Option<(&'static str, sources::BackendOpener, Option<Box<dyn GpuBackend>>)> = match config.backend {
+    let backend: Option<SamplingBackend> = match config.backend {
         BackendChoice::Off => None,
         BackendChoice::Simulated(n) => {
             let (sim, control) = Simulated::new(&config.node_name, n);
@@ -421,7 +425,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 host_boot_id: config.boot_id.clone(),
             });
             let first: Box<dyn GpuBackend> = Box::new(sim.clone());
-            let open: sources::BackendOpener = std::sync::Arc::new(move || Ok(Box::new(sim.clone()) as Box<dyn GpuBackend>));
+            let open: sources::BackendOpener =
+                std::sync::Arc::new(move || Ok(Box::new(sim.clone()) as Box<dyn GpuBackend>));
             Some(("simulated", open, Some(first)))
         }
         BackendChoice::Nvml => {

@@ -32,7 +32,8 @@ fn band(s: &GpuSample) -> Option<Band> {
 
 /// The `raw` text of every start-snapshot event ([`Sampler::observe_with_snapshot`]): readings
 /// published because the collector (or the node) just started, not because they changed.
-pub const SNAPSHOT_RAW: &str = "start snapshot: the reading as the collector first saw it, published whatever its value";
+pub const SNAPSHOT_RAW: &str =
+    "start snapshot: the reading as the collector first saw it, published whatever its value";
 
 /// Remembers the last sample and heartbeat of each GPU (by index) and turns new samples into events.
 #[derive(Debug)]
@@ -192,10 +193,8 @@ impl Sampler {
     /// event has `raw` set to [`SNAPSHOT_RAW`] and is healthy when its value is normal; it
     /// replaces the first-sight events [`Sampler::observe`] gives for the same GPU.
     pub fn observe_with_snapshot(&mut self, samples: &[GpuSample], now: DateTime<Utc>) -> Vec<HealthEvent> {
-        let first: Vec<&GpuSample> = samples
-            .iter()
-            .filter(|s| !s.lost && s.error.is_none() && !self.last.contains_key(&s.index))
-            .collect();
+        let first: Vec<&GpuSample> =
+            samples.iter().filter(|s| !s.lost && s.error.is_none() && !self.last.contains_key(&s.index)).collect();
         let mut out = self.observe(samples, now);
         if first.is_empty() {
             return out;
@@ -276,7 +275,10 @@ impl Sampler {
         if let Some(mask) = s.throttle_mask {
             let concerning = mask & throttle::CONCERNING;
             add(
-                Detail::Throttle(ThrottleDetail { reasons: throttle::names(concerning), mask: i64::try_from(mask).ok() }),
+                Detail::Throttle(ThrottleDetail {
+                    reasons: throttle::names(concerning),
+                    mask: i64::try_from(mask).ok(),
+                }),
                 concerning == 0,
             );
         }
@@ -760,7 +762,10 @@ mod field_tests {
         assert!(first.iter().all(|e| e.entity.gpu_index != Some(1) || e.kind == Kind::MonitorHealth));
         control.update(1, |g| g.error = None);
         let later = s.observe_with_snapshot(&sim.sample().unwrap(), at(10));
-        assert!(later.iter().any(|e| e.entity.gpu_index == Some(1) && e.raw.as_deref() == Some(SNAPSHOT_RAW)), "{later:#?}");
+        assert!(
+            later.iter().any(|e| e.entity.gpu_index == Some(1) && e.raw.as_deref() == Some(SNAPSHOT_RAW)),
+            "{later:#?}"
+        );
     }
 
     #[test]

@@ -53,4 +53,3 @@ pub fn claim_socket(path: &Path) -> Result<std::os::unix::net::UnixListener, Cla
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(fail)?;
     Ok(listener)
 }
-

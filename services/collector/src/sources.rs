@@ -196,7 +196,8 @@ impl GpuSampling {
         open: BackendOpener,
         identity: crate::identity::NodeIdentity,
     ) -> Self {
-        let inventory = Inventory::open(&settings.node, &settings.state_dir, settings.inventory_refresh, identity.clone());
+        let inventory =
+            Inventory::open(&settings.node, &settings.state_dir, settings.inventory_refresh, identity.clone());
         Self {
             node: settings.node.clone(),
             source: settings.source,
@@ -230,7 +231,10 @@ impl GpuSampling {
             match stuck.try_recv() {
                 Err(oneshot::error::TryRecvError::Empty) => return events,
                 Ok(_) | Err(oneshot::error::TryRecvError::Closed) => {
-                    tracing::info!(monitor = self.name, "The hung GPU sample came back; starting a fresh sampling worker.");
+                    tracing::info!(
+                        monitor = self.name,
+                        "The hung GPU sample came back; starting a fresh sampling worker."
+                    );
                     self.worker = None;
                     self.open_now = false;
                 }
@@ -290,7 +294,8 @@ impl GpuSampling {
                     .saturating_mul(1 << self.open_failures.min(12))
                     .min(MAX_OPEN_BACKOFF);
                 self.next_open = Some(now + backoff);
-                metrics::counter!("gpumedic_collector_backend_open_failures_total", "monitor" => self.name).increment(1);
+                metrics::counter!("gpumedic_collector_backend_open_failures_total", "monitor" => self.name)
+                    .increment(1);
                 tracing::warn!(
                     monitor = self.name,
                     error = %e,
@@ -363,8 +368,11 @@ impl GpuSampling {
         }
         // The inventory goes first: a reboot's proof of repair is a complete inventory of the
         // new boot, then the lost GPU's own heartbeat.
-        let mut events: Vec<HealthEvent> =
-            self.inventory.observe(crate::inventory::present(&samples), std::time::Instant::now()).into_iter().collect();
+        let mut events: Vec<HealthEvent> = self
+            .inventory
+            .observe(crate::inventory::present(&samples), std::time::Instant::now())
+            .into_iter()
+            .collect();
         events.extend(self.sampler.observe_with_snapshot(&samples, chrono::Utc::now()));
         events
     }
@@ -460,7 +468,8 @@ pub async fn follow_kernel_log(
                     }
                     last_error = Some(message);
                 }
-                recovered = Some(kernel_log_monitor(&log.node, MonitorState::Ok, "the kernel log is read again".into()));
+                recovered =
+                    Some(kernel_log_monitor(&log.node, MonitorState::Ok, "the kernel log is read again".into()));
             }
         }
         tokio::select! {
@@ -633,13 +642,16 @@ mod tests {
     async fn one_unreadable_gpu_is_reported_and_the_others_go_on() {
         let (sim, control) = Simulated::new("n", 3);
         control.update(1, |g| g.error = Some("Unknown Error".into()));
-        let mut sampling =
-            GpuSampling::new(&settings(Duration::from_secs(5)), "simulated", simulated_opener(sim), NodeIdentity::new("b1"));
+        let mut sampling = GpuSampling::new(
+            &settings(Duration::from_secs(5)),
+            "simulated",
+            simulated_opener(sim),
+            NodeIdentity::new("b1"),
+        );
         let first = sampling.tick(Instant::now()).await;
         assert!(heartbeat_of(&first, 0) && heartbeat_of(&first, 2), "the other GPUs beat: {first:#?}");
         assert!(!heartbeat_of(&first, 1), "an unreadable GPU is no evidence of health");
-        let failed: Vec<_> =
-            first.iter().filter(|e| monitor(e) == Some(("nvml", MonitorState::Error))).collect();
+        let failed: Vec<_> = first.iter().filter(|e| monitor(e) == Some(("nvml", MonitorState::Error))).collect();
         assert_eq!(failed.len(), 1, "one monitor_health error, for that GPU: {first:#?}");
         assert_eq!(failed[0].entity.gpu_index, Some(1));
         assert!(!failed[0].healthy);
@@ -665,7 +677,8 @@ mod tests {
                 }
             })
         };
-        let mut sampling = GpuSampling::new(&settings(Duration::from_secs(5)), "simulated", open, NodeIdentity::new("b1"));
+        let mut sampling =
+            GpuSampling::new(&settings(Duration::from_secs(5)), "simulated", open, NodeIdentity::new("b1"));
         let t0 = Instant::now();
         let first = sampling.tick(t0).await;
         assert_eq!(first.len(), 1, "{first:#?}");

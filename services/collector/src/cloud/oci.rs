@@ -105,9 +105,9 @@ pub async fn probe(client: &reqwest::Client, base: &str) -> bool {
         .send()
         .await;
     match r {
-        Ok(resp) if resp.status().is_success() => resp.json::<Instance>().await.is_ok_and(|i| {
-            i.id.is_some_and(|id| id.starts_with("ocid1.instance."))
-        }),
+        Ok(resp) if resp.status().is_success() => {
+            resp.json::<Instance>().await.is_ok_and(|i| i.id.is_some_and(|id| id.starts_with("ocid1.instance.")))
+        }
         _ => false,
     }
 }
@@ -151,7 +151,8 @@ mod tests {
 
     #[test]
     fn nothing_due_and_broken_payloads() {
-        let none = DOC.replace(r#""timeMaintenanceRebootDue": "2030-05-25T21:10:29.600Z""#, r#""timeMaintenanceRebootDue": """#);
+        let none = DOC
+            .replace(r#""timeMaintenanceRebootDue": "2030-05-25T21:10:29.600Z""#, r#""timeMaintenanceRebootDue": """#);
         assert!(parse_instance(&none).unwrap().is_empty(), "an empty due time: nothing scheduled");
         assert!(parse_instance(r#"{"id": "ocid1.instance.oc1.phx.x"}"#).unwrap().is_empty(), "absent");
         assert!(parse_instance("<html>").is_err());

@@ -141,7 +141,10 @@ mod tests {
         assert_eq!((d.mnemonic, d.block, d.unit.as_deref()), ("NVLINK_NETIR_ERROR", "NETIR", Some("NETIR_LINK_EVT")));
         assert_eq!((d.fatal, d.link, d.error_status), (true, Some(4), Some(0)));
         assert_eq!(d.action, Nvlink5Action::GpuReset);
-        assert_eq!(d.meaning, "NVLink5 fatal error from NETIR_LINK_EVT in the NETIR block on link 4: the GPU needs a reset.");
+        assert_eq!(
+            d.meaning,
+            "NVLink5 fatal error from NETIR_LINK_EVT in the NETIR block on link 4: the GPU needs a reset."
+        );
     }
 
     #[test]
