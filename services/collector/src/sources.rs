@@ -746,7 +746,7 @@ mod tests {
             })
         };
         let mut sampling =
-            GpuSampling::new(&settings(Duration::from_millis(100)), "simulated", open, NodeIdentity::new("b1"));
+            GpuSampling::new(&settings(Duration::from_secs(1)), "simulated", open, NodeIdentity::new("b1"));
         let hung = sampling.tick(Instant::now()).await;
         assert_eq!(hung.len(), 1, "{hung:#?}");
         assert_eq!(monitor(&hung[0]), Some(("simulated", MonitorState::Hung)));
