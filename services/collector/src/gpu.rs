@@ -17,6 +17,9 @@ pub struct GpuSample {
     pub pci_bus_id: String,
     /// The GPU no longer answers (NVML_ERROR_GPU_IS_LOST: fallen off the bus).
     pub lost: bool,
+    /// The GPU could not be read this time (an NVML error other than GPU_IS_LOST): no readings,
+    /// and the error as NVML said it. The other GPUs of the node are sampled as usual.
+    pub error: Option<String>,
     /// Board serial number, when the GPU tells it.
     pub serial: Option<String>,
     /// Product name (`NVIDIA H100 80GB HBM3`), when the GPU tells it.
@@ -125,6 +128,8 @@ pub trait GpuBackend: Send + 'static {
 }
 
 /// A simulated node with `n` healthy GPUs, whose faults are scripted through a [`SimulatedControl`].
+/// Clones share the node: a backend opened again after a hang sees the same GPUs.
+#[derive(Clone)]
 pub struct Simulated {
     state: Arc<Mutex<Vec<GpuSample>>>,
     /// Taken by the first (only) Xid watcher.
@@ -163,6 +168,7 @@ fn fresh_gpu(node: &str, index: u32) -> GpuSample {
         uuid: simulated_uuid(node, index),
         pci_bus_id: simulated_pci(index),
         lost: false,
+        error: None,
         serial: Some(format!("{:013}", fnv1a(node.as_bytes()).wrapping_add(u64::from(index)) % 10_000_000_000_000)),
         product: Some(SIMULATED_PRODUCT.to_owned()),
         temperature_c: Some(45),
@@ -408,81 +414,8 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn sample(&mut self) -> Result<Vec<GpuSample>, BackendError> {
-        use nvml_wrapper::enum_wrappers::device::{
-            EccCounter, MemoryError, RetirementCause, TemperatureSensor, TemperatureThreshold,
-        };
-        use nvml_wrapper::error::NvmlError;
-
         let count = self.nvml.device_count().map_err(|e| BackendError::Call(e.to_string()))?;
-        let mut out = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let device = match self.nvml.device_by_index(index) {
-                Ok(d) => d,
-                Err(NvmlError::GpuLost) => {
-                    out.push(GpuSample { index, lost: true, ..Default::default() });
-                    continue;
-                }
-                Err(e) => return Err(BackendError::Call(e.to_string())),
-            };
-            // A lost GPU answers every call with GpuLost; the UUID read tells first. Another error
-            // leaves the UUID unknown, not the GPU: it is still there and still sampled.
-            let uuid = match device.uuid() {
-                Ok(u) => u,
-                Err(NvmlError::GpuLost) => {
-                    out.push(GpuSample { index, lost: true, ..Default::default() });
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(gpu = index, error = %e, "Cannot read the GPU's UUID.");
-                    String::new()
-                }
-            };
-            let (serial, product) = match self.names.get(&uuid) {
-                Some((Some(serial), Some(product))) => (Some(serial.clone()), Some(product.clone())),
-                _ => {
-                    let names = (device.serial().ok(), device.name().ok());
-                    if !uuid.is_empty() {
-                        self.names.insert(uuid.clone(), names.clone());
-                    }
-                    names
-                }
-            };
-            let ecc = |kind, counter| device.total_ecc_errors(kind, counter).ok().map(|v| v as i64);
-            let retired = |cause| device.retired_pages(cause).ok().map(|p| p.len() as i64);
-            let remap = remapped_rows(&device);
-            out.push(GpuSample {
-                index,
-                uuid,
-                pci_bus_id: device
-                    .pci_info()
-                    .ok()
-                    .and_then(|p| crate::kernel_log::parse::normalize_pci(&p.bus_id))
-                    .unwrap_or_default(),
-                lost: false,
-                serial,
-                product,
-                temperature_c: device.temperature(TemperatureSensor::Gpu).ok().map(|t| t as i32),
-                slowdown_c: device.temperature_threshold(TemperatureThreshold::Slowdown).ok().map(|t| t as i32),
-                shutdown_c: device.temperature_threshold(TemperatureThreshold::Shutdown).ok().map(|t| t as i32),
-                power_w: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-                power_limit_w: device.enforced_power_limit().ok().map(|mw| f64::from(mw) / 1000.0),
-                ecc_sbe_volatile: ecc(MemoryError::Corrected, EccCounter::Volatile),
-                ecc_dbe_volatile: ecc(MemoryError::Uncorrected, EccCounter::Volatile),
-                ecc_sbe_aggregate: ecc(MemoryError::Corrected, EccCounter::Aggregate),
-                ecc_dbe_aggregate: ecc(MemoryError::Uncorrected, EccCounter::Aggregate),
-                pcie_replay: device.pcie_replay_counter().ok().map(i64::from),
-                retired_pages_sbe: retired(RetirementCause::MultipleSingleBitEccErrors),
-                retired_pages_dbe: retired(RetirementCause::DoubleBitEccError),
-                retired_pages_pending: device.are_pages_pending_retired().ok(),
-                remapped_rows_correctable: remap[0].map(|v| v as i64),
-                remapped_rows_uncorrectable: remap[1].map(|v| v as i64),
-                remap_pending: remap[2].map(|v| v != 0),
-                remap_failure: remap[3].map(|v| v != 0),
-                throttle_mask: device.current_throttle_reasons().ok().map(|r| r.bits()),
-                nvlinks: nvlinks(&device),
-            });
-        }
-        Ok(out)
+        Ok(collect_gpus(count, |index| self.sample_one(index)))
     }
 
     fn watch_xids(&self, sink: XidSink) -> Result<bool, BackendError> {
@@ -492,6 +425,108 @@ impl GpuBackend for NvmlBackend {
             .map_err(|e| BackendError::Call(format!("cannot start the Xid watcher thread: {e}")))?;
         Ok(true)
     }
+}
+
+impl NvmlBackend {
+    /// Reads GPU `index`. Every reading NVML refuses is left unknown; only a GPU that cannot be
+    /// opened at all (or answers GPU_IS_LOST) fails the read.
+    fn sample_one(&mut self, index: u32) -> Result<GpuSample, GpuReadError> {
+        use nvml_wrapper::enum_wrappers::device::{
+            EccCounter, MemoryError, RetirementCause, TemperatureSensor, TemperatureThreshold,
+        };
+        use nvml_wrapper::error::NvmlError;
+
+        let device = self.nvml.device_by_index(index).map_err(GpuReadError::from)?;
+        // A lost GPU answers every call with GpuLost; the UUID read tells first. Another error
+        // leaves the UUID unknown, not the GPU: it is still there and still sampled.
+        let uuid = match device.uuid() {
+            Ok(u) => u,
+            Err(NvmlError::GpuLost) => return Err(GpuReadError::Lost),
+            Err(e) => {
+                tracing::debug!(gpu = index, error = %e, "Cannot read the GPU's UUID.");
+                String::new()
+            }
+        };
+        let (serial, product) = match self.names.get(&uuid) {
+            Some((Some(serial), Some(product))) => (Some(serial.clone()), Some(product.clone())),
+            _ => {
+                let names = (device.serial().ok(), device.name().ok());
+                if !uuid.is_empty() {
+                    self.names.insert(uuid.clone(), names.clone());
+                }
+                names
+            }
+        };
+        let ecc = |kind, counter| device.total_ecc_errors(kind, counter).ok().map(|v| v as i64);
+        let retired = |cause| device.retired_pages(cause).ok().map(|p| p.len() as i64);
+        let remap = remapped_rows(&device);
+        Ok(GpuSample {
+            index,
+            uuid,
+            pci_bus_id: device
+                .pci_info()
+                .ok()
+                .and_then(|p| crate::kernel_log::parse::normalize_pci(&p.bus_id))
+                .unwrap_or_default(),
+            lost: false,
+            error: None,
+            serial,
+            product,
+            temperature_c: device.temperature(TemperatureSensor::Gpu).ok().map(|t| t as i32),
+            slowdown_c: device.temperature_threshold(TemperatureThreshold::Slowdown).ok().map(|t| t as i32),
+            shutdown_c: device.temperature_threshold(TemperatureThreshold::Shutdown).ok().map(|t| t as i32),
+            power_w: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+            power_limit_w: device.enforced_power_limit().ok().map(|mw| f64::from(mw) / 1000.0),
+            ecc_sbe_volatile: ecc(MemoryError::Corrected, EccCounter::Volatile),
+            ecc_dbe_volatile: ecc(MemoryError::Uncorrected, EccCounter::Volatile),
+            ecc_sbe_aggregate: ecc(MemoryError::Corrected, EccCounter::Aggregate),
+            ecc_dbe_aggregate: ecc(MemoryError::Uncorrected, EccCounter::Aggregate),
+            pcie_replay: device.pcie_replay_counter().ok().map(i64::from),
+            retired_pages_sbe: retired(RetirementCause::MultipleSingleBitEccErrors),
+            retired_pages_dbe: retired(RetirementCause::DoubleBitEccError),
+            retired_pages_pending: device.are_pages_pending_retired().ok(),
+            remapped_rows_correctable: remap[0].map(|v| v as i64),
+            remapped_rows_uncorrectable: remap[1].map(|v| v as i64),
+            remap_pending: remap[2].map(|v| v != 0),
+            remap_failure: remap[3].map(|v| v != 0),
+            throttle_mask: device.current_throttle_reasons().ok().map(|r| r.bits()),
+            nvlinks: nvlinks(&device),
+        })
+    }
+}
+
+/// Why one GPU could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuReadError {
+    /// The GPU fell off the bus (NVML_ERROR_GPU_IS_LOST).
+    Lost,
+    /// Any other failure, as the library said it.
+    Failed(String),
+}
+
+impl From<nvml_wrapper::error::NvmlError> for GpuReadError {
+    fn from(e: nvml_wrapper::error::NvmlError) -> Self {
+        match e {
+            nvml_wrapper::error::NvmlError::GpuLost => Self::Lost,
+            other => Self::Failed(other.to_string()),
+        }
+    }
+}
+
+/// Samples GPUs `0..count` with `read`, one at a time. A GPU that cannot be read is listed lost
+/// or with its error, never dropped and never failing the others: one GPU's bad answer must not
+/// blank the node's readings and heartbeats.
+pub fn collect_gpus(count: u32, mut read: impl FnMut(u32) -> Result<GpuSample, GpuReadError>) -> Vec<GpuSample> {
+    (0..count)
+        .map(|index| match read(index) {
+            Ok(sample) => sample,
+            Err(GpuReadError::Lost) => GpuSample { index, lost: true, ..Default::default() },
+            Err(GpuReadError::Failed(error)) => {
+                tracing::debug!(gpu = index, %error, "A GPU cannot be read; the others are sampled.");
+                GpuSample { index, error: Some(error), ..Default::default() }
+            }
+        })
+        .collect()
 }
 
 /// The row-remapping fields through NVML's field-value API (nvml-wrapper has no wrapper for
@@ -670,11 +705,35 @@ mod tests {
     }
 
     #[test]
-    fn nvml_without_a_driver_is_unavailable_not_a_crash() {
-        // This machine has no NVIDIA driver; on a GPU machine the same call succeeds.
+    fn one_gpu_that_cannot_be_read_does_not_fail_the_others() {
+        let gpus = collect_gpus(4, |index| match index {
+            1 => Err(GpuReadError::Failed("Unknown Error".into())),
+            2 => Err(GpuReadError::Lost),
+            _ => Ok(GpuSample { index, uuid: format!("GPU-{index}"), ..Default::default() }),
+        });
+        assert_eq!(gpus.len(), 4, "every GPU is listed");
+        assert_eq!(gpus[1].error.as_deref(), Some("Unknown Error"));
+        assert!(gpus[2].lost && gpus[2].error.is_none());
+        assert_eq!((gpus[0].uuid.as_str(), gpus[3].uuid.as_str()), ("GPU-0", "GPU-3"));
+    }
+
+    #[test]
+    fn nvml_samples_on_a_gpu_machine_and_checks_nothing_without_a_driver() {
+        // Without an NVIDIA driver the call fails cleanly and the NVML path is not exercised: the
+        // test says so, and fails when GPUMEDIC_REQUIRE_GPU is set (load-tests/gpu-check sets it).
         match NvmlBackend::init() {
-            Err(BackendError::Unavailable(_)) => {}
-            Ok(mut b) => assert!(b.sample().is_ok(), "NVML loaded, so sampling works"),
+            Err(BackendError::Unavailable(e)) => {
+                eprintln!("NOTHING CHECKED: no NVIDIA driver on this machine ({e}); NVML sampling was not exercised");
+                assert!(
+                    std::env::var_os("GPUMEDIC_REQUIRE_GPU").is_none(),
+                    "GPUMEDIC_REQUIRE_GPU is set but NVML is not available: nothing was checked"
+                );
+            }
+            Ok(mut b) => {
+                let gpus = b.sample().expect("NVML loaded, so sampling works");
+                assert!(!gpus.is_empty(), "a machine with a driver has a GPU");
+                assert!(gpus.iter().all(|g| g.lost || g.error.is_some() || !g.uuid.is_empty()), "{gpus:?}");
+            }
             Err(e) => panic!("unexpected: {e}"),
         }
     }

@@ -17,6 +17,7 @@ pub mod node_token;
 pub mod nvml_xid;
 pub mod publisher;
 pub mod sampler;
+pub mod socket_claim;
 pub mod sources;
 pub mod spool;
 pub mod synthetic;
@@ -31,7 +32,7 @@ use gpumedic_runtime::kafka::{self, KafkaArgs, KafkaSettings};
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::health::Source;
-use gpumedic_schemas::{HealthEvent, topics};
+use gpumedic_schemas::topics;
 
 use crate::gpu::{GpuBackend, NvmlBackend, Simulated};
 use crate::publisher::{Publisher, PublisherSettings};
@@ -351,6 +352,10 @@ pub enum CollectorError {
     Spool(#[from] spool::SpoolError),
 }
 
+/// The GPU backend to sample: its name, how to open it (again), and the instance opened at start
+/// when there is one (for NVML's Xid watcher).
+type SamplingBackend = (&'static str, sources::BackendOpener, Option<Box<dyn GpuBackend>>);
+
 /// Runs the collector until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start(NAME, &config.common);
@@ -408,7 +413,9 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     tracing::info!(node = %config.node_name, topic = topics::HEALTH_RAW, "Collector ready to publish.");
 
     let mut simulated = None;
-    let backend: Option<(Box<dyn GpuBackend>, Source)> = match config.backend {
+    // The backend is opened on the sampling worker's thread and opened again after a failure
+    // (with backoff) or a hang; NVML is tried once here too, for the Xid watcher.
+    let backend: Option<SamplingBackend> = match config.backend {
         BackendChoice::Off => None,
         BackendChoice::Simulated(n) => {
             let (sim, control) = Simulated::new(&config.node_name, n);
@@ -417,34 +424,36 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 state_dir: config.state_dir.clone(),
                 host_boot_id: config.boot_id.clone(),
             });
-            Some((Box::new(sim), Source::Nvml))
+            let first: Box<dyn GpuBackend> = Box::new(sim.clone());
+            let open: sources::BackendOpener =
+                std::sync::Arc::new(move || Ok(Box::new(sim.clone()) as Box<dyn GpuBackend>));
+            Some(("simulated", open, Some(first)))
         }
-        BackendChoice::Nvml => match NvmlBackend::init() {
-            Ok(b) => Some((Box::new(b), Source::Nvml)),
-            Err(e) => {
-                // One clear line and one event; the rest of the collector goes on.
-                tracing::warn!(error = %e, "NVML is not available on this node; GPU sampling is disabled.");
-                let mut event = HealthEvent::new(
-                    &config.node_name,
-                    Source::Nvml,
-                    gpumedic_schemas::health::Component::Node,
-                    gpumedic_schemas::health::Entity::default(),
-                    gpumedic_schemas::Detail::MonitorHealth(gpumedic_schemas::health::MonitorHealthDetail {
-                        monitor: "nvml".into(),
-                        state: gpumedic_schemas::health::MonitorState::Unavailable,
-                        message: Some(e.to_string()),
-                    }),
-                );
-                event.healthy = false;
-                let _ = sink.emit(&event).await;
-                None
-            }
-        },
+        BackendChoice::Nvml => {
+            let open: sources::BackendOpener =
+                std::sync::Arc::new(|| NvmlBackend::init().map(|b| Box::new(b) as Box<dyn GpuBackend>));
+            let first = match NvmlBackend::init() {
+                Ok(b) => Some(Box::new(b) as Box<dyn GpuBackend>),
+                Err(e) => {
+                    // Sampling reports it (a monitor_health event) and keeps trying with backoff.
+                    tracing::warn!(error = %e, "NVML is not available on this node yet; GPU sampling will keep trying.");
+                    None
+                }
+            };
+            Some(("nvml", open, first))
+        }
     };
-    if let Some((backend, source)) = backend {
-        if config.nvml_xids.runs(config.kmsg_path.is_some()) {
-            let forward =
-                nvml_xid::forward_xids(config.node_name.clone(), source, backend.as_ref(), sink.clone(), token.clone());
+    if let Some((name, open, first)) = backend {
+        if let Some(first) = &first
+            && config.nvml_xids.runs(config.kmsg_path.is_some())
+        {
+            let forward = nvml_xid::forward_xids(
+                config.node_name.clone(),
+                Source::Nvml,
+                first.as_ref(),
+                sink.clone(),
+                token.clone(),
+            );
             service.shutdown.spawn("nvml-xid", forward);
         }
         service.shutdown.spawn(
@@ -452,14 +461,15 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             sources::sample_gpus(
                 sources::SamplingSettings {
                     node: config.node_name.clone(),
-                    source,
+                    source: Source::Nvml,
                     interval: config.sample_interval,
                     heartbeat: config.heartbeat_interval,
                     timeout: config.sample_timeout,
                     state_dir: config.state_dir.clone(),
                     inventory_refresh: config.inventory_refresh,
                 },
-                backend,
+                name,
+                open,
                 sink.clone(),
                 token.clone(),
             ),

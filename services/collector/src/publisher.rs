@@ -696,3 +696,34 @@ impl State {
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
     }
 }
+
+/// A [`Sink`] for unit tests: what goes in comes out of the [`test_support::Tap`], decoded, and
+/// is acknowledged as published.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// The other end of a test sink.
+    pub(crate) struct Tap {
+        rx: mpsc::Receiver<Outgoing>,
+        codec: Arc<Codec>,
+    }
+
+    /// A sink stamping `identity`, and its tap.
+    pub(crate) fn sink(identity: NodeIdentity) -> (Sink, Tap) {
+        let (tx, rx) = mpsc::channel(1024);
+        let codec = Arc::new(Codec::embedded());
+        (Sink { tx, codec: codec.clone(), identity }, Tap { rx, codec })
+    }
+
+    impl Tap {
+        /// The next event, acknowledged as published; `None` once every sink is gone.
+        pub(crate) async fn next(&mut self) -> Option<HealthEvent> {
+            let out = self.rx.recv().await?;
+            if let Some(ack) = out.ack {
+                let _ = ack.send(Outcome::Published);
+            }
+            Some(self.codec.decode(&out.record.value).await.expect("the sink's own encoding decodes"))
+        }
+    }
+}

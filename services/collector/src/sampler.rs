@@ -30,6 +30,11 @@ fn band(s: &GpuSample) -> Option<Band> {
     })
 }
 
+/// The `raw` text of every start-snapshot event ([`Sampler::observe_with_snapshot`]): readings
+/// published because the collector (or the node) just started, not because they changed.
+pub const SNAPSHOT_RAW: &str =
+    "start snapshot: the reading as the collector first saw it, published whatever its value";
+
 /// Remembers the last sample and heartbeat of each GPU (by index) and turns new samples into events.
 #[derive(Debug)]
 pub struct Sampler {
@@ -37,12 +42,14 @@ pub struct Sampler {
     source: Source,
     heartbeat: Duration,
     last: HashMap<u32, (GpuSample, DateTime<Utc>)>,
+    /// GPUs whose last read failed, by index: their error was reported once.
+    failing: HashMap<u32, String>,
 }
 
 impl Sampler {
     /// A sampler for `node` whose events come from `source`, with a heartbeat every `heartbeat`.
     pub fn new(node: impl Into<String>, source: Source, heartbeat: Duration) -> Self {
-        Self { node: node.into(), source, heartbeat, last: HashMap::new() }
+        Self { node: node.into(), source, heartbeat, last: HashMap::new(), failing: HashMap::new() }
     }
 
     /// The events that `samples`, taken at `now`, call for.
@@ -56,8 +63,8 @@ impl Sampler {
                 ..Default::default()
             };
             let prev = self.last.get(&s.index).map(|(p, _)| p);
-            // A lost GPU keeps its identity from before it was lost.
-            let entity = match (s.lost, prev) {
+            // A lost or unreadable GPU keeps its identity from before.
+            let entity = match (s.lost || s.error.is_some(), prev) {
                 (true, Some(p)) => Entity {
                     gpu_uuid: (!p.uuid.is_empty()).then(|| p.uuid.clone()),
                     pci_bus_id: (!p.pci_bus_id.is_empty()).then(|| p.pci_bus_id.clone()),
@@ -71,6 +78,23 @@ impl Sampler {
                 e.healthy = healthy;
                 out.push(e);
             };
+            if let Some(error) = &s.error {
+                // One GPU that cannot be read: reported once, no readings and no heartbeat (it
+                // is not evidence of health), its last good sample kept for when it answers.
+                if self.failing.get(&s.index) != Some(error) {
+                    emit(
+                        Detail::MonitorHealth(MonitorHealthDetail {
+                            monitor: self.source_name().into(),
+                            state: MonitorState::Error,
+                            message: Some(format!("GPU {} cannot be read: {error}", s.index)),
+                        }),
+                        false,
+                    );
+                    self.failing.insert(s.index, error.clone());
+                }
+                continue;
+            }
+            let was_failing = self.failing.remove(&s.index).is_some();
             if s.lost {
                 if !prev.is_some_and(|p| p.lost) {
                     emit(
@@ -128,7 +152,7 @@ impl Sampler {
             }
             let links = nvlink_events(prev, s);
             let last_beat = self.last.get(&s.index).map(|(_, hb)| *hb);
-            let recovered = prev.is_some_and(|p| p.lost);
+            let recovered = prev.is_some_and(|p| p.lost) || was_failing;
             let beat_due =
                 last_beat.is_none_or(|hb| now - hb >= chrono::Duration::from_std(self.heartbeat).unwrap_or_default());
             let beat = if recovered || beat_due {
@@ -159,6 +183,141 @@ impl Sampler {
             self.last.insert(s.index, (s.clone(), beat));
         }
         out
+    }
+
+    /// Like [`Sampler::observe`], and for every GPU seen for the first time (at the collector's
+    /// start, in a new boot, or a GPU that answers for the first time) one event per reading it
+    /// has, whatever its value: the start snapshot. Readings that are normal at first sight are
+    /// otherwise never published, so an incident opened before a restart (ECC, row remap,
+    /// NVLink, temperature, ...) would never see the clear evidence it waits for. Each snapshot
+    /// event has `raw` set to [`SNAPSHOT_RAW`] and is healthy when its value is normal; it
+    /// replaces the first-sight events [`Sampler::observe`] gives for the same GPU.
+    pub fn observe_with_snapshot(&mut self, samples: &[GpuSample], now: DateTime<Utc>) -> Vec<HealthEvent> {
+        let first: Vec<&GpuSample> =
+            samples.iter().filter(|s| !s.lost && s.error.is_none() && !self.last.contains_key(&s.index)).collect();
+        let mut out = self.observe(samples, now);
+        if first.is_empty() {
+            return out;
+        }
+        let is_first = |e: &HealthEvent| {
+            e.kind != gpumedic_schemas::Kind::MonitorHealth
+                && first.iter().any(|s| e.entity.gpu_index == i32::try_from(s.index).ok())
+        };
+        out.retain(|e| !is_first(e));
+        for s in first {
+            out.extend(self.snapshot(s, now));
+        }
+        out
+    }
+
+    /// The start snapshot of one GPU: every reading it has, healthy when normal.
+    fn snapshot(&self, s: &GpuSample, now: DateTime<Utc>) -> Vec<HealthEvent> {
+        let entity = Entity {
+            gpu_uuid: (!s.uuid.is_empty()).then(|| s.uuid.clone()),
+            pci_bus_id: (!s.pci_bus_id.is_empty()).then(|| s.pci_bus_id.clone()),
+            gpu_index: i32::try_from(s.index).ok(),
+            ..Default::default()
+        };
+        let mut readings: Vec<(Component, Entity, Detail, bool)> = Vec::new();
+        let mut add = |detail: Detail, healthy: bool| readings.push((Component::Gpu, entity.clone(), detail, healthy));
+        if let Some(celsius) = s.temperature_c {
+            add(
+                Detail::Temperature(TemperatureDetail {
+                    celsius,
+                    slowdown_celsius: s.slowdown_c,
+                    shutdown_celsius: s.shutdown_c,
+                }),
+                band(s) == Some(Band::Normal),
+            );
+        }
+        if s.ecc_sbe_volatile.is_some()
+            || s.ecc_dbe_volatile.is_some()
+            || s.ecc_sbe_aggregate.is_some()
+            || s.ecc_dbe_aggregate.is_some()
+        {
+            add(
+                Detail::Ecc(EccDetail {
+                    single_bit_volatile: s.ecc_sbe_volatile,
+                    double_bit_volatile: s.ecc_dbe_volatile,
+                    single_bit_aggregate: s.ecc_sbe_aggregate,
+                    double_bit_aggregate: s.ecc_dbe_aggregate,
+                    location: None,
+                }),
+                s.ecc_dbe_volatile.unwrap_or(0) == 0,
+            );
+        }
+        if s.retired_pages_sbe.is_some() || s.retired_pages_dbe.is_some() || s.retired_pages_pending.is_some() {
+            let pending = s.retired_pages_pending.unwrap_or(false);
+            add(
+                Detail::RetiredPages(RetiredPagesDetail {
+                    single_bit: s.retired_pages_sbe.unwrap_or(0),
+                    double_bit: s.retired_pages_dbe.unwrap_or(0),
+                    pending,
+                }),
+                !pending,
+            );
+        }
+        if s.remapped_rows_correctable.is_some() || s.remap_pending.is_some() || s.remap_failure.is_some() {
+            let (pending, failure) = (s.remap_pending.unwrap_or(false), s.remap_failure.unwrap_or(false));
+            add(
+                Detail::RowRemap(RowRemapDetail {
+                    correctable: s.remapped_rows_correctable.unwrap_or(0),
+                    uncorrectable: s.remapped_rows_uncorrectable.unwrap_or(0),
+                    pending,
+                    failure,
+                }),
+                !pending && !failure,
+            );
+        }
+        if let (Some(watts), Some(limit)) = (s.power_w, s.power_limit_w) {
+            add(Detail::Power(PowerDetail { watts, limit_watts: Some(limit) }), watts <= limit);
+        }
+        if let Some(mask) = s.throttle_mask {
+            let concerning = mask & throttle::CONCERNING;
+            add(
+                Detail::Throttle(ThrottleDetail {
+                    reasons: throttle::names(concerning),
+                    mask: i64::try_from(mask).ok(),
+                }),
+                concerning == 0,
+            );
+        }
+        if let Some(count) = s.pcie_replay {
+            // No delta: nothing is known about growth before the start.
+            add(Detail::PcieReplay(PcieReplayDetail { count, delta: None }), true);
+        }
+        if let Some(first_link) = s.nvlinks.first() {
+            // One event per GPU, counters summed over its links as in every NVLink event. The
+            // state is `up` only when every link is up: a link down at start may be unused, so
+            // it is neither reported down nor claimed up.
+            let all_up = s.nvlinks.iter().all(|l| l.active == Some(true));
+            let sum = |f: fn(&NvlinkSample) -> Option<i64>| -> Option<i64> {
+                s.nvlinks.iter().filter_map(f).fold(None, |acc, v| Some(acc.unwrap_or(0) + v))
+            };
+            readings.push((
+                Component::Nvlink,
+                Entity { nvlink_link: i32::try_from(first_link.link).ok(), ..entity.clone() },
+                Detail::Nvlink(NvlinkDetail {
+                    link: i32::try_from(first_link.link).unwrap_or(i32::MAX),
+                    active: all_up.then_some(true),
+                    crc_flit_errors: sum(|l| l.crc_flit),
+                    crc_data_errors: sum(|l| l.crc_data),
+                    replay_errors: sum(|l| l.replay),
+                    recovery_errors: sum(|l| l.recovery),
+                }),
+                all_up,
+            ));
+        }
+        readings
+            .into_iter()
+            .map(|(component, entity, detail, healthy)| {
+                let mut e = HealthEvent::new(&self.node, self.source, component, entity, detail);
+                e.observed_at = now;
+                e.healthy = healthy;
+                e.raw = Some(SNAPSHOT_RAW.to_owned());
+                e
+            })
+            .collect()
     }
 
     fn source_name(&self) -> &'static str {
@@ -549,6 +708,64 @@ mod field_tests {
         );
         control.update(0, |g| g.pcie_replay = Some(45));
         assert!(matches!(&step(&mut sim, &mut s, 2)[0].detail, Detail::PcieReplay(p) if p.delta == Some(5)));
+    }
+
+    #[test]
+    fn the_start_snapshot_publishes_every_reading_once_as_clear_evidence() {
+        let (mut sim, control) = Simulated::new("n", 2);
+        control.update(1, |g| {
+            g.ecc_dbe_volatile = Some(2);
+            g.nvlinks[4].active = Some(false);
+        });
+        let mut s = Sampler::new("n", Source::Nvml, Duration::from_secs(3600));
+        let first = s.observe_with_snapshot(&sim.sample().unwrap(), at(0));
+        let snapshot = |gpu: i32| -> Vec<&HealthEvent> {
+            first.iter().filter(|e| e.entity.gpu_index == Some(gpu) && e.kind != Kind::MonitorHealth).collect()
+        };
+        let kinds: Vec<Kind> = snapshot(0).iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [Kind::Temperature, Kind::Ecc, Kind::RowRemap, Kind::Power, Kind::Throttle, Kind::PcieReplay, Kind::Nvlink],
+            "one event per reading the GPU has"
+        );
+        assert!(snapshot(0).iter().all(|e| e.raw.as_deref() == Some(SNAPSHOT_RAW)), "marked as the start snapshot");
+        assert!(snapshot(0).iter().all(|e| e.healthy), "normal readings are healthy evidence");
+        let nvlink = snapshot(0).into_iter().find(|e| e.kind == Kind::Nvlink).unwrap();
+        assert!(matches!(&nvlink.detail, Detail::Nvlink(d) if d.active == Some(true)), "every link up: state up");
+        // What the classifier's clear evidence asks for: the counter at 0, the state up.
+        let ecc = snapshot(0).into_iter().find(|e| e.kind == Kind::Ecc).unwrap();
+        assert!(matches!(&ecc.detail, Detail::Ecc(d) if d.double_bit_volatile == Some(0)));
+        // A GPU that is not normal says so, without claiming a down link is up.
+        let bad = snapshot(1);
+        assert!(bad.iter().any(|e| e.kind == Kind::Ecc && !e.healthy));
+        assert!(bad.iter().any(|e| matches!(&e.detail, Detail::Nvlink(d) if d.active.is_none()) && !e.healthy));
+        assert!(first.iter().filter(|e| e.kind == Kind::MonitorHealth).count() == 2, "and the heartbeats");
+        assert!(
+            s.observe_with_snapshot(&sim.sample().unwrap(), at(10)).is_empty(),
+            "a snapshot once, then changes only"
+        );
+        let restarted = Sampler::new("n", Source::Nvml, Duration::from_secs(3600))
+            .observe_with_snapshot(&sim.sample().unwrap(), at(20));
+        assert_eq!(restarted.len(), first.len(), "a restart (or a new boot) snapshots again");
+    }
+
+    #[test]
+    fn the_snapshot_replaces_first_sight_events_and_skips_unreadable_gpus() {
+        let (mut sim, control) = Simulated::new("n", 2);
+        control.update(0, |g| g.remap_pending = Some(true));
+        control.update(1, |g| g.error = Some("Unknown Error".into()));
+        let mut s = Sampler::new("n", Source::Nvml, Duration::from_secs(3600));
+        let first = s.observe_with_snapshot(&sim.sample().unwrap(), at(0));
+        let remaps: Vec<_> = first.iter().filter(|e| e.kind == Kind::RowRemap).collect();
+        assert_eq!(remaps.len(), 1, "one row-remap event, not the first-sight one and the snapshot");
+        assert!(!remaps[0].healthy && remaps[0].raw.as_deref() == Some(SNAPSHOT_RAW));
+        assert!(first.iter().all(|e| e.entity.gpu_index != Some(1) || e.kind == Kind::MonitorHealth));
+        control.update(1, |g| g.error = None);
+        let later = s.observe_with_snapshot(&sim.sample().unwrap(), at(10));
+        assert!(
+            later.iter().any(|e| e.entity.gpu_index == Some(1) && e.raw.as_deref() == Some(SNAPSHOT_RAW)),
+            "{later:#?}"
+        );
     }
 
     #[test]

@@ -196,9 +196,9 @@ impl Spool {
     pub fn open(dir: &Path, max_bytes: u64) -> Result<Self, SpoolError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let lock_path = dir.join("lock.sock");
-        let lock = crate::ingest::claim_socket(&lock_path).map_err(|e| match e {
-            crate::ingest::ClaimError::InUse(p) => SpoolError::InUse(p),
-            crate::ingest::ClaimError::Io { path, source } => SpoolError::Io { path, source },
+        let lock = crate::socket_claim::claim_socket(&lock_path).map_err(|e| match e {
+            crate::socket_claim::ClaimError::InUse(p) => SpoolError::InUse(p),
+            crate::socket_claim::ClaimError::Io { path, source } => SpoolError::Io { path, source },
         })?;
         // Small enough that a drained segment frees its bytes soon, large enough to keep the
         // file count low.

@@ -1,6 +1,6 @@
 //! Cloud maintenance against a local metadata server that serves each provider's documented
 //! payloads (AWS IMDSv2, the GCP metadata server with its hanging `wait_for_change` GET, Azure
-//! Scheduled Events) and refuses requests without the headers each one demands. The module is
+//! Scheduled Events, the Oracle Cloud IMDS v2 instance document) and refuses requests without the headers each one demands. The module is
 //! driven directly (poll, track, detect), and once through the collector binary to Kafka.
 
 use std::sync::{Arc, Mutex};
@@ -37,6 +37,23 @@ const GCP_UPCOMING: &str = r#"{
   "window_end_time": "2030-10-13T05:00:00Z",
   "window_start_time": "2030-10-13T01:00:00Z"
 }"#;
+
+/// The OCI instance document (IMDS v2) with a maintenance reboot due; without it when `due` is
+/// empty.
+fn oci_instance(due: &str) -> String {
+    serde_json::json!({
+        "availabilityDomain": "EMIr:PHX-AD-1",
+        "compartmentId": "ocid1.tenancy.oc1..exampleuniqueID",
+        "displayName": "gpu-node-3",
+        "id": "ocid1.instance.oc1.phx.exampleuniqueID",
+        "region": "phx",
+        "canonicalRegionName": "us-phoenix-1",
+        "shape": "BM.GPU.H100.8",
+        "state": "Running",
+        "timeMaintenanceRebootDue": due,
+    })
+    .to_string()
+}
 
 const AZURE_EVENTS: &str = r#"{
     "DocumentIncarnation": 2,
@@ -75,6 +92,7 @@ struct Served {
     gcp_upcoming: Option<String>,
     gcp_waiters: usize,
     azure_events: String,
+    oci_instance: String,
 }
 
 type Shared = Arc<Mutex<Served>>;
@@ -93,6 +111,7 @@ impl Fake {
             gcp_upcoming: None,
             gcp_waiters: 0,
             azure_events: r#"{"DocumentIncarnation": 1, "Events": []}"#.to_owned(),
+            oci_instance: oci_instance(""),
         }));
         let app = Router::new()
             .route("/latest/api/token", put(aws_token))
@@ -103,6 +122,7 @@ impl Fake {
             .route("/metadata/instance", get(azure_instance))
             .route("/metadata/instance/compute/name", get(azure_name))
             .route("/metadata/scheduledevents", get(azure_events))
+            .route("/opc/v2/instance/", get(oci_instance_doc))
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -121,6 +141,7 @@ impl Fake {
             aws_url: self.url.clone(),
             gcp_url: self.url.clone(),
             azure_url: self.url.clone(),
+            oci_url: self.url.clone(),
         }
     }
 }
@@ -257,6 +278,17 @@ async fn azure_events(State(s): State<Shared>, headers: HeaderMap, Query(q): Que
     s.lock().unwrap().azure_events.clone().into_response()
 }
 
+/// OCI's IMDS v2 refuses a request without `Authorization: Bearer Oracle`.
+async fn oci_instance_doc(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if !is(&s, cloud::oci::OCI) {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer Oracle") {
+        return StatusCode::UNAUTHORIZED.into_response();
+    }
+    s.lock().unwrap().oci_instance.clone().into_response()
+}
+
 fn summary(events: &[HealthEvent]) -> Vec<(CloudProvider, String, String, bool)> {
     events
         .iter()
@@ -369,6 +401,39 @@ async fn azure_scheduled_events_for_this_vm_only() {
 }
 
 #[tokio::test]
+async fn oci_maintenance_reboot_through_imds_v2() {
+    let fake = Fake::start(cloud::oci::OCI).await;
+    let settings = fake.settings(ProviderChoice::Auto, Duration::from_secs(1));
+    assert_eq!(cloud::detect(&settings).await, Some(cloud::oci::OCI), "OCI is detected by its instance OCID");
+    let mut poller = Poller::new(cloud::oci::OCI, &settings).unwrap();
+    let mut tracker = Tracker::new("node-o", cloud::oci::OCI);
+    assert_eq!(
+        summary(&poll(&mut poller, &mut tracker).await),
+        [(CloudProvider::Other, String::new(), "none".into(), true)],
+        "nothing due: a clean start says so once"
+    );
+    fake.set(|s| s.oci_instance = oci_instance("2030-05-25T21:10:29.600Z"));
+    let events = poll(&mut poller, &mut tracker).await;
+    assert_eq!(
+        summary(&events),
+        [(CloudProvider::Other, "maintenance-reboot".into(), "maintenance-reboot".into(), false)]
+    );
+    let Detail::CloudMaintenance(d) = &events[0].detail else { unreachable!() };
+    assert_eq!(d.window_start.map(|t| t.to_rfc3339()), Some("2030-05-25T21:10:29.600+00:00".into()));
+    assert_eq!(d.window_end.map(|t| t.to_rfc3339()), Some("2030-05-26T21:10:29.600+00:00".into()));
+    assert!(d.description.as_deref().is_some_and(|t| t.contains("Oracle Cloud")));
+    assert!(poll(&mut poller, &mut tracker).await.is_empty(), "the same notice is not published again");
+    fake.set(|s| s.oci_instance = oci_instance("2030-05-27T08:00:00Z"));
+    assert_eq!(poll(&mut poller, &mut tracker).await.len(), 1, "a rescheduled reboot is news");
+    fake.set(|s| s.oci_instance = oci_instance(""));
+    assert_eq!(
+        summary(&poll(&mut poller, &mut tracker).await),
+        [(CloudProvider::Other, "maintenance-reboot".into(), "maintenance-reboot".into(), true)],
+        "the due time cleared: the notice ended"
+    );
+}
+
+#[tokio::test]
 async fn the_provider_is_detected_and_off_cloud_is_quiet() {
     for provider in [CloudProvider::Aws, CloudProvider::Gcp, CloudProvider::Azure] {
         let fake = Fake::start(provider).await;
@@ -382,7 +447,8 @@ async fn the_provider_is_detected_and_off_cloud_is_quiet() {
         interval: Duration::from_secs(1),
         aws_url: nowhere.clone(),
         gcp_url: nowhere.clone(),
-        azure_url: nowhere,
+        azure_url: nowhere.clone(),
+        oci_url: nowhere,
     };
     assert_eq!(cloud::detect(&settings).await, None);
     assert_eq!(cloud::resolve(&CloudSettings { provider: ProviderChoice::None, ..settings }).await, None);

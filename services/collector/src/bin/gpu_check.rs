@@ -1,18 +1,24 @@
 //! `gpumedic-gpu-check`: prints what NVML reports for each GPU of this machine, every field the
 //! collector samples, so an operator can see on a GPU node what the collector will see. Without
-//! an NVIDIA driver it says so and exits 1.
+//! an NVIDIA driver it says so and exits 1. With `--kernel-log FILE` (`-` for stdin) it runs a
+//! kernel log (the machine's `dmesg`) through the collector's parser instead and prints what it
+//! recognised, one JSON object a line, then a count. `load-tests/gpu-check` runs both.
 
 use std::process::ExitCode;
 
 use gpumedic_collector::gpu::{GpuBackend as _, GpuSample, NvmlBackend, throttle};
 
 fn main() -> ExitCode {
-    let json = std::env::args().skip(1).any(|a| a == "--json");
-    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let json = args.iter().any(|a| a == "--json");
+    if args.iter().any(|a| a == "-h" || a == "--help") {
         println!(
-            "Usage: gpumedic-gpu-check [--json]\nPrints what NVML reports for each GPU (exit 1 without a driver)."
+            "Usage: gpumedic-gpu-check [--json] | --kernel-log FILE|-\nPrints what NVML reports for each GPU (exit 1 without a driver), or what the collector's parser finds in a kernel log."
         );
         return ExitCode::SUCCESS;
+    }
+    if let Some(at) = args.iter().position(|a| a == "--kernel-log") {
+        return kernel_log(args.get(at + 1).map(String::as_str).unwrap_or("-"));
     }
     let mut backend = match NvmlBackend::init() {
         Ok(b) => b,
@@ -41,6 +47,52 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// Runs a kernel log through the collector's parser: one JSON object per event, then a count.
+fn kernel_log(path: &str) -> ExitCode {
+    use std::io::BufRead as _;
+
+    let input: Box<dyn std::io::BufRead> = if path == "-" {
+        Box::new(std::io::stdin().lock())
+    } else {
+        match std::fs::File::open(path) {
+            Ok(f) => Box::new(std::io::BufReader::new(f)),
+            Err(e) => {
+                eprintln!("gpumedic-gpu-check: cannot read {path}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    };
+    let mut parser = gpumedic_collector::kernel_log::LogParser::new();
+    let (mut events, mut lines, mut found) = (Vec::new(), 0_u64, 0_u64);
+    let mut print = |events: &mut Vec<gpumedic_collector::kernel_log::KernelEvent>| {
+        for e in events.drain(..) {
+            found += 1;
+            println!("{}", serde_json::to_string(&e).expect("kernel events always serialise"));
+        }
+    };
+    let mut reader = input;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) => break,
+            Ok(_) => {
+                lines += 1;
+                parser.feed(String::from_utf8_lossy(&buf).trim_end_matches(['\n', '\r']), &mut events);
+                print(&mut events);
+            }
+            Err(e) => {
+                eprintln!("gpumedic-gpu-check: read failed: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    parser.flush(&mut events);
+    print(&mut events);
+    println!("kernel log: {lines} line(s) read, {found} GPU health event(s) recognised");
+    ExitCode::SUCCESS
+}
+
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "n/a".to_owned(), |v| v.to_string())
 }
@@ -49,6 +101,10 @@ fn print_text(s: &GpuSample) {
     println!("\nGPU {} {} ({})", s.index, s.uuid, s.pci_bus_id);
     if s.lost {
         println!("  LOST: NVML reports GPU_IS_LOST (fallen off the bus)");
+        return;
+    }
+    if let Some(e) = &s.error {
+        println!("  UNREADABLE: {e}");
         return;
     }
     println!("  product          {} (serial {})", opt(s.product.as_deref()), opt(s.serial.as_deref()));
@@ -105,6 +161,7 @@ fn to_json(s: &GpuSample) -> serde_json::Value {
         "uuid": s.uuid,
         "pci_bus_id": s.pci_bus_id,
         "lost": s.lost,
+        "error": s.error,
         "serial": s.serial,
         "product": s.product,
         "temperature_c": s.temperature_c,

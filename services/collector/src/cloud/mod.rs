@@ -6,6 +6,8 @@
 //! - GCP: `instance/maintenance-event` as a hanging GET (`wait_for_change`, bounded by the poll
 //!   interval) and `instance/upcoming-maintenance`, see [`gcp`].
 //! - Azure: Scheduled Events (`/metadata/scheduledevents`), filtered to this VM, see [`azure`].
+//! - Oracle Cloud (OCI): the instance document of IMDS v2 (`/opc/v2/instance/`) and its
+//!   `timeMaintenanceRebootDue`, see [`oci`].
 //!
 //! Each poll gives the set of notices in force; a [`Tracker`] turns successive sets into events:
 //! an unhealthy event when a notice appears (or its type or window changes), a healthy one with
@@ -13,7 +15,7 @@
 //! first poll after a start with nothing scheduled publishes one healthy event, so an incident
 //! opened before a restart can recover even if its notice ended while the collector was down.
 //!
-//! The provider is configured (`--cloud-provider aws|gcp|azure`) or detected (`auto`, the
+//! The provider is configured (`--cloud-provider aws|gcp|azure|oci`) or detected (`auto`, the
 //! default): each documented endpoint is probed once at start with a short timeout, and off any
 //! cloud the source logs one line and stays idle. Each provider's address is a flag, which is
 //! how the tests point the source at a local server.
@@ -21,6 +23,7 @@
 pub mod aws;
 pub mod azure;
 pub mod gcp;
+pub mod oci;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::publisher::Sink;
 
-/// The link-local address of the instance metadata service on AWS, GCP and Azure alike. GCP's
+/// The link-local address of the instance metadata service on AWS, GCP, Azure and OCI alike. GCP's
 /// `metadata.google.internal` resolves to it; the address avoids depending on cluster DNS.
 pub const LINK_LOCAL: &str = "http://169.254.169.254";
 
@@ -45,7 +48,8 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The cloud maintenance flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CloudArgs {
-    /// The cloud whose maintenance notices are read: `auto` (detect), `aws`, `gcp`, `azure` or `none`.
+    /// The cloud whose maintenance notices are read: `auto` (detect), `aws`, `gcp`, `azure`, `oci`
+    /// (Oracle Cloud) or `none`.
     #[arg(long, env = "GPUMEDIC_CLOUD_PROVIDER", default_value = "auto")]
     pub cloud_provider: String,
     /// How often maintenance notices are read (on GCP, the longest a change wait lasts).
@@ -60,6 +64,9 @@ pub struct CloudArgs {
     /// The Azure instance metadata service.
     #[arg(long, env = "GPUMEDIC_AZURE_METADATA_URL", default_value = LINK_LOCAL)]
     pub azure_metadata_url: String,
+    /// The Oracle Cloud (OCI) instance metadata service (IMDS v2).
+    #[arg(long, env = "GPUMEDIC_OCI_METADATA_URL", default_value = LINK_LOCAL)]
+    pub oci_metadata_url: String,
 }
 
 /// Which provider to read.
@@ -86,6 +93,8 @@ pub struct CloudSettings {
     pub gcp_url: String,
     /// Azure's.
     pub azure_url: String,
+    /// Oracle Cloud's.
+    pub oci_url: String,
 }
 
 impl Validate for CloudArgs {
@@ -100,8 +109,9 @@ impl Validate for CloudArgs {
                 "aws" => Ok(ProviderChoice::Fixed(CloudProvider::Aws)),
                 "gcp" => Ok(ProviderChoice::Fixed(CloudProvider::Gcp)),
                 "azure" => Ok(ProviderChoice::Fixed(CloudProvider::Azure)),
+                "oci" => Ok(ProviderChoice::Fixed(oci::OCI)),
                 "none" | "off" => Ok(ProviderChoice::None),
-                other => Err(format!("'{other}' is not a provider; use auto, aws, gcp, azure or none")),
+                other => Err(format!("'{other}' is not a provider; use auto, aws, gcp, azure, oci or none")),
             },
         );
         let interval = p.check(
@@ -122,12 +132,14 @@ impl Validate for CloudArgs {
         let aws_url = url("--aws-metadata-url", &self.aws_metadata_url);
         let gcp_url = url("--gcp-metadata-url", &self.gcp_metadata_url);
         let azure_url = url("--azure-metadata-url", &self.azure_metadata_url);
+        let oci_url = url("--oci-metadata-url", &self.oci_metadata_url);
         p.finish(|| CloudSettings {
             provider: provider.expect("checked"),
             interval: interval.expect("checked"),
             aws_url: aws_url.expect("checked"),
             gcp_url: gcp_url.expect("checked"),
             azure_url: azure_url.expect("checked"),
+            oci_url: oci_url.expect("checked"),
         })
     }
 }
@@ -182,6 +194,8 @@ pub enum Poller {
     Gcp(gcp::Gcp),
     /// Azure.
     Azure(azure::Azure),
+    /// Oracle Cloud.
+    Oci(oci::Oci),
 }
 
 impl Poller {
@@ -192,7 +206,9 @@ impl Poller {
             CloudProvider::Aws => Self::Aws(aws::Aws::new(client, &settings.aws_url)),
             CloudProvider::Gcp => Self::Gcp(gcp::Gcp::new(client, &settings.gcp_url, settings.interval)),
             CloudProvider::Azure => Self::Azure(azure::Azure::new(client, &settings.azure_url)),
-            CloudProvider::Unknown | CloudProvider::Other => return None,
+            // OCI travels as `Other` until the schema has a symbol for it.
+            CloudProvider::Other => Self::Oci(oci::Oci::new(client, &settings.oci_url)),
+            CloudProvider::Unknown => return None,
         })
     }
 
@@ -202,6 +218,7 @@ impl Poller {
             Self::Aws(_) => CloudProvider::Aws,
             Self::Gcp(_) => CloudProvider::Gcp,
             Self::Azure(_) => CloudProvider::Azure,
+            Self::Oci(_) => oci::OCI,
         }
     }
 
@@ -212,6 +229,7 @@ impl Poller {
             Self::Aws(p) => p.poll().await,
             Self::Gcp(p) => p.poll().await,
             Self::Azure(p) => p.poll().await,
+            Self::Oci(p) => p.poll().await,
         }
     }
 
@@ -228,18 +246,19 @@ pub fn metadata_client() -> reqwest::Client {
 }
 
 /// Probes each provider's documented endpoint at once, with [`PROBE_TIMEOUT`]; the first in the
-/// order GCP, Azure, AWS that answers like itself wins. GCP marks its answers with a
-/// `Metadata-Flavor: Google` header and Azure's instance document has a `compute` section, so
-/// neither is mistaken for the other on the shared address; AWS is judged last because it only
-/// needs its token endpoint to answer.
+/// order GCP, Azure, OCI, AWS that answers like itself wins. GCP marks its answers with a
+/// `Metadata-Flavor: Google` header, Azure's instance document has a `compute` section and OCI's
+/// an instance OCID as its id, so none is mistaken for another on the shared address; AWS is
+/// judged last because it only needs its token endpoint to answer.
 pub async fn detect(settings: &CloudSettings) -> Option<CloudProvider> {
     let client = metadata_client();
-    let (gcp, azure, aws) = tokio::join!(
+    let (gcp, azure, oci, aws) = tokio::join!(
         gcp::probe(&client, &settings.gcp_url),
         azure::probe(&client, &settings.azure_url),
+        oci::probe(&client, &settings.oci_url),
         aws::probe(&client, &settings.aws_url),
     );
-    [(gcp, CloudProvider::Gcp), (azure, CloudProvider::Azure), (aws, CloudProvider::Aws)]
+    [(gcp, CloudProvider::Gcp), (azure, CloudProvider::Azure), (oci, oci::OCI), (aws, CloudProvider::Aws)]
         .into_iter()
         .find_map(|(found, p)| found.then_some(p))
 }
@@ -339,7 +358,8 @@ pub fn provider_name(p: CloudProvider) -> &'static str {
         CloudProvider::Aws => "aws",
         CloudProvider::Gcp => "gcp",
         CloudProvider::Azure => "azure",
-        CloudProvider::Other => "other",
+        // The only `Other` provider the collector reads.
+        CloudProvider::Other => "oci",
         CloudProvider::Unknown => "unknown",
     }
 }
@@ -491,11 +511,13 @@ mod tests {
             aws_metadata_url: url.into(),
             gcp_metadata_url: LINK_LOCAL.into(),
             azure_metadata_url: LINK_LOCAL.into(),
+            oci_metadata_url: LINK_LOCAL.into(),
         };
         let ok = args("auto", "10s", "http://127.0.0.1:8080/").validate().unwrap();
         assert_eq!(ok.provider, ProviderChoice::Auto);
         assert_eq!(ok.aws_url, "http://127.0.0.1:8080", "a trailing slash is dropped");
         assert_eq!(args("none", "1s", LINK_LOCAL).validate().unwrap().provider, ProviderChoice::None);
+        assert_eq!(args("oci", "1s", LINK_LOCAL).validate().unwrap().provider, ProviderChoice::Fixed(oci::OCI));
         let bad = args("oracle", "0s", "169.254.169.254").validate().unwrap_err();
         let fields: Vec<&str> = bad.list().iter().map(|p| p.field.as_str()).collect();
         assert_eq!(fields, ["--cloud-provider", "--cloud-poll-interval", "--aws-metadata-url"]);

@@ -6,6 +6,7 @@ use gpumedic_schemas::health::{
     SxidDetail, XidDetail, XidRecoveryAction,
 };
 
+use super::nvlink5::Nvlink5Action;
 use super::parse::{KernelEvent, KernelEventKind};
 
 /// The health event for `k`, seen on `node` in the line `raw`.
@@ -39,7 +40,15 @@ pub fn to_health_event(node: &str, k: &KernelEvent, raw: &str) -> HealthEvent {
                     pid: k.pid.map(|p| p as i32),
                     process: k.process.clone(),
                     nvlink5,
-                    recovery_action: k.recovery_action.as_deref().map(recovery_action),
+                    // Xid 154 names its action; an NVLink5 Xid's comes from its decode (one
+                    // that defers to the Xid 154 that follows leaves it unset).
+                    recovery_action: k.recovery_action.as_deref().map(recovery_action).or_else(|| {
+                        k.nvlink5.as_ref().and_then(|d| match d.action {
+                            Nvlink5Action::None => Some(XidRecoveryAction::None),
+                            Nvlink5Action::GpuReset => Some(XidRecoveryAction::GpuReset),
+                            Nvlink5Action::FollowXid154 => None,
+                        })
+                    }),
                 }),
             )
         }
@@ -117,6 +126,24 @@ mod tests {
         assert_eq!(e.raw.as_deref(), Some(line));
         // The event encodes against the schema.
         gpumedic_schemas::encode(&e).expect("encodes");
+    }
+
+    #[test]
+    fn an_nvlink5_xid_carries_its_decoded_action_and_link() {
+        let fatal = "NVRM: Xid (PCI:0018:01:00): 149, NETIR_LINK_EVT  Fatal   XC0 i0 Link 04 (0x004505c6 0x00000000)";
+        let e = to_health_event("gpu-1", &parse_all(fatal)[0], fatal);
+        let Detail::Xid(x) = &e.detail else { panic!("xid detail") };
+        assert_eq!(x.recovery_action, Some(XidRecoveryAction::GpuReset), "a fatal NETIR error needs a GPU reset");
+        assert_eq!((e.entity.nvlink_link, e.component), (Some(4), Component::Nvlink));
+        let ber = "NVRM: Xid (PCI:0018:01:00): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 02 (0x00000000 0x00000001)";
+        let Detail::Xid(x) = &to_health_event("gpu-1", &parse_all(ber)[0], ber).detail else { panic!() };
+        assert_eq!(x.recovery_action, Some(XidRecoveryAction::None));
+        let remap = "NVRM: Xid (PCI:0008:01:00): 145, RLW_REMAP Nonfatal XC1 i1 Link 06 (0x00000000 0x00000001)";
+        let Detail::Xid(x) = &to_health_event("gpu-1", &parse_all(remap)[0], remap).detail else { panic!() };
+        assert_eq!(x.recovery_action, None, "the Xid 154 that follows names the action");
+        let other = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.";
+        let Detail::Xid(x) = &to_health_event("gpu-1", &parse_all(other)[0], other).detail else { panic!() };
+        assert_eq!(x.recovery_action, None, "other Xids are not decoded");
     }
 
     #[test]

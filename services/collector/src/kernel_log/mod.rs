@@ -7,6 +7,7 @@
 
 pub mod event;
 pub mod kmsg;
+pub mod nvlink5;
 pub mod parse;
 
 pub use parse::{KernelEvent, KernelEventKind, LineOrigin, LogParser, MigInstance, NvlinkFields};

@@ -81,6 +81,9 @@ pub struct KernelEvent {
     /// NVLink fields, for Xid 74, 144-150 and SXids that name a link.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvlink: Option<NvlinkFields>,
+    /// What an NVLink5 Xid (144-150) means: block, link, and the action it asks for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvlink5: Option<super::nvlink5::Nvlink5Decode>,
     /// The reporting kernel device (`nvidia-nvswitch3`), when the line starts with one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -106,6 +109,7 @@ impl KernelEvent {
             severity: None,
             mig: None,
             nvlink: None,
+            nvlink5: None,
             device: None,
             cpu: None,
             mce_bank: None,
@@ -258,8 +262,16 @@ fn parse_xid(rest: &str) -> Option<KernelEvent> {
         event.recovery_action = recovery_action(&event.message);
     }
     if code == 74 || (144..=150).contains(&code) {
-        event.nvlink = Some(nvlink_fields(&event.message, code != 74));
+        let fields = nvlink_fields(&event.message, code != 74);
         event.severity = severity_word(&event.message);
+        event.nvlink5 = super::nvlink5::decode(
+            code,
+            fields.unit.as_deref(),
+            event.severity.as_deref(),
+            fields.link,
+            fields.registers.get(1).and_then(|r| super::nvlink5::register(r)),
+        );
+        event.nvlink = Some(fields);
     }
     Some(event)
 }
@@ -366,9 +378,10 @@ fn nvlink_fields(message: &str, unit_first: bool) -> NvlinkFields {
     let link = find_after_word(message, "Link").or_else(|| find_after_word(message, "link"));
     let unit =
         if unit_first { message.split_whitespace().next().map(|u| u.trim_end_matches(',').to_owned()) } else { None };
+    // `(0x... 0x...)`, or `[0x...]` from drivers before R575.
     let registers = message
-        .split_once('(')
-        .map(|(_, r)| r.split(')').next().unwrap_or(r))
+        .split_once(['(', '['])
+        .map(|(_, r)| r.split([')', ']']).next().unwrap_or(r))
         .map(|r| {
             r.split(|c: char| c == ',' || c.is_whitespace())
                 .filter(|t| t.starts_with("0x"))
