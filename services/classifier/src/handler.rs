@@ -143,8 +143,11 @@ impl BatchHandler for Handler {
         let classified = std::time::Instant::now();
         stage_seconds("classify", decoded, classified);
         let outcome = async {
+            // Judged here, not with the engine: a failed look-up retries the batch from the
+            // engine's decisions, which are kept.
+            let judged = c.judge_lemons(&decisions).await?;
             let traced: Vec<(Decision, Option<&[u8]>)> =
-                decisions.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
+                judged.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
             let published = c.publish(&traced).await?;
             let acknowledged = std::time::Instant::now();
             stage_seconds("publish", classified, acknowledged);

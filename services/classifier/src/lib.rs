@@ -25,6 +25,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod lemons;
 pub mod nvlink;
 pub mod observe;
 pub mod quality;
@@ -106,6 +107,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             enriched_topic: config.topics.enriched.clone(),
             rebuild_window: config.rebuild_window,
             clock_skew_allowance: config.clock_skew_allowance,
+            lemons: config.lemons,
         })
     };
     let classifier = match setup.await {
