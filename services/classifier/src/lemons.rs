@@ -157,8 +157,9 @@ impl Ledger {
         self.entries.retain(|_, e| e.at_micros >= since);
         let in_window = |e: &&Entry| e.at_micros >= since && e.at_micros <= now;
         if let Some(gpu) = &d.gpu {
-            let history: Vec<&Entry> =
+            let mut history: Vec<&Entry> =
                 self.entries.values().filter(in_window).filter(|e| e.gpu.as_ref() == Some(gpu)).collect();
+            history.sort_by_key(|e| (e.at_micros, e.incident_id));
             if history.len() >= self.settings.min_incidents {
                 let lemon = lemon_decision(d, Part::Gpu(gpu), &history, self.settings.window);
                 if self.already_out(&lemon) {
@@ -168,7 +169,8 @@ impl Ledger {
                 return Some(lemon);
             }
         }
-        let history: Vec<&Entry> = self.entries.values().filter(in_window).filter(|e| e.node == d.node).collect();
+        let mut history: Vec<&Entry> = self.entries.values().filter(in_window).filter(|e| e.node == d.node).collect();
+        history.sort_by_key(|e| (e.at_micros, e.incident_id));
         // A node whose incidents are all one GPU's has a bad GPU, not a bad node: that GPU becomes
         // a lemon on its own count.
         let parts: BTreeSet<Option<&String>> = history.iter().map(|e| e.gpu.as_ref()).collect();

@@ -1221,6 +1221,75 @@ mod tests {
     }
 
     #[test]
+    fn a_lemon_keeps_the_node_out_when_the_fault_that_made_it_recovers() {
+        // The classifier's lemon incident (docs/decisions.md, "Lemons") arrives as a verdict of
+        // its own beside the third fault, and has no recovery of its own.
+        let fault = crate::verdicts::remediation(&lemon_verdicts::fault());
+        let lemon = crate::verdicts::remediation(&lemon_verdicts::lemon());
+        assert_eq!(
+            (lemon.action, lemon.subsystem, lemon.reason.as_str()),
+            (Action::ContactSupport, Subsystem::Gpu, "LemonGpu")
+        );
+        let mut view = node();
+        applied_to(&mut view, &fault);
+        applied_to(&mut view, &lemon);
+        let r = must_apply(plan(&view, &recovered(&fault.incident_id), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, None, "{r:?}");
+        assert!(r.remove_taints.is_empty() && r.remove_labels.is_empty(), "{r:?}");
+        assert!(
+            r.notes[0]
+                .message
+                .contains(&format!("stays quarantined for open incident(s) {} (LemonGpu)", lemon.incident_id)),
+            "{}",
+            r.notes[0].message
+        );
+        apply_plan(&mut view, &r);
+        assert!(view.unschedulable && view.taints.len() == 1);
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("LemonGpu")));
+        // Once drained, a resync re-issues the open lemon's verdict: nothing changes, the node
+        // stays out.
+        let drained = advance(&view, State::Drained).expect("gpumedic owns the state label");
+        apply_plan(&mut view, &drained);
+        let again = Remediation { reissue: true, ..lemon };
+        assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+    }
+
+    /// The verdicts of a third fault on a GPU and of the lemon incident it opened.
+    mod lemon_verdicts {
+        use gpumedic_schemas::Severity;
+        use gpumedic_schemas::verdict::{RecommendedAction, Verdict};
+
+        fn verdict(incident: u128, rule: &str, action: RecommendedAction) -> Verdict {
+            Verdict {
+                verdict_id: uuid::Uuid::from_u128(incident + 100),
+                incident_id: uuid::Uuid::from_u128(incident),
+                node: "n".into(),
+                entity: gpumedic_schemas::health::Entity { gpu_uuid: Some("GPU-a".into()), ..Default::default() },
+                severity: Severity::Critical,
+                rule_id: rule.into(),
+                rule_version: 1,
+                action,
+                custom_action: None,
+                reason: format!("{rule} on GPU-a"),
+                evidence: vec![],
+                issued_at: chrono::Utc::now(),
+                recovery: false,
+                not_before: None,
+                deferrable: false,
+                workload: None,
+            }
+        }
+
+        pub(super) fn fault() -> Verdict {
+            verdict(1, "ecc-double-bit", RecommendedAction::ResetGpu)
+        }
+
+        pub(super) fn lemon() -> Verdict {
+            verdict(2, "lemon-gpu", RecommendedAction::ContactSupport)
+        }
+    }
+
+    #[test]
     fn a_condition_shared_with_an_open_incident_stays_true_with_its_reason() {
         // The minor incident is about the GPU too: it shares the critical one's condition, and
         // its reason is the last written.
