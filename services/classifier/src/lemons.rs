@@ -417,6 +417,38 @@ mod tests {
     }
 
     #[test]
+    fn the_default_rules_that_count_are_the_ones_the_docs_name() {
+        // docs/decisions.md, "Lemons", names these; the override rule (Xid 154) counts only when
+        // the driver's action is a reset or a reboot, which its own action here is not.
+        let rules = crate::rules::defaults::rule_set().expect("the default rules load");
+        let counted: Vec<&str> = rules
+            .rules
+            .iter()
+            .filter(|r| {
+                let mut d = fault(1, "n1", Some("GPU-a"), 0);
+                (d.severity, d.action, d.then) = (r.severity, r.action, r.then.clone());
+                hardware_class(&d)
+            })
+            .map(|r| r.id.as_str())
+            .collect();
+        assert_eq!(
+            counted,
+            [
+                "xid-48-alone",
+                "xid-48-with-row-remap",
+                "xid-64-row-remap-failure",
+                "xid-reset-gpu",
+                "xid-79-fallen-off-the-bus",
+                "sxid-nvswitch-fatal",
+                "ecc-double-bit",
+                "row-remap-failure",
+                "pcie-aer-fatal",
+                "dcgm-diagnostic-failed",
+            ]
+        );
+    }
+
+    #[test]
     fn zero_turns_lemons_off() {
         let mut ledger = Ledger::new(Settings { min_incidents: 0, ..Settings::default() });
         let out = ledger.judge((1..=5).map(|i| fault(i, "n1", Some("GPU-a"), i as i64)).collect());
