@@ -208,7 +208,7 @@ impl Ledger {
         let since = DateTime::<Utc>::from_timestamp_micros(earliest.saturating_sub(window)).unwrap_or_default();
         let nodes: Vec<String> = nodes.into_iter().collect();
         let gpus: Vec<String> = gpus.into_iter().collect();
-        let rows: Vec<(Uuid, String, Option<String>, String, DateTime<Utc>)> = sqlx::query_as(
+        let rows: Vec<HistoryRow> = sqlx::query_as(
             "SELECT incident_id, node, gpu_uuid, rule_id, opened_at
                FROM incidents
               WHERE hardware AND opened_at >= $3 AND (node = ANY($1) OR gpu_uuid = ANY($2))
@@ -237,6 +237,9 @@ impl Ledger {
         Ok(())
     }
 }
+
+/// A hardware-class incident as the store has it: incident id, node, GPU, rule, opening time.
+type HistoryRow = (Uuid, String, Option<String>, String, DateTime<Utc>);
 
 /// The part a lemon incident is about.
 enum Part<'a> {
@@ -301,9 +304,9 @@ fn lemon_decision(trigger: &Decision, part: Part<'_>, history: &[&Entry], window
 fn humantime_days(d: Duration) -> String {
     let s = d.as_secs();
     match s {
-        _ if s >= 86_400 && s % 86_400 == 0 => format!("{}d", s / 86_400),
-        _ if s >= 3_600 && s % 3_600 == 0 => format!("{}h", s / 3_600),
-        _ if s >= 60 && s % 60 == 0 => format!("{}m", s / 60),
+        _ if s >= 86_400 && s.is_multiple_of(86_400) => format!("{}d", s / 86_400),
+        _ if s >= 3_600 && s.is_multiple_of(3_600) => format!("{}h", s / 3_600),
+        _ if s >= 60 && s.is_multiple_of(60) => format!("{}m", s / 60),
         _ => format!("{s}s"),
     }
 }
