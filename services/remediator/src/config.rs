@@ -124,6 +124,12 @@ pub struct Args {
     /// The timeout of a ladder step that does not give its own.
     #[arg(long, env = "GPUMEDIC_REPAIR_STEP_TIMEOUT", default_value = "30m")]
     repair_step_timeout: String,
+    /// How long a custom action (a rule's `action: custom`, run through the repair hooks in
+    /// full-remediation) may take: a webhook's step succeeds on healthy evidence (the incident's
+    /// recovery) before it, a custom resource's on its phase. Longer than the custom rules' quiet
+    /// periods (Xid 45 alone: 1h), or every webhook call times out.
+    #[arg(long, env = "GPUMEDIC_CUSTOM_ACTION_TIMEOUT", default_value = "2h")]
+    custom_action_timeout: String,
     /// How often the leader drives the repair ladders (calls hooks, reads their status, escalates).
     #[arg(long, env = "GPUMEDIC_REPAIR_CHECK", default_value = "10s")]
     repair_check: String,
@@ -318,6 +324,10 @@ impl Validate for Args {
             }
         }
         let repair_timeout = p.check("--repair-step-timeout", parse_duration(&self.repair_step_timeout));
+        let custom_timeout = p.check("--custom-action-timeout", parse_duration(&self.custom_action_timeout));
+        if custom_timeout.is_some_and(|t| t.is_zero()) {
+            p.push("--custom-action-timeout", "must be more than 0");
+        }
         let repair_ladder =
             repair_timeout.and_then(|t| p.check("--repair-ladder", ladder::parse_steps(&self.repair_ladder, t)));
         let repair_check = p.check("--repair-check", parse_duration(&self.repair_check));
@@ -423,6 +433,7 @@ impl Validate for Args {
                     ..DrainPolicy::default()
                 },
                 ladder: repair_ladder.expect("checked"),
+                custom_timeout: custom_timeout.expect("checked"),
                 ..Settings::default()
             },
             breaker: BreakerLimits {

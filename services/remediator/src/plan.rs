@@ -694,6 +694,9 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
         plan_quarantine(node, request, policy, &mut record, &mut plan);
         plan.new_quarantine = !held && (plan.cordon.is_some() || !plan.add_taints.is_empty());
     }
+    if policy.mode == Mode::FullRemediation && request.action == Action::Custom && request.custom.is_some() {
+        plan_custom(node, request, &mut plan);
+    }
 
     plan.applied_changed = before.as_ref() != Some(&record);
     plan.applied = Some(record);
@@ -742,6 +745,28 @@ fn plan_quarantine(node: &NodeView, request: &Remediation, policy: &Policy, reco
     }
     if policy.mode == Mode::FullRemediation && request.action.repairs() && current < Some(State::Remediating) {
         plan.repair = Some(request.action);
+    }
+}
+
+/// A custom action runs once per incident, through the repair hooks, as a ladder of its own
+/// (see [`crate::ladder::Ladder::custom`]); a node already on a ladder (this incident's, finished
+/// or not, or another's repair) starts none, and says why when it is another's.
+fn plan_custom(node: &NodeView, request: &Remediation, plan: &mut Plan) {
+    let Some(raw) = node.annotations.get(crate::ladder::LADDER_ANNOTATION) else {
+        plan.repair = Some(Action::Custom);
+        return;
+    };
+    let holder = serde_json::from_str::<crate::ladder::Ladder>(raw).ok().map(|l| l.request.incident_id);
+    if holder.as_deref() != Some(request.incident_id.as_str()) {
+        plan.notes.push(Note::normal(
+            "CustomActionHeld",
+            format!(
+                "The custom action {} of incident {} waits: the node is on the repair ladder of incident {}",
+                request.custom.as_deref().unwrap_or_default(),
+                request.incident_id,
+                holder.as_deref().unwrap_or("(unreadable)")
+            ),
+        ));
     }
 }
 
@@ -873,6 +898,7 @@ mod tests {
             incident_id: "i1".into(),
             recovery: false,
             reissue: false,
+            custom: None,
         }
     }
 
@@ -1097,6 +1123,35 @@ mod tests {
         let p = must_apply(plan(&node(), &request(Action::ResetGpu), &Policy::default(), &mut allow()));
         assert_eq!(p.drain, Some(DrainScope { gpu: None }));
         assert_eq!(p.repair, None, "cordon-drain mode narrows repairs to a drain");
+    }
+
+    #[test]
+    fn a_custom_action_marks_the_node_and_runs_once_in_full_remediation_only() {
+        let custom = Remediation { custom: Some("restart-fabric-manager".into()), ..request(Action::Custom) };
+        let full = Policy { mode: Mode::FullRemediation, ..Policy::default() };
+        let p = must_apply(plan(&node(), &custom, &full, &mut allow()));
+        assert_eq!(p.repair, Some(Action::Custom));
+        assert_eq!((p.cordon, p.drain.as_ref(), p.add_taints.len()), (None, None, 0), "the node stays in service");
+        assert_eq!(p.conditions.len(), 1);
+        let p = must_apply(plan(&node(), &custom, &Policy::default(), &mut allow()));
+        assert_eq!(p.repair, None, "cordon-drain mode runs no hooks");
+        // Once its ladder is on the node, the incident's verdicts start nothing more.
+        let mut view = node();
+        let mut ladder = crate::ladder::Ladder::custom(
+            "v1",
+            &Remediation { node: view.name.clone(), ..custom.clone() },
+            std::time::Duration::from_secs(60),
+            chrono::Utc::now(),
+        );
+        view.annotations.insert(crate::ladder::LADDER_ANNOTATION.into(), serde_json::to_string(&ladder).unwrap());
+        let p = plan(&view, &custom, &full, &mut allow());
+        assert!(matches!(&p, Decision::Apply(p) if p.repair.is_none()), "{p:?}");
+        // Another incident's ladder holds it back, and the note says so.
+        ladder.request.incident_id = "other".into();
+        view.annotations.insert(crate::ladder::LADDER_ANNOTATION.into(), serde_json::to_string(&ladder).unwrap());
+        let p = must_apply(plan(&view, &custom, &full, &mut allow()));
+        assert_eq!(p.repair, None);
+        assert!(p.notes.iter().any(|n| n.reason == "CustomActionHeld" && n.message.contains("other")), "{:?}", p.notes);
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
             request.verdict_id,
             l.step_number(),
             l.steps.len(),
-            l.step().action.name(),
+            l.step_name(),
             l.describe()
         );
         shared.remediator.record_event(&node, "Remediated", detail.clone(), false).await;
@@ -133,7 +133,7 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
         if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };
     let now = chrono::Utc::now();
     let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
-    let what = format!("repair step {number}/{total} {}", step.action.name());
+    let what = format!("repair step {number}/{total} {}", l.step_name());
     match l.decide(now, &report) {
         ladder::Move::Wait | ladder::Move::Done => return Ok(()),
         ladder::Move::Start => match shared.hooks.start(&l).await {
@@ -191,7 +191,7 @@ pub(crate) async fn escalate(
         l.escalate(why, now);
         let detail = format!(
             "repair failed: step {number}/{total} {} was the last ({why}); an operator must act. History: {}",
-            step.action.name(),
+            l.step_name(),
             l.history.join("; ")
         );
         publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
@@ -204,8 +204,7 @@ pub(crate) async fn escalate(
         tracing::error!(node = %name, verdict_id = %l.verdict_id, %detail, "A repair ladder failed on its last step: an operator must act.");
     } else {
         let next = l.steps[l.current + 1].action.name();
-        let detail =
-            format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", step.action.name());
+        let detail = format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", l.step_name());
         publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
         shared.remediator.record_event(node, "RepairEscalated", detail, true).await;
         l.escalate(why, now);
