@@ -10,7 +10,11 @@
 //! - during a key rotation (a new current key, the old one as previous), every call verifies at a
 //!   receiver that knows only the old key and at one that knows only the new key;
 //! - the custom resource hook: a CRD installed in the test, the resource created once under its
-//!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`.
+//!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`;
+//! - custom actions (a rule's `action: custom`, Xid 45 alone -> `restart-fabric-manager`): the
+//!   signed webhook is called once under the action's name while the node stays in service, and
+//!   without healthy evidence within `--custom-action-timeout` the ladder fails for an operator;
+//!   through the custom resource, a `Succeeded` phase remediates and the recovery ends the ladder.
 //!
 //! Each test has its own namespace, nodes, topics and consumer group.
 
@@ -611,6 +615,131 @@ async fn the_custom_resource_is_created_once_and_its_succeeded_phase_remediates_
     assert_eq!(done.status, ActionStatus::Applied);
     assert!(event_reasons(&w.client, &name).await.iter().any(|e| e == "RepairSucceeded"));
     assert_eq!(repairs.list(&ListParams::default()).await.unwrap().items.len(), 1, "no second step");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+/// Xid 45 alone: a custom action, `restart-fabric-manager`, informational.
+fn custom_verdict(node: &str, incident: uuid::Uuid) -> Verdict {
+    Verdict {
+        severity: Severity::Info,
+        rule_id: "xid-45-alone".into(),
+        custom_action: Some("restart-fabric-manager".into()),
+        reason: "Xid 45 alone on GPU-aaa: restart Fabric Manager".into(),
+        ..verdict(node, incident, RecommendedAction::Custom, false)
+    }
+}
+
+#[tokio::test]
+async fn a_custom_action_is_signed_to_the_webhook_under_its_name_and_times_out_to_an_operator() {
+    let w = World::new().await;
+    let name = w.node().await;
+    pod(&w.client, &w.ns, "job-0", &name, json!({})).await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE", w.file("secret", &format!("{SECRET}\n"))),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_CUSTOM_ACTION_TIMEOUT", "4s".into()),
+        ])
+        .await;
+    let incident = uuid::Uuid::new_v4();
+    let v = custom_verdict(&name, incident);
+    w.publish(&v).await;
+    let first = w.outcome(v.verdict_id, |o| o.action == RecommendedAction::Custom && o.detail.contains("ladder")).await;
+    assert_eq!(first.status, ActionStatus::Applied, "{}", first.detail);
+    assert!(first.detail.contains("repair ladder started at custom"), "{}", first.detail);
+
+    // One signed call, under the action's name, for step 1 of 1.
+    let key = format!("{}:1", v.verdict_id);
+    eventually("the custom action's webhook call", Duration::from_secs(60), async || {
+        (!receiver.calls_for(&key).is_empty()).then_some(())
+    })
+    .await;
+    let calls = receiver.calls_for(&key);
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].verified_by.as_deref(), Some(hooks::DEFAULT_KEY_ID), "signed with the shared secret");
+    assert_eq!(
+        (calls[0].body["action"].as_str(), calls[0].body["step"].as_u64(), calls[0].body["steps"].as_u64()),
+        (Some("restart-fabric-manager"), Some(1), Some(1))
+    );
+    assert_eq!(calls[0].body["timeoutSeconds"].as_u64(), Some(4));
+    assert_eq!(calls[0].body["gpu"]["uuid"], "GPU-aaa");
+    w.outcome(v.verdict_id, |o| o.detail.contains("restart-fabric-manager handed to the repair hooks")).await;
+
+    // The node is marked, never taken out: the pod stays.
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "a custom action keeps the node in service");
+    assert_eq!(state(&node), None);
+    assert_eq!(pods_left(&w.client, &w.ns).await, ["job-0"]);
+
+    // No healthy evidence within the timeout: the ladder fails and an operator must act.
+    let failed = w.outcome(v.verdict_id, |o| o.detail.starts_with("repair failed")).await;
+    assert_eq!((failed.status, failed.action), (ActionStatus::Failed, RecommendedAction::Custom));
+    assert!(failed.detail.contains("restart-fabric-manager was the last"), "{}", failed.detail);
+    let events = event_reasons(&w.client, &name).await;
+    for reason in ["RepairLadderStarted", "RepairStepStarted", "RepairFailed"] {
+        assert!(events.iter().any(|e| e == reason), "{reason} missing from {events:?}");
+    }
+    let node = get_node(&w.client, &name).await;
+    assert!(
+        conditions(&node).contains(&("GpuUnhealthy".into(), "True".into(), Some("RepairFailed".into()))),
+        "{:?}",
+        conditions(&node)
+    );
+    assert!(!cordoned(&node), "still in service");
+    // Nothing more is called.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(receiver.calls().len(), 1);
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_custom_action_through_the_custom_resource_succeeds_and_the_recovery_ends_it() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let name = w.node().await;
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
+        w.ns
+    );
+    let mut r = w.start(&[("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template))]).await;
+    let incident = uuid::Uuid::new_v4();
+    let v = custom_verdict(&name, incident);
+    w.publish(&v).await;
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let cr_name = format!("gpumedic-{}-1", v.verdict_id);
+    let cr = eventually("the custom action's resource", Duration::from_secs(60), async || {
+        repairs.get_opt(&cr_name).await.expect("read the repair resource")
+    })
+    .await;
+    assert_eq!(cr.data["spec"]["operation"], "restart-fabric-manager");
+    assert_eq!(cr.data["spec"]["nodeName"], name.as_str());
+    repairs
+        .patch_status(&cr_name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Succeeded" } })))
+        .await
+        .expect("status set");
+    let done = w.outcome(v.verdict_id, |o| o.detail.starts_with("remediated")).await;
+    assert_eq!((done.status, done.action), (ActionStatus::Applied, RecommendedAction::Custom));
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && state(&node).is_none(), "never out of service");
+
+    // The incident's recovery clears the mark and the ladder record.
+    let rec = verdict(&name, incident, RecommendedAction::None, true);
+    w.publish(&rec).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    let node = eventually("the ladder record to go", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &name).await;
+        (!has_ladder(&n)).then_some(n)
+    })
+    .await;
+    assert!(conditions(&node).iter().all(|(_, status, _)| status != "True"), "{:?}", conditions(&node));
+    assert_eq!(repairs.list(&ListParams::default()).await.unwrap().items.len(), 1, "one resource, one run");
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
