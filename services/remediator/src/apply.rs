@@ -81,6 +81,9 @@ pub enum ApplyError {
     /// An outcome owed before going on (a repair ladder's end) could not be published.
     #[error("cannot publish an action outcome: {0}")]
     Publish(String),
+    /// The validation Job could not be created.
+    #[error("{0}")]
+    Validation(String),
     /// This replica can no longer prove it holds the leader lease, so it writes nothing.
     #[error("not writing to node {node}: this replica can no longer prove it holds the leader lease")]
     NotLeading {
@@ -105,6 +108,9 @@ pub struct Settings {
     pub ladder: Vec<StepSpec>,
     /// How long a custom action run through the repair hooks may take.
     pub custom_timeout: std::time::Duration,
+    /// How a repaired node is validated before it returns (`--validation job`); `None`: it
+    /// returns on its recovery verdict.
+    pub validation: Option<crate::validate::Settings>,
 }
 
 impl Default for Settings {
@@ -117,6 +123,7 @@ impl Default for Settings {
             ladder: crate::ladder::parse_steps(crate::ladder::DEFAULT_LADDER, std::time::Duration::from_secs(1800))
                 .expect("the default ladder parses"),
             custom_timeout: std::time::Duration::from_secs(7200),
+            validation: None,
         }
     }
 }

@@ -97,6 +97,9 @@ pub enum Phase {
     Running,
     /// A hook reported success: the node waits for healthy evidence to return to service.
     Succeeded,
+    /// Healthy evidence arrived and the validation Job ([`Ladder::validation`]) decides whether
+    /// the node returns to service or the ladder escalates.
+    Validating,
     /// Every step failed: an operator must act.
     Failed,
 }
@@ -122,6 +125,9 @@ pub struct Ladder {
     /// What happened to the earlier steps, one line each.
     #[serde(default)]
     pub history: Vec<String>,
+    /// The validation under way, in [`Phase::Validating`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<crate::validate::Validation>,
 }
 
 /// What the hooks say about the current step.
@@ -168,6 +174,7 @@ impl Ladder {
             phase: Phase::Pending,
             since: now,
             history: Vec::new(),
+            validation: None,
         }
     }
 
@@ -185,6 +192,7 @@ impl Ladder {
             phase: Phase::Pending,
             since: now,
             history: Vec::new(),
+            validation: None,
         }
     }
 
@@ -211,9 +219,23 @@ impl Ladder {
         self.current + 1
     }
 
-    /// Whether the ladder still has work (pending or running).
+    /// Whether the ladder still has work (pending, running or validating).
     pub fn active(&self) -> bool {
-        matches!(self.phase, Phase::Pending | Phase::Running)
+        matches!(self.phase, Phase::Pending | Phase::Running | Phase::Validating)
+    }
+
+    /// Healthy evidence arrived: the node is validated by `validation` before it returns.
+    pub fn validating(&mut self, validation: crate::validate::Validation) {
+        self.since = validation.since;
+        self.validation = Some(validation);
+        self.phase = Phase::Validating;
+    }
+
+    /// The validation failed (or timed out) at `now` for `why`: the ladder escalates from the step
+    /// the node was on, as a failed repair step does, and the held recovery is dropped.
+    pub fn validation_failed(&mut self, why: &str, now: DateTime<Utc>) {
+        self.validation = None;
+        self.escalate(&format!("validation: {why}"), now);
     }
 
     /// Whether the current step is the last rung.
@@ -234,7 +256,8 @@ impl Ladder {
                 self.step().timeout_seconds
             )),
             Phase::Pending => Move::Start,
-            Phase::Succeeded | Phase::Failed => Move::Done,
+            // Driven by the validation's own reading (see crate::repairs).
+            Phase::Succeeded | Phase::Failed | Phase::Validating => Move::Done,
             Phase::Running => match report {
                 Report::Succeeded => Move::Succeed,
                 Report::Failed(why) => Move::Escalate(why.clone()),
@@ -296,6 +319,7 @@ impl Ladder {
             Phase::Pending => "pending",
             Phase::Running => "running",
             Phase::Succeeded => "succeeded",
+            Phase::Validating => "validating",
             Phase::Failed => "failed",
         }
     }

@@ -94,6 +94,8 @@ pub enum State {
     Remediating,
     /// The repair succeeded; waiting for healthy evidence to return the node.
     Remediated,
+    /// Healthy evidence arrived; a validation Job decides whether the node returns.
+    Validating,
     /// The repair failed; an operator must act.
     Failed,
 }
@@ -107,15 +109,24 @@ impl State {
             State::Drained => "drained",
             State::Remediating => "remediating",
             State::Remediated => "remediated",
+            State::Validating => "validating",
             State::Failed => "failed",
         }
     }
 
     /// Parses a label value.
     pub fn parse(value: &str) -> Option<State> {
-        [State::Quarantined, State::Draining, State::Drained, State::Remediating, State::Remediated, State::Failed]
-            .into_iter()
-            .find(|s| s.as_str() == value)
+        [
+            State::Quarantined,
+            State::Draining,
+            State::Drained,
+            State::Remediating,
+            State::Remediated,
+            State::Validating,
+            State::Failed,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == value)
     }
 
     /// Whether the drain is behind the node at this state.
@@ -519,6 +530,8 @@ pub enum Skip {
     /// The node is marked now and the rest waits for what this says (a maintenance window's
     /// opening, the verdict's `not_before`, an idle GPU).
     Deferred(String),
+    /// The recovery waits for the validation Job this names to pass.
+    Validating(String),
 }
 
 impl std::fmt::Display for Skip {
@@ -541,6 +554,9 @@ impl std::fmt::Display for Skip {
             }
             Skip::Recovered => f.write_str("the incident has recovered already; this fault verdict is a replay"),
             Skip::Deferred(waits_for) => write!(f, "the node is marked now; the action waits for {waits_for}"),
+            Skip::Validating(job) => {
+                write!(f, "the node returns to service only once the validation Job {job} passes")
+            }
         }
     }
 }
