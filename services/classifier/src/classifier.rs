@@ -186,6 +186,22 @@ impl Classifier {
         Ok(out)
     }
 
+    /// The recoveries of open GPU lemons that the GPU inventories among `observations` (each
+    /// with what it is tied to) prove replaced (see [`lemons::Ledger::replaced`]); the open
+    /// lemons of their nodes come from the incident store.
+    pub(crate) async fn close_replaced_lemons<T: Clone>(
+        &self,
+        observations: &[(&crate::rules::Observation, T)],
+    ) -> Result<Vec<(Decision, T)>, ClassifierError> {
+        let mut ledger = lemons::Ledger::new(self.lemons);
+        ledger.load_open_for(&self.pool, observations.iter().map(|(o, _)| *o)).await?;
+        let mut out = Vec::new();
+        for (o, tie) in observations {
+            out.extend(ledger.replaced(o).into_iter().map(|d| (d, tie.clone())));
+        }
+        Ok(out)
+    }
+
     /// Replaces the engine's rules, for the rules watcher.
     pub(crate) fn replace_rules(&mut self, mut rules: RuleSet) {
         // The lead and the quiet cap are the service's settings, not the files': keep them.

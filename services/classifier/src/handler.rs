@@ -145,7 +145,11 @@ impl BatchHandler for Handler {
         let outcome = async {
             // Judged here, not with the engine: a failed look-up retries the batch from the
             // engine's decisions, which are kept.
-            let judged = c.judge_lemons(&decisions).await?;
+            let mut judged = c.judge_lemons(&decisions).await?;
+            // A complete GPU inventory without a lemon GPU closes that GPU's lemon incident.
+            let inventories: Vec<_> =
+                observations.iter().filter(|(_, _, o)| o.kind == "gpu_inventory").map(|(i, _, o)| (o, *i)).collect();
+            judged.extend(c.close_replaced_lemons(&inventories).await?);
             let traced: Vec<(Decision, Option<&[u8]>)> =
                 judged.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
             let published = c.publish(&traced).await?;

@@ -9,7 +9,8 @@
 //! reason lists the history. A lemon incident has no healthy evidence and never recovers on its
 //! own, so the remediator keeps the node out after the fault that triggered it recovers: its
 //! ownership record holds an open quarantining incident, and the resync re-issues it from the
-//! incident store. It is closed by replacing the part and closing the incident.
+//! incident store. A GPU lemon closes when a complete inventory of its node no longer lists the GPU
+//! ([`Ledger::replaced`]: replaced, or moved out); a node lemon stays open for an operator.
 //!
 //! A decision is *hardware class* when it is not a recovery, it is critical, and its action or a
 //! follow-up is a repair (`reset_gpu`, `reboot_node`, `contact_support`, `replace_node`): the
@@ -30,7 +31,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::rules::engine::{Decision, DecisionKind};
-use crate::rules::{Action, Severity};
+use crate::rules::{Action, FieldValue, Observation, Severity};
 
 /// The rule id of a GPU lemon incident.
 pub const GPU_RULE: &str = "lemon-gpu";
@@ -71,6 +72,9 @@ pub fn is_lemon_rule(rule_id: &str) -> bool {
     rule_id == GPU_RULE || rule_id == NODE_RULE
 }
 
+/// A part a lemon incident holds out: its node, and its GPU (`None` for a node lemon).
+type Held = (String, Option<String>);
+
 /// One hardware-class incident, as the ledger counts it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -92,8 +96,8 @@ pub struct Ledger {
     settings: Settings,
     /// By incident id: each counts once.
     entries: BTreeMap<Uuid, Entry>,
-    /// Open lemon incidents, by (node, GPU; `None` for a node lemon).
-    open: BTreeMap<(String, Option<String>), BTreeSet<Uuid>>,
+    /// Open lemon incidents, by part.
+    open: BTreeMap<Held, BTreeSet<Uuid>>,
 }
 
 impl Ledger {
@@ -185,6 +189,93 @@ impl Ledger {
         None
     }
 
+    /// The recovery decisions a GPU inventory `o` proves: every open GPU lemon on its node whose
+    /// GPU is no longer present, in an inventory that is complete (no GPU missing against the
+    /// node's expected count), was replaced or moved out; its lemon incident closes, and the node
+    /// returns once nothing else holds it. Other observations prove nothing.
+    pub fn replaced(&mut self, o: &Observation) -> Vec<Decision> {
+        if o.kind != "gpu_inventory" || o.inventory.is_empty() || o.synthetic {
+            return Vec::new();
+        }
+        let complete = match o.fields.get("missing") {
+            Some(FieldValue::Int(n)) => *n == 0,
+            Some(_) => false,
+            None => true,
+        };
+        if !complete {
+            return Vec::new();
+        }
+        let gone: Vec<(Held, BTreeSet<Uuid>)> = self
+            .open
+            .iter()
+            .filter(|((node, gpu), _)| node == &o.node && gpu.as_ref().is_some_and(|g| !o.inventory.contains(g)))
+            .map(|(k, ids)| (k.clone(), ids.clone()))
+            .collect();
+        let mut out = Vec::new();
+        for ((node, gpu), ids) in gone {
+            self.open.remove(&(node.clone(), gpu.clone()));
+            for incident_id in ids {
+                let gpu = gpu.clone().unwrap_or_default();
+                out.push(Decision {
+                    verdict_id: Uuid::new_v5(&NAMESPACE, format!("verdict\u{1f}{incident_id}\u{1f}1").as_bytes()),
+                    incident_id,
+                    step: 1,
+                    kind: DecisionKind::Recover,
+                    rule_id: GPU_RULE.to_owned(),
+                    rule_version: RULE_VERSION,
+                    node: node.clone(),
+                    gpu: Some(gpu.clone()),
+                    gpu_index: None,
+                    gpu_pci: None,
+                    not_before_micros: None,
+                    deferrable: false,
+                    severity: Severity::Critical,
+                    action: Action::None,
+                    then: Vec::new(),
+                    custom: None,
+                    reason: format!(
+                        "GPU {gpu} is no longer in node {node}'s inventory, which is complete: the lemon was replaced \
+                         (or moved out), and its lemon incident closes."
+                    ),
+                    evidence: vec![o.event_id.clone()],
+                    recovery: true,
+                    supersedes: Vec::new(),
+                    synthetic: false,
+                    nvlink_domain: None,
+                    decided_at_micros: o.observed_at_micros,
+                });
+            }
+        }
+        out
+    }
+
+    /// Loads from the incident store the open GPU lemon incidents of the nodes of the GPU
+    /// inventories among `observations`, for [`Ledger::replaced`]; no inventory, no query.
+    pub async fn load_open_for<'a>(
+        &mut self,
+        pool: &PgPool,
+        observations: impl IntoIterator<Item = &'a Observation>,
+    ) -> Result<(), sqlx::Error> {
+        let nodes: BTreeSet<String> =
+            observations.into_iter().filter(|o| o.kind == "gpu_inventory").map(|o| o.node.clone()).collect();
+        if nodes.is_empty() || self.settings.min_incidents == 0 {
+            return Ok(());
+        }
+        let nodes: Vec<String> = nodes.into_iter().collect();
+        let open: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+            "SELECT incident_id, node, gpu_uuid FROM incidents
+              WHERE rule_id = $2 AND resolved_at IS NULL AND node = ANY($1)",
+        )
+        .bind(&nodes)
+        .bind(GPU_RULE)
+        .fetch_all(pool)
+        .await?;
+        for (incident_id, node, gpu) in open {
+            self.remember_open(incident_id, &node, gpu.as_deref());
+        }
+        Ok(())
+    }
+
     /// Loads from the incident store what judging `decisions` needs: the hardware-class incidents
     /// of their nodes and GPUs within the window before the earliest of them, and the open lemon
     /// incidents of those nodes. Decisions that are not hardware class cost nothing: a batch
@@ -268,7 +359,7 @@ fn lemon_decision(trigger: &Decision, part: Part<'_>, history: &[&Entry], window
         .collect();
     let reason = format!(
         "{what} is a lemon: {} hardware-class incidents within {}: {}. It stays out of service until the part is \
-         replaced and this incident is closed; its faults' recoveries do not return it.",
+         replaced; its faults' recoveries do not return it.",
         history.len(),
         humantime_days(window),
         listed.join("; ")
@@ -449,6 +540,27 @@ mod tests {
                 "dcgm-diagnostic-failed",
             ]
         );
+    }
+
+    #[test]
+    fn a_complete_inventory_without_the_lemon_gpu_closes_its_lemon() {
+        let mut ledger = Ledger::new(Settings::default());
+        let out = ledger.judge((1..=3).map(|i| fault(i, "n1", Some("GPU-a"), i as i64)).collect());
+        let lemon = lemons(&out)[0].incident_id;
+        let inventory = |present: &[&str], missing: i64| {
+            let mut o = Observation::new("inv", "n1", 40 * DAY, "gpu_inventory").field("missing", missing);
+            o.inventory = present.iter().map(|g| (*g).to_owned()).collect();
+            o
+        };
+        // Still there, or an incomplete inventory (the GPU may have fallen off the bus): nothing.
+        assert!(ledger.replaced(&inventory(&["GPU-a", "GPU-b"], 0)).is_empty());
+        assert!(ledger.replaced(&inventory(&["GPU-b"], 1)).is_empty());
+        // Replaced: a new GPU in its place.
+        let closed = ledger.replaced(&inventory(&["GPU-new", "GPU-b"], 0));
+        assert_eq!(closed.len(), 1);
+        assert_eq!((closed[0].incident_id, closed[0].kind, closed[0].recovery), (lemon, DecisionKind::Recover, true));
+        assert!(closed[0].reason.contains("no longer in node n1's inventory"), "{}", closed[0].reason);
+        assert!(ledger.replaced(&inventory(&["GPU-new", "GPU-b"], 0)).is_empty(), "once");
     }
 
     #[test]

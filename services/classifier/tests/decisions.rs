@@ -694,7 +694,8 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
                     Step::Observe { o, boot_id } => {
                         let mut o = o.as_ref().clone();
                         o.boot_id = Some(boot_id.clone().unwrap_or_else(|| boots[&o.node].1.clone()));
-                        let made = lemons.judge(engine.observe(&roots.attach(&o)));
+                        let mut made = lemons.judge(engine.observe(&roots.attach(&o)));
+                        made.extend(lemons.replaced(&o));
                         roots.learn(&made);
                         issued.extend(made.into_iter().map(|d| (t, d)));
                     }

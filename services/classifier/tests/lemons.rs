@@ -3,8 +3,9 @@
 //! two faults, each repaired (the volatile counter back at zero, then quiet), nothing more happens.
 //! The third fault recovers too, but a lemon incident (contact_support, critical) opens beside it,
 //! naming the three incidents, and stays open: the remediator keeps the node out for it. The
-//! `lemons` view and the API's `/api/v1/lemons` list it. A GPU moved to another node keeps its
-//! history: its third fault there makes it a lemon on the new node.
+//! `lemons` view and the API's `/api/v1/lemons` list it; a complete inventory of the node in which
+//! a new GPU has taken the lemon's place closes the lemon incident. A GPU moved to another node
+//! keeps its history: its third fault there makes it a lemon on the new node.
 
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
 use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, EccDetail, Entity, GpuIdentity, Source};
+use gpumedic_schemas::health::{Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
@@ -49,6 +50,36 @@ fn ecc(node: &str, gpu: &str, volatile: i64, aggregate: i64, at: DateTime<Utc>) 
         workloads: vec![],
         enriched_at: Utc::now(),
         gpu: Some(identity),
+        gpu_unresolved: false,
+    })
+    .expect("encodes")
+}
+
+/// The GPU inventory of `node` at `at`: `gpus` present, as many as expected.
+fn inventory(node: &str, gpus: &[&str], at: DateTime<Utc>) -> Vec<u8> {
+    let identities: Vec<GpuIdentity> = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| GpuIdentity {
+            index: i32::try_from(i).ok(),
+            uuid: Some((*g).to_owned()),
+            ..GpuIdentity::default()
+        })
+        .collect();
+    let expected = i32::try_from(gpus.len()).ok();
+    let detail = Detail::GpuInventory(GpuInventoryDetail { gpus: identities, reason: "change".into(), expected });
+    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, Entity::default(), detail);
+    e.observed_at = at;
+    e.healthy = true;
+    e.boot_id = Some(format!("boot-{node}"));
+    gpumedic_schemas::encode(&EnrichedHealthEvent {
+        event: e,
+        node_context: NodeContext { expected_gpus: expected, ..NodeContext::default() },
+        node_unknown: false,
+        xid_catalog: None,
+        workloads: vec![],
+        enriched_at: Utc::now(),
+        gpu: None,
         gpu_unresolved: false,
     })
     .expect("encodes")
@@ -218,6 +249,25 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
         listed.as_array().unwrap().iter().filter(|l| l["node"].as_str() == Some(node.as_str())).collect();
     assert_eq!(mine.len(), 1, "{listed:#}");
     assert_eq!((mine[0]["part"].as_str(), mine[0]["gpu"].as_str()), (Some("gpu"), Some(gpu.as_str())));
+
+    // The GPU is replaced: the node's complete inventory names a new GPU in its place, and the
+    // lemon incident closes with a recovery verdict (the remediator then returns the node).
+    let new_gpu = format!("GPU-{}", Uuid::new_v4());
+    publish(&b.producer, &b.enriched, &node, &inventory(&node, &[&new_gpu], hour(4)), &[]).await.expect("published");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while sqlx::query_scalar::<_, bool>("SELECT open FROM lemons WHERE incident_id = $1")
+        .bind(lemon.incident_id)
+        .fetch_one(&b.pool)
+        .await
+        .expect("the lemon in the view")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "the lemon still open a minute after its GPU was replaced");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let verdicts = all_verdicts(&b.verdicts).await;
+    let closed: Vec<&Verdict> = verdicts.iter().filter(|v| v.incident_id == lemon.incident_id && v.recovery).collect();
+    assert_eq!(closed.len(), 1, "{verdicts:#?}");
+    assert!(closed[0].reason.contains("no longer in node"), "{}", closed[0].reason);
 
     b.classifier.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     b.pool.close().await;
