@@ -12,8 +12,10 @@
 //!    restarts each service, restarts Kafka, PostgreSQL and the apiserver (`compose/down` then
 //!    `compose/up`), and SIGSTOPs every process of the private PostgreSQL for `--pg-pause`, past
 //!    its statement and lock timeouts. A service that exits on its own is restarted and counted.
-//! 4. The stream stops; the run waits until every consumer group's lag is 0 and the verdict and
-//!    action topics have been still for `--settle-quiet` (past the classifier's `--max-quiet`).
+//! 4. The stream stops; the run waits until every consumer group's lag is 0, neither classifier
+//!    holds a time-based decision still to come (`gpumedic_classifier_nodes_awaiting_time`: a held
+//!    threshold or a quiet period being counted, which ends in a verdict on time with no new
+//!    event), and the verdict and action topics have been still for `--settle-quiet`.
 //! 5. The proofs ([`proofs`]), each naming the ids that break it: no event lost (every event on
 //!    the raw topic is in `health_events` or on a dead-letter topic), none recorded twice, no two
 //!    open incidents for one (node, rule, GPU), the verdicts on the topic and in PostgreSQL the
@@ -70,11 +72,13 @@ pub struct Options {
     /// The classifier's cap on quiet periods, so incidents also recover during the run.
     #[arg(long, default_value = "20s", value_parser = crate::duration)]
     max_quiet: Duration,
-    /// How long the verdict and action topics must be still, with every lag at 0, before the proofs.
-    #[arg(long, default_value = "30s", value_parser = crate::duration)]
+    /// How long the verdict and action topics must be still, with every lag at 0 and no
+    /// time-based decision pending, before the proofs (past the remediator's 10 s resync).
+    #[arg(long, default_value = "20s", value_parser = crate::duration)]
     settle_quiet: Duration,
-    /// The longest the pipeline may take to settle.
-    #[arg(long, default_value = "240s", value_parser = crate::duration)]
+    /// The longest the pipeline may take to settle (the longest held threshold of the default
+    /// rules is 5 minutes, and one that began as the stream ended is still due).
+    #[arg(long, default_value = "420s", value_parser = crate::duration)]
     settle_timeout: Duration,
     /// The private servers' state folder (data, logs, pids, kubeconfig, service logs).
     #[arg(long, default_value = "target/chaos-testbed")]
@@ -420,6 +424,24 @@ async fn bounded<T: Send + 'static>(
     }
 }
 
+/// How many nodes the two classifiers hold a time-based decision for (a held threshold, a quiet
+/// period being counted), from their `/metrics`; an error while either cannot answer.
+async fn awaiting_time(services: &[Service]) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for s in services.iter().filter(|s| s.name.starts_with("classifier")) {
+        let (status, text) =
+            testbed::http_get(s.admin, "/metrics").await.with_context(|| format!("{} /metrics", s.name))?;
+        anyhow::ensure!(status == 200, "{} /metrics answered {status}", s.name);
+        anyhow::ensure!(
+            text.contains("gpumedic_classifier_nodes_awaiting_time "),
+            "{} has not ticked since it started",
+            s.name
+        );
+        total += crate::classify::metric(&text, "gpumedic_classifier_nodes_awaiting_time");
+    }
+    Ok(total)
+}
+
 /// The end offsets of `topic`, summed: a figure that changes when anything is appended.
 fn topic_end(bootstrap: &str, topic: &str) -> anyhow::Result<i64> {
     let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).create()?;
@@ -704,7 +726,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
     let produce_failures = failed.load(Ordering::Relaxed);
     println!("chaos: stream ended: {produced} events in {stream_s:.0} s, {produce_failures} refused by the broker");
 
-    // Settle: every lag 0 and the verdict and action topics still for --settle-quiet.
+    // Settle: every lag 0, no time-based decision pending, the verdict and action topics still
+    // for --settle-quiet.
     let settling = Instant::now();
     let mut last_ends = (-1, -1);
     let mut still_since = Instant::now();
@@ -719,7 +742,11 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
             Ok((group_lag.lags()?, (topic_end(&b, topics::VERDICTS)?, topic_end(&b, topics::ACTIONS)?)))
         })
         .await;
-        let (lags, ends) = match measured {
+        let measured = match measured {
+            Ok(m) => awaiting_time(&services).await.map(|awaiting| (m, awaiting)),
+            Err(e) => Err(e),
+        };
+        let ((lags, ends), awaiting) = match measured {
             Ok(m) => m,
             Err(e) => {
                 // Counts as not settled; the settle timeout still bounds the wait.
@@ -733,13 +760,16 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                 continue;
             }
         };
-        if ends != last_ends || lags.iter().any(|l| *l > 0) {
+        // A classifier with a held threshold or a quiet period still being counted will yet
+        // publish (on time, with no new event): not settled until every such deadline has passed.
+        if ends != last_ends || lags.iter().any(|l| *l > 0) || awaiting > 0.0 {
             still_since = Instant::now();
             last_ends = ends;
         }
         if last_report.elapsed() >= Duration::from_secs(30) {
             println!(
-                "  settling for {:.0} s: lags {lags:?} (enricher, classifier, remediator), verdict and action ends {ends:?}",
+                "  settling for {:.0} s: lags {lags:?} (enricher, classifier, remediator), verdict and action ends {ends:?}, \
+                 {awaiting:.0} nodes awaiting a time-based decision",
                 settling.elapsed().as_secs_f64()
             );
             last_report = Instant::now();
@@ -749,8 +779,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         }
         if settling.elapsed() >= o.settle_timeout {
             unsettled = Some(format!(
-                "not settled within {:?}: lags {lags:?} (enricher, classifier, remediator); the verdict and \
-                 action topics last grew {:.0} s ago",
+                "not settled within {:?}: lags {lags:?} (enricher, classifier, remediator), {awaiting:.0} nodes \
+                 awaiting a time-based decision; the verdict and action topics last grew {:.0} s ago",
                 o.settle_timeout,
                 still_since.elapsed().as_secs_f64()
             ));

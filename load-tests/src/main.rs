@@ -28,6 +28,7 @@ mod latency;
 mod pipeline;
 
 mod remediation;
+mod restart;
 mod soak;
 
 use std::time::{Duration, Instant};
@@ -86,6 +87,9 @@ enum Scenario {
     /// The pipeline under faults on private servers (services killed, Kafka, PostgreSQL and the
     /// apiserver restarted, PostgreSQL paused), proven by id at the end; exits 1 when a proof fails.
     Chaos(chaos::Options),
+    /// How long a classifier takes to rebuild its state from a day of fleet history in
+    /// PostgreSQL, and its peak memory, beside the raw read rate of the same rows.
+    ClassifierRestart(restart::Options),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -137,6 +141,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Soak(options) => {
             let result = soak::run(options).await?;
             write_result(&cli.out_dir, "soak.json", &result)?;
+        }
+        Scenario::ClassifierRestart(options) => {
+            let result = restart::run(options).await?;
+            write_result(&cli.out_dir, "classifier-restart.json", &result)?;
         }
         Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
         Scenario::Chaos(options) => {

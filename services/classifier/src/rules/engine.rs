@@ -359,6 +359,13 @@ impl Engine {
         self.nodes.len()
     }
 
+    /// How many nodes have a time-based decision still to come (a threshold being held, a quiet
+    /// period being counted): the decisions a tick may yet make with no new event. Exact right
+    /// after [`Engine::tick`].
+    pub fn nodes_awaiting_time(&self) -> usize {
+        self.nodes.values().filter(|n| n.next_deadline.is_some()).count()
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> &RuleSet {
         &self.rules
@@ -1151,6 +1158,22 @@ rules:
         // An unknown recovery action falls back to the override rule's own action.
         let d = e.observe(&xid("e", 700 * S, "g1", 154).field("recovery_action", "something new"));
         assert_eq!(d[0].action, Action::Monitor);
+    }
+
+    #[test]
+    fn a_quiet_period_being_counted_is_a_node_awaiting_time_until_the_tick_that_ends_it() {
+        let mut e = Engine::new(rules(RULES));
+        let guess = e.observe(&xid("a", 0, "g0", 62)).remove(0);
+        e.tick(S);
+        assert_eq!(e.nodes_awaiting_time(), 0, "no clear evidence yet: the incident waits for an event, not for time");
+        // The reset is proven (the driver's None) and the GPU's own heartbeat starts the quiet period.
+        e.observe(&xid("b", 2 * S, "g0", 154).field("recovery_action", "None"));
+        e.observe(&Observation::new("h", "n1", 3 * S, "monitor_health").gpu("g0").healthy());
+        assert!(e.tick(4 * S).is_empty());
+        assert_eq!(e.nodes_awaiting_time(), 1, "a quiet period is being counted");
+        let back = e.tick(3 * S + 600 * S);
+        assert!(back.len() == 1 && back[0].recovery && back[0].incident_id == guess.incident_id, "{back:#?}");
+        assert_eq!(e.nodes_awaiting_time(), 0, "the quiet period ended: nothing left to wait for");
     }
 
     #[test]
