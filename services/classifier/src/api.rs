@@ -3,6 +3,8 @@
 //! - `GET /api/v1/incidents?node=&status=open|resolved&severity=&rule=&since=&until=&limit=`
 //! - `GET /api/v1/incidents/{id}`: the incident with its verdicts, their evidence events, the
 //!   sympathetic errors of its NVLink peers it stands for, and the remediator's actions.
+//! - `GET /api/v1/lemons?status=open|resolved`: the nodes and GPUs declared lemons (the `lemons`
+//!   view, docs/incident-history.md), newest first, each with its hardware-class history.
 //!
 //! Every input is validated (a bad filter is a 400 with the reason) and every query is
 //! parameterised; database failures are a 503 without internal detail (it goes to the log).
@@ -33,6 +35,7 @@ pub fn routes(pool: SharedPool, access: Access) -> Router {
     Router::new()
         .route("/api/v1/incidents", get(list).route_layer(guard(Verb::List)))
         .route("/api/v1/incidents/{id}", get(one).route_layer(guard(Verb::Get)))
+        .route("/api/v1/lemons", get(lemons).route_layer(guard(Verb::List)))
         .with_state(pool)
 }
 
@@ -318,6 +321,62 @@ async fn one(State(p): State<SharedPool>, Path(id): Path<String>) -> Result<Json
     .await
     .map_err(|e| unavailable(&e))?;
     Ok(Json(IncidentDetail { incident, verdicts, events, actions, peers }))
+}
+
+/// Query parameters of the lemon list.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LemonParams {
+    status: Option<String>,
+}
+
+/// A node or GPU declared a lemon, with its hardware-class history (the `lemons` view).
+#[derive(Debug, Serialize, Deserialize, sqlx::FromRow, PartialEq)]
+pub struct Lemon {
+    /// The lemon incident.
+    pub incident_id: Uuid,
+    /// `gpu` or `node`.
+    pub part: String,
+    /// The node it was declared on.
+    pub node: String,
+    /// The GPU, for a GPU lemon.
+    pub gpu: Option<String>,
+    /// When it was declared.
+    pub declared_at: DateTime<Utc>,
+    /// When the incident was closed (the part replaced); `None` while the part is held out.
+    pub resolved_at: Option<DateTime<Utc>>,
+    /// Why, with the incidents that made it one.
+    pub reason: String,
+    /// The part's hardware-class incidents in the 30 days before it was declared.
+    pub hardware_incidents: i64,
+    /// Those incidents (id, node, GPU, rule, opened and resolved), oldest first.
+    pub history: serde_json::Value,
+}
+
+async fn lemons(
+    State(p): State<SharedPool>,
+    params: Result<Query<LemonParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Vec<Lemon>>, ApiError> {
+    let Query(params) = params.map_err(|e| bad(e.body_text()))?;
+    let open = match params.status.as_deref() {
+        None => None,
+        Some("open") => Some(true),
+        Some("resolved") => Some(false),
+        Some(other) => return Err(bad(format!("status: '{other}' is not open or resolved"))),
+    };
+    let rows = sqlx::query_as::<_, Lemon>(
+        "SELECT incident_id, part, node, gpu_uuid AS gpu, declared_at, resolved_at, reason, hardware_incidents,
+                history::jsonb AS history
+           FROM lemons
+          WHERE ($1::bool IS NULL OR open = $1)
+          ORDER BY declared_at DESC
+          LIMIT 1000",
+    )
+    .bind(open)
+    .fetch_all(pool(&p)?)
+    .await
+    .map_err(|e| unavailable(&e))?;
+    Ok(Json(rows))
 }
 
 #[cfg(test)]

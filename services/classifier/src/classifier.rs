@@ -11,7 +11,7 @@ use gpumedic_schemas::{Codec, Record as _, Verdict};
 
 use crate::rules::RuleSet;
 use crate::rules::engine::{Decision, Engine};
-use crate::{observe, store, workload};
+use crate::{lemons, observe, store, workload};
 
 /// What stops the classifier.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +60,8 @@ pub struct Classifier {
     pub(crate) workload_faults: workload::Settings,
     /// How far an event's observed_at may be after its record's Kafka timestamp.
     pub(crate) clock_skew_allowance: Duration,
+    /// When a node or GPU is a lemon.
+    pub(crate) lemons: lemons::Settings,
 }
 
 impl Classifier {
@@ -139,6 +141,7 @@ impl Classifier {
             kafka::publish_record(&self.producer, envelope, bytes)
         });
         futures::future::try_join_all(sends).await?;
+        lemons::announce(out.iter().map(|(d, _)| d));
         for (_, v) in &out {
             tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
                 recovery = v.recovery, verdict_id = %v.verdict_id, "Verdict published.");
@@ -178,6 +181,40 @@ impl Classifier {
             tx.commit().await?;
         }
         Ok(())
+    }
+
+    /// `decisions` (each with what it is tied to: the record behind it, for its trace) with the
+    /// lemon decisions they call for, each tied to what its trigger is tied to. The hardware
+    /// history of their nodes and GPUs comes from the incident store (see [`lemons`]).
+    pub(crate) async fn judge_lemons<T: Clone>(
+        &self,
+        decisions: &[(Decision, T)],
+    ) -> Result<Vec<(Decision, T)>, ClassifierError> {
+        let mut ledger = lemons::Ledger::new(self.lemons);
+        let plain: Vec<Decision> = decisions.iter().map(|(d, _)| d.clone()).collect();
+        ledger.load(&self.pool, &plain).await?;
+        let mut out = Vec::with_capacity(decisions.len());
+        for (d, tie) in decisions {
+            let judged = ledger.judge(vec![d.clone()]);
+            out.extend(judged.into_iter().map(|d| (d, tie.clone())));
+        }
+        Ok(out)
+    }
+
+    /// The recoveries of open GPU lemons that the GPU inventories among `observations` (each
+    /// with what it is tied to) prove replaced (see [`lemons::Ledger::replaced`]); the open
+    /// lemons of their nodes come from the incident store.
+    pub(crate) async fn close_replaced_lemons<T: Clone>(
+        &self,
+        observations: &[(&crate::rules::Observation, T)],
+    ) -> Result<Vec<(Decision, T)>, ClassifierError> {
+        let mut ledger = lemons::Ledger::new(self.lemons);
+        ledger.load_open_for(&self.pool, observations.iter().map(|(o, _)| *o)).await?;
+        let mut out = Vec::new();
+        for (o, tie) in observations {
+            out.extend(ledger.replaced(o).into_iter().map(|d| (d, tie.clone())));
+        }
+        Ok(out)
     }
 
     /// Replaces the engine's rules, for the rules watcher.

@@ -10,7 +10,7 @@ use gpumedic_runtime::kafka::{self, BatchSettings, KafkaArgs, KafkaSettings};
 use gpumedic_schemas::topics;
 
 use crate::rules::{self, RuleSet, SyntheticPolicy};
-use crate::{auth, workload};
+use crate::{auth, lemons, workload};
 
 /// Command-line flags and environment variables.
 #[derive(Debug, Parser)]
@@ -114,6 +114,14 @@ pub struct Args {
     /// bad node clock cannot move that node's engine clock forward for good.
     #[arg(long, env = "GPUMEDIC_CLOCK_SKEW_ALLOWANCE", default_value = "5m")]
     clock_skew_allowance: String,
+    /// Hardware-class incidents of one node or GPU within --lemon-window that make it a lemon:
+    /// taken out for good, with `replace_node` or `contact_support` (docs/decisions.md); 0 turns
+    /// lemons off.
+    #[arg(long, env = "GPUMEDIC_LEMON_INCIDENTS", default_value_t = 3)]
+    lemon_incidents: usize,
+    /// How far back hardware-class incidents count towards a lemon.
+    #[arg(long, env = "GPUMEDIC_LEMON_WINDOW", default_value = "30d")]
+    lemon_window: String,
 }
 
 /// The classifier's topics. Fixed in production (the defaults); tests and benchmarks give each
@@ -169,6 +177,8 @@ pub struct Config {
     pub workload_faults: workload::Settings,
     /// How far an event's observed_at may be after its record's Kafka timestamp.
     pub clock_skew_allowance: Duration,
+    /// When a node or GPU is a lemon.
+    pub lemons: lemons::Settings,
 }
 
 impl Validate for Args {
@@ -250,6 +260,13 @@ impl Validate for Args {
         if self.workload_fault_min_nodes < 2 {
             p.push("--workload-fault-min-nodes", "must be at least 2 (one node's errors are that node's)");
         }
+        let lemon_window = p.check("--lemon-window", parse_duration(&self.lemon_window));
+        if lemon_window.is_some_and(|w| w.is_zero() || w > Duration::from_secs(366 * 86_400)) {
+            p.push("--lemon-window", "must be more than 0 and at most 366d");
+        }
+        if self.lemon_incidents == 1 {
+            p.push("--lemon-incidents", "must be 0 (off) or at least 2 (one fault is a fault, not a pattern)");
+        }
         let clock_skew_allowance = p.check("--clock-skew-allowance", parse_duration(&self.clock_skew_allowance));
         if clock_skew_allowance.is_some_and(|d| d > Duration::from_secs(86_400)) {
             p.push(
@@ -324,6 +341,10 @@ impl Validate for Args {
                     allow_synthetic: self.allow_synthetic,
                 },
                 clock_skew_allowance: clock_skew_allowance.expect("checked"),
+                lemons: lemons::Settings {
+                    min_incidents: self.lemon_incidents,
+                    window: lemon_window.expect("checked"),
+                },
             }
         })
     }

@@ -143,8 +143,15 @@ impl BatchHandler for Handler {
         let classified = std::time::Instant::now();
         stage_seconds("classify", decoded, classified);
         let outcome = async {
+            // Judged here, not with the engine: a failed look-up retries the batch from the
+            // engine's decisions, which are kept.
+            let mut judged = c.judge_lemons(&decisions).await?;
+            // A complete GPU inventory without a lemon GPU closes that GPU's lemon incident.
+            let inventories: Vec<_> =
+                observations.iter().filter(|(_, _, o)| o.kind == "gpu_inventory").map(|(i, _, o)| (o, *i)).collect();
+            judged.extend(c.close_replaced_lemons(&inventories).await?);
             let traced: Vec<(Decision, Option<&[u8]>)> =
-                decisions.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
+                judged.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
             let published = c.publish(&traced).await?;
             let acknowledged = std::time::Instant::now();
             stage_seconds("publish", classified, acknowledged);

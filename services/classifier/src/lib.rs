@@ -25,6 +25,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod lemons;
 pub mod nvlink;
 pub mod observe;
 pub mod quality;
@@ -69,6 +70,9 @@ fn register_metrics() {
         metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => reason.as_str()).increment(0);
     }
     metrics::counter!("gpumedic_classifier_workload_faults_total").increment(0);
+    for part in ["gpu", "node"] {
+        metrics::counter!("gpumedic_classifier_lemons_total", "part" => part).increment(0);
+    }
     metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(0);
     for result in ["ok", "refused"] {
         metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => result).increment(0);
@@ -106,6 +110,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             enriched_topic: config.topics.enriched.clone(),
             rebuild_window: config.rebuild_window,
             clock_skew_allowance: config.clock_skew_allowance,
+            lemons: config.lemons,
         })
     };
     let classifier = match setup.await {

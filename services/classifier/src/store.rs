@@ -109,6 +109,9 @@ pub struct DecisionRows {
     incident_summary: Vec<String>,
     /// The root GPU's NVLink domain, for incidents other nodes' sympathetic errors may join.
     incident_nvlink_domain: Vec<Option<String>>,
+    /// One of the incident's decisions was hardware class (see [`crate::lemons`]): counted
+    /// towards its node's and GPU's lemon history (see migration 0007).
+    incident_hardware: Vec<bool>,
     // Verdicts, one row each.
     verdict_ids: Vec<Uuid>,
     verdict_incidents: Vec<Uuid>,
@@ -148,8 +151,10 @@ impl DecisionRows {
                     rows.incident_resolved_at.push(recovery.then_some(at));
                     rows.incident_summary.push(d.reason.clone());
                     rows.incident_nvlink_domain.push(d.nvlink_domain.clone());
+                    rows.incident_hardware.push(crate::lemons::hardware_class(d));
                 }
                 Some(&i) => {
+                    rows.incident_hardware[i] |= crate::lemons::hardware_class(d);
                     if recovery {
                         rows.incident_resolved_at[i] = Some(at);
                     } else {
@@ -317,19 +322,20 @@ WITH ev AS (
     RETURNING 1
 ), inc_rows AS (
     SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::text[], $16::text[], $17::text[], $18::text[],
-                         $19::timestamptz[], $20::timestamptz[], $21::text[], $39::text[])
+                         $19::timestamptz[], $20::timestamptz[], $21::text[], $39::text[], $50::bool[])
         AS t(incident_id, node, gpu_uuid, rule_id, severity, new_severity, opened_at, resolved_at, summary,
-             nvlink_domain)
+             nvlink_domain, hardware)
 ), inc_new AS (
     INSERT INTO incidents (incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary,
-                           nvlink_domain)
-    SELECT incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary, nvlink_domain
+                           nvlink_domain, hardware)
+    SELECT incident_id, node, gpu_uuid, rule_id, severity, opened_at, resolved_at, summary, nvlink_domain, hardware
       FROM inc_rows
     ON CONFLICT (incident_id) DO NOTHING
 ), inc_old AS (
     UPDATE incidents i
        SET severity = COALESCE(r.new_severity, i.severity),
-           resolved_at = COALESCE(r.resolved_at, i.resolved_at)
+           resolved_at = COALESCE(r.resolved_at, i.resolved_at),
+           hardware = i.hardware OR r.hardware
       FROM inc_rows r
      WHERE i.incident_id = r.incident_id
 ), ver AS (
@@ -408,6 +414,7 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         .bind(&s.root_gpus)
         .bind(&s.root_opened_at)
         .bind(&d.verdict_records)
+        .bind(&d.incident_hardware)
         .fetch_one(pool)
         .await?;
     Ok(Written { new_events })

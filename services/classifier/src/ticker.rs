@@ -35,7 +35,18 @@ pub(crate) async fn ticker(
         // The engine already moved on, so retry from the decisions we hold until both writes
         // succeed (ids are deterministic: a repeat publish is deduplicated downstream).
         loop {
-            match c.publish(&decisions).await {
+            let judged = match c.judge_lemons(&decisions).await {
+                Ok(judged) => judged,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Cannot read the hardware history for tick decisions; retrying.");
+                    tokio::select! {
+                        () = token.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                    continue;
+                }
+            };
+            match c.publish(&judged).await {
                 Ok(published) => match store::record_decisions(&c.pool, &published).await {
                     Ok(()) => break,
                     Err(e) => tracing::warn!(error = %e, "Cannot record tick decisions; retrying."),

@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
+use gpumedic_classifier::lemons::{self, Ledger};
 use gpumedic_classifier::nvlink::Roots;
 use gpumedic_classifier::quality::{Checkpoint, Expect, Expectations, Miss, Options, Summary, Target, Timeline};
 use gpumedic_classifier::rules::{Decision, Engine, FieldValue, Observation, RuleSet, defaults, parse_duration};
@@ -672,6 +673,9 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
         // The root NVLink incidents of each domain, as the incident store holds them for every
         // replica: every opening decision so far.
         let mut roots = Roots::new(rules);
+        // The hardware history of nodes and GPUs, as the incident store holds it: every incident
+        // so far, judged with the classifier's default lemon settings.
+        let mut lemons = Ledger::new(lemons::Settings::default());
         let mut boots: BTreeMap<String, (u32, String)> =
             s.scenario.nodes.keys().map(|n| (n.clone(), (0, format!("boot-{n}-0")))).collect();
         let mut ticks: BTreeSet<i64> = s.steps.iter().map(|(t, _)| *t).collect();
@@ -679,7 +683,7 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
         ticks.insert(s.end);
         let mut steps = s.steps.iter().peekable();
         for t in ticks {
-            issued.extend(engine.tick(t).into_iter().map(|d| (t, d)));
+            issued.extend(lemons.judge(engine.tick(t)).into_iter().map(|d| (t, d)));
             while let Some((_, step)) = steps.next_if(|(at, _)| *at == t) {
                 match step {
                     Step::Reboot { node, boot_id } => {
@@ -690,7 +694,8 @@ fn run(rules: &RuleSet, s: &Loaded) -> Outcome {
                     Step::Observe { o, boot_id } => {
                         let mut o = o.as_ref().clone();
                         o.boot_id = Some(boot_id.clone().unwrap_or_else(|| boots[&o.node].1.clone()));
-                        let made = engine.observe(&roots.attach(&o));
+                        let mut made = lemons.judge(engine.observe(&roots.attach(&o)));
+                        made.extend(lemons.replaced(&o));
                         roots.learn(&made);
                         issued.extend(made.into_iter().map(|d| (t, d)));
                     }

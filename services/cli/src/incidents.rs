@@ -25,8 +25,12 @@ pub struct IncidentsArgs {
     #[arg(long, env = "GPUMEDIC_API", default_value = "http://127.0.0.1:9403")]
     api: String,
     /// Show one incident, with its verdicts, evidence and actions.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "lemons")]
     id: Option<String>,
+    /// Show the nodes and GPUs declared lemons (too many hardware faults: held out until
+    /// replaced), with the incidents that made each one; `--status open` for those still out.
+    #[arg(long)]
+    lemons: bool,
     /// Only this node.
     #[arg(long)]
     node: Option<String>,
@@ -150,6 +154,10 @@ pub async fn run(args: IncidentsArgs) -> Result<(), String> {
         reqwest::Client::builder().timeout(std::time::Duration::from_secs(30)).build().map_err(|e| e.to_string())?;
     let request = match &args.id {
         Some(id) => client.get(format!("{base}/api/v1/incidents/{id}")),
+        None if args.lemons => {
+            let q: Vec<(&str, String)> = args.status.iter().map(|s| ("status", s.clone())).collect();
+            client.get(format!("{base}/api/v1/lemons")).query(&q)
+        }
         None => {
             let mut q: Vec<(&str, String)> = vec![("limit", args.limit.to_string())];
             for (k, v) in
@@ -183,6 +191,7 @@ pub async fn run(args: IncidentsArgs) -> Result<(), String> {
     }
     match (args.output, args.id.is_some()) {
         (Output::Json, _) => println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default()),
+        (Output::Table, false) if args.lemons => print!("{}", lemon_table(&body)),
         (Output::Table, false) => print!("{}", incident_table(&body)),
         (Output::Table, true) => print!("{}", incident_story(&body)),
     }
@@ -217,6 +226,36 @@ pub fn incident_table(list: &Value) -> String {
         })
         .unwrap_or_default();
     table(&["INCIDENT", "NODE", "SEVERITY", "RULE", "OPENED", "RESOLVED"], &rows)
+}
+
+/// The lemons: one row per lemon, then one indented line per incident of its history.
+pub fn lemon_table(list: &Value) -> String {
+    let mut rows = Vec::new();
+    for l in list.as_array().into_iter().flatten() {
+        let status =
+            if l["resolved_at"].is_null() { "held out".to_owned() } else { format!("closed {}", s(&l["resolved_at"])) };
+        rows.push(vec![
+            s(&l["part"]),
+            s(&l["node"]),
+            s(&l["gpu"]),
+            s(&l["hardware_incidents"]),
+            s(&l["declared_at"]),
+            status,
+            s(&l["incident_id"]),
+        ]);
+        for h in l["history"].as_array().into_iter().flatten() {
+            rows.push(vec![
+                String::new(),
+                format!("  {}", s(&h["node"])),
+                s(&h["gpu_uuid"]),
+                s(&h["rule_id"]),
+                s(&h["opened_at"]),
+                if h["resolved_at"].is_null() { "open".into() } else { format!("resolved {}", s(&h["resolved_at"])) },
+                s(&h["incident_id"]),
+            ]);
+        }
+    }
+    table(&["PART", "NODE", "GPU", "FAULTS", "DECLARED", "STATUS", "INCIDENT"], &rows)
 }
 
 /// One incident's story: the incident, then verdicts and actions in time order.
@@ -286,6 +325,24 @@ mod tests {
         assert_eq!(lines.len(), 3);
         assert!(lines[1].ends_with("open"), "{t}");
         assert_eq!(lines[0].find("NODE"), lines[1].find("gpu-node-1"), "{t}");
+    }
+
+    #[test]
+    fn lemons_list_their_history_under_them() {
+        let list = serde_json::json!([{
+            "incident_id": "l1", "part": "gpu", "node": "n1", "gpu": "GPU-a", "hardware_incidents": 3,
+            "declared_at": "t3", "resolved_at": null, "reason": "...",
+            "history": [
+                { "incident_id": "i1", "node": "n1", "gpu_uuid": "GPU-a", "rule_id": "ecc-double-bit", "opened_at": "t1", "resolved_at": "t1b" },
+                { "incident_id": "i3", "node": "n1", "gpu_uuid": "GPU-a", "rule_id": "xid-48-alone", "opened_at": "t3", "resolved_at": null }
+            ]
+        }]);
+        let t = lemon_table(&list);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(lines[1].starts_with("gpu") && lines[1].contains("held out") && lines[1].contains("3"), "{t}");
+        assert!(lines[2].contains("ecc-double-bit") && lines[2].contains("resolved t1b"), "{t}");
+        assert!(lines[3].contains("xid-48-alone") && lines[3].contains("open"), "{t}");
     }
 
     #[test]

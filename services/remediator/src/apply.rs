@@ -81,6 +81,9 @@ pub enum ApplyError {
     /// An outcome owed before going on (a repair ladder's end) could not be published.
     #[error("cannot publish an action outcome: {0}")]
     Publish(String),
+    /// The validation Job could not be created.
+    #[error("{0}")]
+    Validation(String),
     /// This replica can no longer prove it holds the leader lease, so it writes nothing.
     #[error("not writing to node {node}: this replica can no longer prove it holds the leader lease")]
     NotLeading {
@@ -103,6 +106,11 @@ pub struct Settings {
     pub component: String,
     /// The escalation ladder repairs walk after the drain (full-remediation mode).
     pub ladder: Vec<StepSpec>,
+    /// How long a custom action run through the repair hooks may take.
+    pub custom_timeout: std::time::Duration,
+    /// How a repaired node is validated before it returns (`--validation job`); `None`: it
+    /// returns on its recovery verdict.
+    pub validation: Option<crate::validate::Settings>,
 }
 
 impl Default for Settings {
@@ -114,6 +122,8 @@ impl Default for Settings {
             component: "gpumedic-remediator".to_owned(),
             ladder: crate::ladder::parse_steps(crate::ladder::DEFAULT_LADDER, std::time::Duration::from_secs(1800))
                 .expect("the default ladder parses"),
+            custom_timeout: std::time::Duration::from_secs(7200),
+            validation: None,
         }
     }
 }
@@ -350,13 +360,17 @@ impl Remediator {
             {
                 return Ok(());
             }
-            let ladder = Ladder::new(
-                &request.verdict_id,
-                crate::ladder::recommended(request.action),
-                request,
-                &self.settings.ladder,
-                Utc::now(),
-            );
+            let ladder = if request.action == crate::request::Action::Custom {
+                Ladder::custom(&request.verdict_id, request, self.settings.custom_timeout, Utc::now())
+            } else {
+                Ladder::new(
+                    &request.verdict_id,
+                    crate::ladder::recommended(request.action),
+                    request,
+                    &self.settings.ladder,
+                    Utc::now(),
+                )
+            };
             let mut patch = crate::ladder::ladder_patch(Some(&ladder), node.metadata.resource_version.as_deref());
             if advance(&crate::plan::NodeView::from_node(&node), State::Remediating).is_some() {
                 patch["metadata"]["labels"] = json!({ crate::plan::STATE_LABEL: State::Remediating.as_str() });
@@ -650,6 +664,7 @@ mod tests {
                 incident_id: "i".into(),
                 recovery: false,
                 reissue: false,
+                custom: None,
             },
             &Policy::default(),
             &mut || Admission::Allowed,

@@ -14,7 +14,7 @@ use crate::lease::LeaseSettings;
 use crate::plan::{Mode, Policy};
 use crate::safety::BreakerLimits;
 use crate::window::Window;
-use crate::{control, hooks, ladder};
+use crate::{control, hooks, ladder, validate};
 
 /// Command-line flags and environment variables.
 #[derive(Debug, Parser)]
@@ -124,6 +124,12 @@ pub struct Args {
     /// The timeout of a ladder step that does not give its own.
     #[arg(long, env = "GPUMEDIC_REPAIR_STEP_TIMEOUT", default_value = "30m")]
     repair_step_timeout: String,
+    /// How long a custom action (a rule's `action: custom`, run through the repair hooks in
+    /// full-remediation) may take: a webhook's step succeeds on healthy evidence (the incident's
+    /// recovery) before it, a custom resource's on its phase. Longer than the custom rules' quiet
+    /// periods (Xid 45 alone: 1h), or every webhook call times out.
+    #[arg(long, env = "GPUMEDIC_CUSTOM_ACTION_TIMEOUT", default_value = "2h")]
+    custom_action_timeout: String,
     /// How often the leader drives the repair ladders (calls hooks, reads their status, escalates).
     #[arg(long, env = "GPUMEDIC_REPAIR_CHECK", default_value = "10s")]
     repair_check: String,
@@ -159,6 +165,24 @@ pub struct Args {
     /// kind; `{{node}}`, `{{action}}`, ... are filled in; see docs/operations.md).
     #[arg(long, env = "GPUMEDIC_REPAIR_RESOURCE_TEMPLATE")]
     repair_resource_template: Option<std::path::PathBuf>,
+    /// Validate a repaired node before it returns to service (full-remediation): `job` runs a
+    /// Kubernetes Job on the node when its recovery verdict arrives (by default `dcgmi diag -r 2`,
+    /// or --validation-job-template) and releases it only when the Job passes; a failure or a
+    /// timeout escalates along the repair ladder. `none`: the recovery verdict returns it.
+    #[arg(long, env = "GPUMEDIC_VALIDATION", default_value = "none", value_parser = ["none", "job"])]
+    validation: String,
+    /// A YAML template of the validation Job (batch/v1; `{{node}}`, `{{gpu_uuid}}`,
+    /// `{{incident_id}}`, `{{verdict_id}}`, `{{name}}` are filled in; its pod must tolerate
+    /// gpumedic.io/unhealthy). Default: DCGM's level-2 diagnostic pinned to the node.
+    #[arg(long, env = "GPUMEDIC_VALIDATION_JOB_TEMPLATE")]
+    validation_job_template: Option<std::path::PathBuf>,
+    /// How long a validation Job may take before it counts as failed.
+    #[arg(long, env = "GPUMEDIC_VALIDATION_TIMEOUT", default_value = "30m")]
+    validation_timeout: String,
+    /// The namespace validation Jobs are created in (a template's own namespace wins); default
+    /// the lease namespace.
+    #[arg(long, env = "GPUMEDIC_VALIDATION_NAMESPACE")]
+    validation_namespace: Option<String>,
     /// The dotted path of the field a repair controller reports `Succeeded` or `Failed` in.
     #[arg(long, env = "GPUMEDIC_REPAIR_RESOURCE_STATUS_PATH", default_value = "status.phase")]
     repair_resource_status_path: String,
@@ -318,6 +342,10 @@ impl Validate for Args {
             }
         }
         let repair_timeout = p.check("--repair-step-timeout", parse_duration(&self.repair_step_timeout));
+        let custom_timeout = p.check("--custom-action-timeout", parse_duration(&self.custom_action_timeout));
+        if custom_timeout.is_some_and(|t| t.is_zero()) {
+            p.push("--custom-action-timeout", "must be more than 0");
+        }
         let repair_ladder =
             repair_timeout.and_then(|t| p.check("--repair-ladder", ladder::parse_steps(&self.repair_ladder, t)));
         let repair_check = p.check("--repair-check", parse_duration(&self.repair_check));
@@ -397,6 +425,31 @@ impl Validate for Args {
             .filter(|n| !n.trim().is_empty())
             .unwrap_or_else(|| "gpumedic".to_owned());
         let identity = self.identity.filter(|i| !i.trim().is_empty()).unwrap_or_else(default_identity);
+        let validation_timeout = p.check("--validation-timeout", parse_duration(&self.validation_timeout));
+        if validation_timeout.is_some_and(|t| t.is_zero()) {
+            p.push("--validation-timeout", "must be more than 0");
+        }
+        let validation_template = match &self.validation_job_template {
+            Some(file) => p.check(
+                "--validation-job-template",
+                std::fs::read_to_string(file)
+                    .map_err(|e| format!("cannot read {}: {e}", file.display()))
+                    .and_then(|text| {
+                        serde_yaml::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: {e}", file.display()))
+                    })
+                    .and_then(|t| validate::check_template(&t).map(|()| t)),
+            ),
+            None => serde_yaml::from_str::<serde_json::Value>(validate::DEFAULT_TEMPLATE).ok(),
+        };
+        let validation = (self.validation == "job").then(|| validate::Settings {
+            template: validation_template.clone().unwrap_or_default(),
+            namespace: self
+                .validation_namespace
+                .clone()
+                .filter(|n| !n.trim().is_empty())
+                .unwrap_or_else(|| namespace.clone()),
+            timeout: validation_timeout.unwrap_or_default(),
+        });
         let resource = template.map(|template| hooks::ResourceSettings {
             template,
             status_path: self.repair_resource_status_path.trim().to_owned(),
@@ -423,6 +476,8 @@ impl Validate for Args {
                     ..DrainPolicy::default()
                 },
                 ladder: repair_ladder.expect("checked"),
+                custom_timeout: custom_timeout.expect("checked"),
+                validation,
                 ..Settings::default()
             },
             breaker: BreakerLimits {

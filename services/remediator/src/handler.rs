@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome};
 use crate::plan::{Mode, Skip};
-use crate::repairs::end_ladder;
+use crate::repairs::{end_ladder, hold_for_validation};
 use crate::request::Action;
 use crate::term::{Shared, persist_trip, publish};
 use crate::{maintenance, request, verdicts};
@@ -42,6 +42,9 @@ impl Handler {
             waits.then(|| maintenance::hold(request.action, timing, &shared.windows, now)).flatten()
         else {
             if request.recovery && !shared.remediator.paused() {
+                if let Some(waits) = hold_for_validation(shared, request).await? {
+                    return Ok(waits);
+                }
                 end_ladder(shared, request).await?;
             }
             let outcome = shared.remediator.remediate(request, gpu_nodes).await?;

@@ -427,7 +427,7 @@ impl WebhookBody {
                 pci_bus_id: g.pci_bus_id.clone(),
                 index: g.index,
             }),
-            action: ladder.step().action.name().to_owned(),
+            action: ladder.step_name(),
             step: ladder.step_number(),
             steps: ladder.steps.len(),
             attempt,
@@ -602,7 +602,7 @@ pub fn render(template: &Value, ladder: &Ladder) -> Value {
         ("gpu_uuid", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
         ("gpu_index", gpu.and_then(|g| g.index).map(|i| i.to_string()).unwrap_or_default()),
         ("pci_bus_id", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
-        ("action", ladder.step().action.name().to_owned()),
+        ("action", ladder.step_name()),
         ("step", ladder.step_number().to_string()),
         ("verdict_id", ladder.verdict_id.clone()),
         ("incident_id", r.incident_id.clone()),
@@ -791,6 +791,7 @@ mod tests {
             incident_id: "i1".into(),
             recovery: false,
             reissue: false,
+            custom: None,
         };
         let steps = parse_steps("reset_gpu=10m,reboot_node=30m", Duration::from_secs(60)).unwrap();
         Ladder::new(&request.verdict_id, RecommendedAction::ResetGpu, &request, &steps, Utc::now())

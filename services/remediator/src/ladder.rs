@@ -97,6 +97,9 @@ pub enum Phase {
     Running,
     /// A hook reported success: the node waits for healthy evidence to return to service.
     Succeeded,
+    /// Healthy evidence arrived and the validation Job ([`Ladder::validation`]) decides whether
+    /// the node returns to service or the ladder escalates.
+    Validating,
     /// Every step failed: an operator must act.
     Failed,
 }
@@ -122,6 +125,9 @@ pub struct Ladder {
     /// What happened to the earlier steps, one line each.
     #[serde(default)]
     pub history: Vec<String>,
+    /// The validation under way, in [`Phase::Validating`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<crate::validate::Validation>,
 }
 
 /// What the hooks say about the current step.
@@ -168,6 +174,38 @@ impl Ladder {
             phase: Phase::Pending,
             since: now,
             history: Vec::new(),
+            validation: None,
+        }
+    }
+
+    /// The ladder of a custom action (`request.action` is [`Action::Custom`]): the one step that
+    /// runs it through the hooks, with `timeout`. Its failure or timeout fails the ladder: there is
+    /// no milder or harsher version of an operator's action to escalate to, and the node, which a
+    /// custom action does not drain, must not get a reset or a reboot that way.
+    pub fn custom(verdict_id: &str, request: &Remediation, timeout: Duration, now: DateTime<Utc>) -> Self {
+        Self {
+            verdict_id: verdict_id.to_owned(),
+            action: RecommendedAction::Custom,
+            request: request.clone(),
+            steps: vec![StepSpec { action: Action::Custom, timeout_seconds: timeout.as_secs().max(1) }],
+            current: 0,
+            phase: Phase::Pending,
+            since: now,
+            history: Vec::new(),
+            validation: None,
+        }
+    }
+
+    /// What the hooks are asked to do at the current step: the repair's name (`reset_gpu`, ...),
+    /// or for a custom action the name its rule gave it (`restart-fabric-manager`).
+    pub fn step_name(&self) -> String {
+        self.name_of(self.step())
+    }
+
+    fn name_of(&self, step: StepSpec) -> String {
+        match (step.action, &self.request.custom) {
+            (Action::Custom, Some(name)) => name.clone(),
+            (action, _) => action.name().to_owned(),
         }
     }
 
@@ -181,9 +219,23 @@ impl Ladder {
         self.current + 1
     }
 
-    /// Whether the ladder still has work (pending or running).
+    /// Whether the ladder still has work (pending, running or validating).
     pub fn active(&self) -> bool {
-        matches!(self.phase, Phase::Pending | Phase::Running)
+        matches!(self.phase, Phase::Pending | Phase::Running | Phase::Validating)
+    }
+
+    /// Healthy evidence arrived: the node is validated by `validation` before it returns.
+    pub fn validating(&mut self, validation: crate::validate::Validation) {
+        self.since = validation.since;
+        self.validation = Some(validation);
+        self.phase = Phase::Validating;
+    }
+
+    /// The validation failed (or timed out) at `now` for `why`: the ladder escalates from the step
+    /// the node was on, as a failed repair step does, and the held recovery is dropped.
+    pub fn validation_failed(&mut self, why: &str, now: DateTime<Utc>) {
+        self.validation = None;
+        self.escalate(&format!("validation: {why}"), now);
     }
 
     /// Whether the current step is the last rung.
@@ -204,7 +256,8 @@ impl Ladder {
                 self.step().timeout_seconds
             )),
             Phase::Pending => Move::Start,
-            Phase::Succeeded | Phase::Failed => Move::Done,
+            // Driven by the validation's own reading (see crate::repairs).
+            Phase::Succeeded | Phase::Failed | Phase::Validating => Move::Done,
             Phase::Running => match report {
                 Report::Succeeded => Move::Succeed,
                 Report::Failed(why) => Move::Escalate(why.clone()),
@@ -237,7 +290,7 @@ impl Ladder {
     /// The current step failed at `now` for `why`: the next step is pending, or the ladder has
     /// failed when this was the top.
     pub fn escalate(&mut self, why: &str, now: DateTime<Utc>) {
-        self.history.push(format!("step {} {}: {why}", self.step_number(), self.step().action.name()));
+        self.history.push(format!("step {} {}: {why}", self.step_number(), self.step_name()));
         if self.at_top() {
             self.phase = Phase::Failed;
         } else {
@@ -255,7 +308,7 @@ impl Ladder {
             .enumerate()
             .map(|(i, s)| {
                 let mark = if i == self.current { "*" } else { "" };
-                format!("{mark}{}({}s)", s.action.name(), s.timeout_seconds)
+                format!("{mark}{}({}s)", self.name_of(*s), s.timeout_seconds)
             })
             .collect();
         format!("{} [{}]", self.phase_name(), rungs.join(" -> "))
@@ -266,6 +319,7 @@ impl Ladder {
             Phase::Pending => "pending",
             Phase::Running => "running",
             Phase::Succeeded => "succeeded",
+            Phase::Validating => "validating",
             Phase::Failed => "failed",
         }
     }
@@ -277,6 +331,7 @@ pub fn recommended(action: Action) -> RecommendedAction {
     match action {
         Action::None => RecommendedAction::None,
         Action::Monitor => RecommendedAction::Monitor,
+        Action::Custom => RecommendedAction::Custom,
         Action::Cordon => RecommendedAction::Cordon,
         Action::Drain => RecommendedAction::Drain,
         Action::ResetGpu => RecommendedAction::ResetGpu,
@@ -371,7 +426,31 @@ mod tests {
             incident_id: "i1".into(),
             recovery: false,
             reissue: false,
+            custom: None,
         }
+    }
+
+    #[test]
+    fn a_custom_action_is_one_step_under_its_own_name_that_fails_the_ladder_on_timeout() {
+        let r = Remediation {
+            action: Action::Custom,
+            custom: Some("restart-fabric-manager".into()),
+            ..request(Action::Custom)
+        };
+        let mut l = Ladder::custom("v1", &r, Duration::from_secs(120), at(0));
+        assert_eq!(
+            (l.steps.len(), l.step_name(), l.action),
+            (1, "restart-fabric-manager".to_owned(), RecommendedAction::Custom)
+        );
+        assert_eq!(l.describe(), "pending [*restart-fabric-manager(120s)]");
+        assert!(Action::parse_repair("custom").is_err(), "custom is no rung of the configured ladder");
+        l.started(at(0));
+        assert_eq!(l.decide(at(119), &Report::Working), Move::Wait);
+        let Move::Escalate(why) = l.decide(at(120), &Report::Working) else { panic!("the timeout escalates") };
+        assert!(l.at_top());
+        l.escalate(&why, at(120));
+        assert_eq!(l.phase, Phase::Failed);
+        assert!(l.history[0].starts_with("step 1 restart-fabric-manager: no success"), "{:?}", l.history);
     }
 
     #[test]

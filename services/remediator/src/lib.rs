@@ -39,6 +39,7 @@ pub mod maintenance;
 pub mod plan;
 pub mod request;
 pub mod safety;
+pub mod validate;
 pub mod verdicts;
 pub mod window;
 

@@ -215,6 +215,7 @@ mod tests {
                 incident_id: String::new(),
                 recovery: false,
                 reissue: false,
+                custom: None,
             },
             deferred_at: not_before,
             not_before,

@@ -94,6 +94,8 @@ pub enum State {
     Remediating,
     /// The repair succeeded; waiting for healthy evidence to return the node.
     Remediated,
+    /// Healthy evidence arrived; a validation Job decides whether the node returns.
+    Validating,
     /// The repair failed; an operator must act.
     Failed,
 }
@@ -107,15 +109,24 @@ impl State {
             State::Drained => "drained",
             State::Remediating => "remediating",
             State::Remediated => "remediated",
+            State::Validating => "validating",
             State::Failed => "failed",
         }
     }
 
     /// Parses a label value.
     pub fn parse(value: &str) -> Option<State> {
-        [State::Quarantined, State::Draining, State::Drained, State::Remediating, State::Remediated, State::Failed]
-            .into_iter()
-            .find(|s| s.as_str() == value)
+        [
+            State::Quarantined,
+            State::Draining,
+            State::Drained,
+            State::Remediating,
+            State::Remediated,
+            State::Validating,
+            State::Failed,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == value)
     }
 
     /// Whether the drain is behind the node at this state.
@@ -519,6 +530,8 @@ pub enum Skip {
     /// The node is marked now and the rest waits for what this says (a maintenance window's
     /// opening, the verdict's `not_before`, an idle GPU).
     Deferred(String),
+    /// The recovery waits for the validation Job this names to pass.
+    Validating(String),
 }
 
 impl std::fmt::Display for Skip {
@@ -541,6 +554,9 @@ impl std::fmt::Display for Skip {
             }
             Skip::Recovered => f.write_str("the incident has recovered already; this fault verdict is a replay"),
             Skip::Deferred(waits_for) => write!(f, "the node is marked now; the action waits for {waits_for}"),
+            Skip::Validating(job) => {
+                write!(f, "the node returns to service only once the validation Job {job} passes")
+            }
         }
     }
 }
@@ -694,6 +710,9 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
         plan_quarantine(node, request, policy, &mut record, &mut plan);
         plan.new_quarantine = !held && (plan.cordon.is_some() || !plan.add_taints.is_empty());
     }
+    if policy.mode == Mode::FullRemediation && request.action == Action::Custom && request.custom.is_some() {
+        plan_custom(node, request, &mut plan);
+    }
 
     plan.applied_changed = before.as_ref() != Some(&record);
     plan.applied = Some(record);
@@ -742,6 +761,28 @@ fn plan_quarantine(node: &NodeView, request: &Remediation, policy: &Policy, reco
     }
     if policy.mode == Mode::FullRemediation && request.action.repairs() && current < Some(State::Remediating) {
         plan.repair = Some(request.action);
+    }
+}
+
+/// A custom action runs once per incident, through the repair hooks, as a ladder of its own
+/// (see [`crate::ladder::Ladder::custom`]); a node already on a ladder (this incident's, finished
+/// or not, or another's repair) starts none, and says why when it is another's.
+fn plan_custom(node: &NodeView, request: &Remediation, plan: &mut Plan) {
+    let Some(raw) = node.annotations.get(crate::ladder::LADDER_ANNOTATION) else {
+        plan.repair = Some(Action::Custom);
+        return;
+    };
+    let holder = serde_json::from_str::<crate::ladder::Ladder>(raw).ok().map(|l| l.request.incident_id);
+    if holder.as_deref() != Some(request.incident_id.as_str()) {
+        plan.notes.push(Note::normal(
+            "CustomActionHeld",
+            format!(
+                "The custom action {} of incident {} waits: the node is on the repair ladder of incident {}",
+                request.custom.as_deref().unwrap_or_default(),
+                request.incident_id,
+                holder.as_deref().unwrap_or("(unreadable)")
+            ),
+        ));
     }
 }
 
@@ -873,6 +914,7 @@ mod tests {
             incident_id: "i1".into(),
             recovery: false,
             reissue: false,
+            custom: None,
         }
     }
 
@@ -1100,6 +1142,35 @@ mod tests {
     }
 
     #[test]
+    fn a_custom_action_marks_the_node_and_runs_once_in_full_remediation_only() {
+        let custom = Remediation { custom: Some("restart-fabric-manager".into()), ..request(Action::Custom) };
+        let full = Policy { mode: Mode::FullRemediation, ..Policy::default() };
+        let p = must_apply(plan(&node(), &custom, &full, &mut allow()));
+        assert_eq!(p.repair, Some(Action::Custom));
+        assert_eq!((p.cordon, p.drain.as_ref(), p.add_taints.len()), (None, None, 0), "the node stays in service");
+        assert_eq!(p.conditions.len(), 1);
+        let p = must_apply(plan(&node(), &custom, &Policy::default(), &mut allow()));
+        assert_eq!(p.repair, None, "cordon-drain mode runs no hooks");
+        // Once its ladder is on the node, the incident's verdicts start nothing more.
+        let mut view = node();
+        let mut ladder = crate::ladder::Ladder::custom(
+            "v1",
+            &Remediation { node: view.name.clone(), ..custom.clone() },
+            std::time::Duration::from_secs(60),
+            chrono::Utc::now(),
+        );
+        view.annotations.insert(crate::ladder::LADDER_ANNOTATION.into(), serde_json::to_string(&ladder).unwrap());
+        let p = plan(&view, &custom, &full, &mut allow());
+        assert!(matches!(&p, Decision::Apply(p) if p.repair.is_none()), "{p:?}");
+        // Another incident's ladder holds it back, and the note says so.
+        ladder.request.incident_id = "other".into();
+        view.annotations.insert(crate::ladder::LADDER_ANNOTATION.into(), serde_json::to_string(&ladder).unwrap());
+        let p = must_apply(plan(&view, &custom, &full, &mut allow()));
+        assert_eq!(p.repair, None);
+        assert!(p.notes.iter().any(|n| n.reason == "CustomActionHeld" && n.message.contains("other")), "{:?}", p.notes);
+    }
+
+    #[test]
     fn recovery_for_another_incident_and_unreadable_records_are_refused() {
         let mut view = node();
         let p = must_apply(plan(&view, &request(Action::Cordon), &Policy::default(), &mut allow()));
@@ -1218,6 +1289,75 @@ mod tests {
         assert!(!view.unschedulable && view.taints.is_empty() && view.annotations.is_empty());
         assert!(!view.labels.contains_key(STATE_LABEL));
         assert_eq!(condition_of(&view, "GpuUnhealthy"), ("False", Some(RECOVERED_REASON)));
+    }
+
+    #[test]
+    fn a_lemon_keeps_the_node_out_when_the_fault_that_made_it_recovers() {
+        // The classifier's lemon incident (docs/decisions.md, "Lemons") arrives as a verdict of
+        // its own beside the third fault, and has no recovery of its own.
+        let fault = crate::verdicts::remediation(&lemon_verdicts::fault());
+        let lemon = crate::verdicts::remediation(&lemon_verdicts::lemon());
+        assert_eq!(
+            (lemon.action, lemon.subsystem, lemon.reason.as_str()),
+            (Action::ContactSupport, Subsystem::Gpu, "LemonGpu")
+        );
+        let mut view = node();
+        applied_to(&mut view, &fault);
+        applied_to(&mut view, &lemon);
+        let r = must_apply(plan(&view, &recovered(&fault.incident_id), &Policy::default(), &mut allow()));
+        assert_eq!(r.cordon, None, "{r:?}");
+        assert!(r.remove_taints.is_empty() && r.remove_labels.is_empty(), "{r:?}");
+        assert!(
+            r.notes[0]
+                .message
+                .contains(&format!("stays quarantined for open incident(s) {} (LemonGpu)", lemon.incident_id)),
+            "{}",
+            r.notes[0].message
+        );
+        apply_plan(&mut view, &r);
+        assert!(view.unschedulable && view.taints.len() == 1);
+        assert_eq!(condition_of(&view, "GpuUnhealthy"), ("True", Some("LemonGpu")));
+        // Once drained, a resync re-issues the open lemon's verdict: nothing changes, the node
+        // stays out.
+        let drained = advance(&view, State::Drained).expect("gpumedic owns the state label");
+        apply_plan(&mut view, &drained);
+        let again = Remediation { reissue: true, ..lemon };
+        assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+    }
+
+    /// The verdicts of a third fault on a GPU and of the lemon incident it opened.
+    mod lemon_verdicts {
+        use gpumedic_schemas::Severity;
+        use gpumedic_schemas::verdict::{RecommendedAction, Verdict};
+
+        fn verdict(incident: u128, rule: &str, action: RecommendedAction) -> Verdict {
+            Verdict {
+                verdict_id: uuid::Uuid::from_u128(incident + 100),
+                incident_id: uuid::Uuid::from_u128(incident),
+                node: "n".into(),
+                entity: gpumedic_schemas::health::Entity { gpu_uuid: Some("GPU-a".into()), ..Default::default() },
+                severity: Severity::Critical,
+                rule_id: rule.into(),
+                rule_version: 1,
+                action,
+                custom_action: None,
+                reason: format!("{rule} on GPU-a"),
+                evidence: vec![],
+                issued_at: chrono::Utc::now(),
+                recovery: false,
+                not_before: None,
+                deferrable: false,
+                workload: None,
+            }
+        }
+
+        pub(super) fn fault() -> Verdict {
+            verdict(1, "ecc-double-bit", RecommendedAction::ResetGpu)
+        }
+
+        pub(super) fn lemon() -> Verdict {
+            verdict(2, "lemon-gpu", RecommendedAction::ContactSupport)
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
             request.verdict_id,
             l.step_number(),
             l.steps.len(),
-            l.step().action.name(),
+            l.step_name(),
             l.describe()
         );
         shared.remediator.record_event(&node, "Remediated", detail.clone(), false).await;
@@ -46,6 +46,154 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
     ladder::write(&client, &request.node, None, None)
         .await
         .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })
+}
+
+/// With `--validation job`, the recovery of a node on a repair ladder waits for a validation Job:
+/// the Job is created, the ladder goes [`ladder::Phase::Validating`] holding the recovery, and
+/// the state label reads `validating`. Returns the outcome for the recovery verdict when the
+/// recovery waits (also when a validation is already under way: the resync's repeat), `None`
+/// when it goes ahead now (no validation configured, no ladder for the incident, or a ladder
+/// that failed: nothing left to escalate to).
+pub(crate) async fn hold_for_validation(
+    shared: &Shared,
+    request: &request::Remediation,
+) -> Result<Option<crate::apply::Outcome>, ApplyError> {
+    let Some(settings) = shared.remediator.settings().validation.clone() else { return Ok(None) };
+    let client = shared.remediator.client();
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    let node = match nodes.get_opt(&request.node).await {
+        Ok(Some(n)) => n,
+        Ok(None) => return Ok(None),
+        Err(source) => return Err(ApplyError::Read { node: request.node.clone(), source }),
+    };
+    let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
+    let Some(Ok(mut l)) = ladder::ladder_on(&node) else { return Ok(None) };
+    if l.request.incident_id != request.incident_id {
+        return Ok(None);
+    }
+    let waiting =
+        |job: &str| crate::apply::Outcome::Skipped { reason: plan::Skip::Validating(job.to_owned()), would: None };
+    match (&l.phase, &l.validation) {
+        (ladder::Phase::Failed, _) => return Ok(None),
+        (ladder::Phase::Validating, Some(v)) => return Ok(Some(waiting(&format!("{}/{}", v.namespace, v.job)))),
+        _ => {}
+    }
+    let name = crate::validate::job_name(&l.verdict_id, l.step_number());
+    let job = crate::validate::render(&settings.template, request, &name, &settings.namespace);
+    let namespace = job["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
+    shared.remediator.leading(&request.node)?;
+    crate::validate::create(&client, &job).await.map_err(ApplyError::Validation)?;
+    let now = chrono::Utc::now();
+    let timeout_seconds = settings.timeout.as_secs().max(1);
+    l.validating(crate::validate::Validation {
+        namespace: namespace.clone(),
+        job: name.clone(),
+        recovery: request.clone(),
+        since: now,
+        timeout_seconds,
+    });
+    let detail = format!(
+        "validating: healthy evidence after repair step {}/{} {}; Job {namespace}/{name} runs on the node before it          returns to service (timeout {timeout_seconds}s)",
+        l.step_number(),
+        l.steps.len(),
+        l.step_name()
+    );
+    let outcome = validation_outcome(&l, ActionStatus::Applied, detail.clone());
+    publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
+    shared.remediator.record_event(&node, "ValidationStarted", detail, false).await;
+    metrics::counter!("gpumedic_remediator_validations_total", "result" => "started").increment(1);
+    let written = write_ladder_if_unchanged(shared, &request.node, raw.as_deref(), &l)
+        .await
+        .map_err(|e| ApplyError::Validation(format!("cannot record the validation on node {}: {e}", request.node)))?;
+    if !written {
+        return Err(ApplyError::Validation(format!("the repair ladder of node {} changed meanwhile", request.node)));
+    }
+    shared.remediator.advance_state(&request.node, plan::State::Validating).await?;
+    tracing::info!(node = %request.node, job = %name, "Healthy evidence after a repair: validating the node before it returns.");
+    Ok(Some(waiting(&format!("{namespace}/{name}"))))
+}
+
+/// One look at the validation of the ladder `l` on `node`: a Job that passed releases the node
+/// (the held recovery is carried out and its outcome published), one that failed or ran past its
+/// timeout escalates the ladder, one still running waits.
+async fn drive_validation(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    mut l: ladder::Ladder,
+    raw: Option<&str>,
+) -> Result<(), BoxError> {
+    let name = l.request.node.clone();
+    let Some(v) = l.validation.clone() else {
+        let now = chrono::Utc::now();
+        l.validation_failed("the validation record is missing", now);
+        write_ladder_if_unchanged(shared, &name, raw, &l).await?;
+        return Ok(());
+    };
+    let now = chrono::Utc::now();
+    let result = match crate::validate::read(&shared.remediator.client(), &v).await? {
+        Some(job) => crate::validate::verdict_of(&job),
+        None => crate::validate::Verdict::Failed(format!("the Job {}/{} is gone", v.namespace, v.job)),
+    };
+    let elapsed = (now - v.since).to_std().unwrap_or_default();
+    let result = match result {
+        crate::validate::Verdict::Running if elapsed.as_secs() >= v.timeout_seconds => {
+            crate::validate::Verdict::Failed(format!(
+                "the Job {}/{} did not finish within {}s",
+                v.namespace, v.job, v.timeout_seconds
+            ))
+        }
+        other => other,
+    };
+    match result {
+        crate::validate::Verdict::Running => Ok(()),
+        crate::validate::Verdict::Passed(summary) => {
+            let detail = format!("validation passed: {summary}; the node returns to service");
+            publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+            shared.remediator.record_event(node, "ValidationPassed", detail, false).await;
+            metrics::counter!("gpumedic_remediator_validations_total", "result" => "passed").increment(1);
+            // The ladder ends before the recovery runs, so the driver cannot escalate a node that
+            // is returning; the recovery then removes what gpumedic applied.
+            end_ladder(shared, &v.recovery).await?;
+            let gpu_nodes = shared.fleet.count.load(std::sync::atomic::Ordering::Acquire);
+            let released = shared.remediator.remediate(&v.recovery, gpu_nodes).await.map_err(|e| e.to_string());
+            shared.remediator.leading(&name)?;
+            crate::maintenance::clear_for(&shared.remediator.client(), &name, &v.recovery.incident_id).await?;
+            let verdict_id = uuid::Uuid::parse_str(&v.recovery.verdict_id).unwrap_or_default();
+            let outcome = crate::verdicts::outcome_for(
+                verdict_id,
+                &name,
+                gpumedic_schemas::verdict::RecommendedAction::None,
+                &released,
+            );
+            publish(shared, &outcome, None).await?;
+            tracing::info!(node = %name, job = %v.job, "The validation passed: the node returned to service.");
+            Ok(())
+        }
+        crate::validate::Verdict::Failed(summary) => {
+            let detail = format!("validation failed: {summary}");
+            publish(shared, &validation_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
+            shared.remediator.record_event(node, "ValidationFailed", detail, true).await;
+            metrics::counter!("gpumedic_remediator_validations_total", "result" => "failed").increment(1);
+            tracing::warn!(node = %name, job = %v.job, %summary, "The validation failed: the repair ladder escalates.");
+            l.validation = None;
+            l.phase = ladder::Phase::Running;
+            escalate(shared, node, &mut l, &format!("validation failed: {summary}"), now).await?;
+            if !write_ladder_if_unchanged(shared, &name, raw, &l).await? {
+                return Ok(());
+            }
+            let state = if l.phase == ladder::Phase::Failed { plan::State::Failed } else { plan::State::Remediating };
+            shared.remediator.advance_state(&name, state).await?;
+            Ok(())
+        }
+    }
+}
+
+/// A validation's outcome, under the verdict that started the ladder, as `run_diagnostics`.
+fn validation_outcome(l: &ladder::Ladder, status: ActionStatus, detail: String) -> ActionOutcome {
+    ActionOutcome {
+        action: gpumedic_schemas::verdict::RecommendedAction::RunDiagnostics,
+        ..ladder_outcome(l, status, detail)
+    }
 }
 
 /// The outcome of a ladder step, under the verdict that started the ladder and naming the step's
@@ -129,11 +277,14 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
     }
     // Hooks reboot and replace machines: never called by a replica that cannot prove it leads.
     shared.remediator.leading(&name)?;
+    if l.phase == ladder::Phase::Validating {
+        return drive_validation(shared, node, l, raw.as_deref()).await;
+    }
     let report =
         if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };
     let now = chrono::Utc::now();
     let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
-    let what = format!("repair step {number}/{total} {}", step.action.name());
+    let what = format!("repair step {number}/{total} {}", l.step_name());
     match l.decide(now, &report) {
         ladder::Move::Wait | ladder::Move::Done => return Ok(()),
         ladder::Move::Start => match shared.hooks.start(&l).await {
@@ -191,7 +342,7 @@ pub(crate) async fn escalate(
         l.escalate(why, now);
         let detail = format!(
             "repair failed: step {number}/{total} {} was the last ({why}); an operator must act. History: {}",
-            step.action.name(),
+            l.step_name(),
             l.history.join("; ")
         );
         publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
@@ -204,8 +355,7 @@ pub(crate) async fn escalate(
         tracing::error!(node = %name, verdict_id = %l.verdict_id, %detail, "A repair ladder failed on its last step: an operator must act.");
     } else {
         let next = l.steps[l.current + 1].action.name();
-        let detail =
-            format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", step.action.name());
+        let detail = format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", l.step_name());
         publish(shared, &ladder_outcome(l, ActionStatus::Failed, detail.clone()), None).await?;
         shared.remediator.record_event(node, "RepairEscalated", detail, true).await;
         l.escalate(why, now);

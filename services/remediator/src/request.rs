@@ -26,6 +26,9 @@ pub enum Action {
     None,
     /// Mark the node (condition and event) but keep it in service.
     Monitor,
+    /// Mark the node and, in full-remediation, run the operator-defined action the request names
+    /// ([`Remediation::custom`]) through the repair hooks; the node stays in service.
+    Custom,
     /// Stop new work landing on the node.
     Cordon,
     /// Cordon and move the running work off the node.
@@ -62,6 +65,7 @@ impl Action {
         match self {
             Action::None => "none",
             Action::Monitor => "monitor",
+            Action::Custom => "custom",
             Action::Cordon => "cordon",
             Action::Drain => "drain",
             Action::ResetGpu => "reset_gpu",
@@ -155,6 +159,10 @@ pub struct Remediation {
     /// incidents sharing a condition do not rewrite it in turn at every resync.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reissue: bool,
+    /// The operator-defined action to run, for [`Action::Custom`] (a rule's `custom:` name, such
+    /// as `restart-fabric-manager`): what the repair hooks are asked to do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub custom: Option<String>,
 }
 
 #[cfg(test)]
@@ -164,6 +172,7 @@ mod tests {
     #[test]
     fn actions_escalate_in_order() {
         assert!(!Action::Monitor.quarantines());
+        assert!(!Action::Custom.quarantines() && !Action::Custom.repairs());
         assert!(Action::Cordon.quarantines() && !Action::Cordon.drains());
         assert!(Action::Drain.drains() && !Action::Drain.repairs());
         assert!(Action::ContactSupport.repairs());

@@ -10,10 +10,13 @@ use crate::request::{Action, GpuRef, Remediation, Subsystem};
 
 /// The request a verdict makes of the remediator.
 pub fn remediation(v: &Verdict) -> Remediation {
+    // An operator-defined action (restart Fabric Manager, ...) runs through the repair hooks, named
+    // by the rule; the node is marked, not changed. One without a name has nothing to run.
+    let custom =
+        v.custom_action.as_deref().map(str::trim).filter(|c| !c.is_empty() && v.action == RecommendedAction::Custom);
     let action = match v.action {
         RecommendedAction::None | RecommendedAction::Unknown => Action::None,
-        // An operator-defined action (restart Fabric Manager, ...) is theirs to run; the node is
-        // marked, not changed.
+        RecommendedAction::Custom if custom.is_some() => Action::Custom,
         RecommendedAction::Monitor | RecommendedAction::Custom => Action::Monitor,
         // Diagnostics run on the node (DCGM) when the GPU is free; the node itself is not
         // changed unless they fail, which is a verdict of its own.
@@ -41,6 +44,7 @@ pub fn remediation(v: &Verdict) -> Remediation {
         incident_id: v.incident_id.to_string(),
         recovery: v.recovery,
         reissue: false,
+        custom: custom.map(str::to_owned),
     }
 }
 
@@ -208,6 +212,20 @@ mod tests {
             deferrable: true,
             workload: None,
         }
+    }
+
+    #[test]
+    fn a_named_custom_action_is_run_and_an_unnamed_one_only_marks() {
+        let mut v = verdict(RecommendedAction::Custom);
+        v.custom_action = Some(" restart-fabric-manager ".into());
+        let r = remediation(&v);
+        assert_eq!((r.action, r.custom.as_deref()), (Action::Custom, Some("restart-fabric-manager")));
+        v.custom_action = Some(" ".into());
+        assert_eq!((remediation(&v).action, remediation(&v).custom), (Action::Monitor, None));
+        // A name on a verdict that is not custom runs nothing.
+        let mut v = verdict(RecommendedAction::Monitor);
+        v.custom_action = Some("restart-fabric-manager".into());
+        assert_eq!((remediation(&v).action, remediation(&v).custom), (Action::Monitor, None));
     }
 
     #[test]

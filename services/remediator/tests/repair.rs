@@ -10,7 +10,15 @@
 //! - during a key rotation (a new current key, the old one as previous), every call verifies at a
 //!   receiver that knows only the old key and at one that knows only the new key;
 //! - the custom resource hook: a CRD installed in the test, the resource created once under its
-//!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`.
+//!   deterministic name, `status.phase: Succeeded` set by the test -> `remediated`;
+//! - custom actions (a rule's `action: custom`, Xid 45 alone -> `restart-fabric-manager`): the
+//!   signed webhook is called once under the action's name while the node stays in service, and
+//!   without healthy evidence within `--custom-action-timeout` the ladder fails for an operator;
+//!   through the custom resource, a `Succeeded` phase remediates and the recovery ends the ladder;
+//! - validation before return (`--validation job`): the recovery of a repaired node creates a Job
+//!   pinned to it and holds the node `validating`; the test acts as the kubelet and the Job
+//!   controller by writing the Job's status: a Job that completes releases the node, one that
+//!   fails escalates to the next rung, one that never finishes times out and escalates.
 //!
 //! Each test has its own namespace, nodes, topics and consumer group.
 
@@ -611,6 +619,271 @@ async fn the_custom_resource_is_created_once_and_its_succeeded_phase_remediates_
     assert_eq!(done.status, ActionStatus::Applied);
     assert!(event_reasons(&w.client, &name).await.iter().any(|e| e == "RepairSucceeded"));
     assert_eq!(repairs.list(&ListParams::default()).await.unwrap().items.len(), 1, "no second step");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+/// Xid 45 alone: a custom action, `restart-fabric-manager`, informational.
+fn custom_verdict(node: &str, incident: uuid::Uuid) -> Verdict {
+    Verdict {
+        severity: Severity::Info,
+        rule_id: "xid-45-alone".into(),
+        custom_action: Some("restart-fabric-manager".into()),
+        reason: "Xid 45 alone on GPU-aaa: restart Fabric Manager".into(),
+        ..verdict(node, incident, RecommendedAction::Custom, false)
+    }
+}
+
+#[tokio::test]
+async fn a_custom_action_is_signed_to_the_webhook_under_its_name_and_times_out_to_an_operator() {
+    let w = World::new().await;
+    let name = w.node().await;
+    pod(&w.client, &w.ns, "job-0", &name, json!({})).await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET_FILE", w.file("secret", &format!("{SECRET}\n"))),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_CUSTOM_ACTION_TIMEOUT", "4s".into()),
+        ])
+        .await;
+    let incident = uuid::Uuid::new_v4();
+    let v = custom_verdict(&name, incident);
+    w.publish(&v).await;
+    let first = w.outcome(v.verdict_id, |o| o.action == RecommendedAction::Custom && o.detail.contains("ladder")).await;
+    assert_eq!(first.status, ActionStatus::Applied, "{}", first.detail);
+    assert!(first.detail.contains("repair ladder started at custom"), "{}", first.detail);
+
+    // One signed call, under the action's name, for step 1 of 1.
+    let key = format!("{}:1", v.verdict_id);
+    eventually("the custom action's webhook call", Duration::from_secs(60), async || {
+        (!receiver.calls_for(&key).is_empty()).then_some(())
+    })
+    .await;
+    let calls = receiver.calls_for(&key);
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].verified_by.as_deref(), Some(hooks::DEFAULT_KEY_ID), "signed with the shared secret");
+    assert_eq!(
+        (calls[0].body["action"].as_str(), calls[0].body["step"].as_u64(), calls[0].body["steps"].as_u64()),
+        (Some("restart-fabric-manager"), Some(1), Some(1))
+    );
+    assert_eq!(calls[0].body["timeoutSeconds"].as_u64(), Some(4));
+    assert_eq!(calls[0].body["gpu"]["uuid"], "GPU-aaa");
+    w.outcome(v.verdict_id, |o| o.detail.contains("restart-fabric-manager handed to the repair hooks")).await;
+
+    // The node is marked, never taken out: the pod stays.
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && gpumedic_taints(&node).is_empty(), "a custom action keeps the node in service");
+    assert_eq!(state(&node), None);
+    assert_eq!(pods_left(&w.client, &w.ns).await, ["job-0"]);
+
+    // No healthy evidence within the timeout: the ladder fails and an operator must act.
+    let failed = w.outcome(v.verdict_id, |o| o.detail.starts_with("repair failed")).await;
+    assert_eq!((failed.status, failed.action), (ActionStatus::Failed, RecommendedAction::Custom));
+    assert!(failed.detail.contains("restart-fabric-manager was the last"), "{}", failed.detail);
+    let events = event_reasons(&w.client, &name).await;
+    for reason in ["RepairLadderStarted", "RepairStepStarted", "RepairFailed"] {
+        assert!(events.iter().any(|e| e == reason), "{reason} missing from {events:?}");
+    }
+    let node = get_node(&w.client, &name).await;
+    assert!(
+        conditions(&node).contains(&("GpuUnhealthy".into(), "True".into(), Some("RepairFailed".into()))),
+        "{:?}",
+        conditions(&node)
+    );
+    assert!(!cordoned(&node), "still in service");
+    // Nothing more is called.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(receiver.calls().len(), 1);
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_custom_action_through_the_custom_resource_succeeds_and_the_recovery_ends_it() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let name = w.node().await;
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
+        w.ns
+    );
+    let mut r = w.start(&[("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template))]).await;
+    let incident = uuid::Uuid::new_v4();
+    let v = custom_verdict(&name, incident);
+    w.publish(&v).await;
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let cr_name = format!("gpumedic-{}-1", v.verdict_id);
+    let cr = eventually("the custom action's resource", Duration::from_secs(60), async || {
+        repairs.get_opt(&cr_name).await.expect("read the repair resource")
+    })
+    .await;
+    assert_eq!(cr.data["spec"]["operation"], "restart-fabric-manager");
+    assert_eq!(cr.data["spec"]["nodeName"], name.as_str());
+    repairs
+        .patch_status(&cr_name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Succeeded" } })))
+        .await
+        .expect("status set");
+    let done = w.outcome(v.verdict_id, |o| o.detail.starts_with("remediated")).await;
+    assert_eq!((done.status, done.action), (ActionStatus::Applied, RecommendedAction::Custom));
+    let node = get_node(&w.client, &name).await;
+    assert!(!cordoned(&node) && state(&node).is_none(), "never out of service");
+
+    // The incident's recovery clears the mark and the ladder record.
+    let rec = verdict(&name, incident, RecommendedAction::None, true);
+    w.publish(&rec).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied).await;
+    let node = eventually("the ladder record to go", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &name).await;
+        (!has_ladder(&n)).then_some(n)
+    })
+    .await;
+    assert!(conditions(&node).iter().all(|(_, status, _)| status != "True"), "{:?}", conditions(&node));
+    assert_eq!(repairs.list(&ListParams::default()).await.unwrap().items.len(), 1, "one resource, one run");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+/// The Job's status as the Job controller writes it when its pod succeeded or failed.
+fn job_status(passed: bool) -> Value {
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let condition = |type_: &str, reason: &str, message: &str| {
+        json!({ "type": type_, "status": "True", "reason": reason, "message": message,
+                "lastProbeTime": now, "lastTransitionTime": now })
+    };
+    if passed {
+        json!({ "status": { "startTime": now, "completionTime": now, "succeeded": 1, "ready": 0, "terminating": 0,
+            "uncountedTerminatedPods": {},
+            "conditions": [condition("SuccessCriteriaMet", "CompletionsReached", "Reached expected number of succeeded pods"),
+                           condition("Complete", "CompletionsReached", "Reached expected number of succeeded pods")] } })
+    } else {
+        json!({ "status": { "startTime": now, "failed": 1, "ready": 0, "terminating": 0, "uncountedTerminatedPods": {},
+            "conditions": [condition("FailureTarget", "BackoffLimitExceeded", "Job has reached the specified backoff limit"),
+                           condition("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")] } })
+    }
+}
+
+/// A node on a repair ladder (a reset verdict, drained, step 1 handed to the webhook), then its
+/// recovery verdict: returns the recovery verdict and the validation Job's name.
+async fn repaired_then_recovered(w: &World, name: &str) -> (Verdict, String) {
+    let incident = uuid::Uuid::new_v4();
+    let v = verdict(name, incident, RecommendedAction::ResetGpu, false);
+    w.publish(&v).await;
+    w.outcome(v.verdict_id, |o| o.detail.contains("handed to the repair hooks")).await;
+    let rec = verdict(name, incident, RecommendedAction::None, true);
+    w.publish(&rec).await;
+    let held = w.outcome(rec.verdict_id, |o| o.detail.contains("validation Job")).await;
+    assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
+    let started = w.outcome(v.verdict_id, |o| o.action == RecommendedAction::RunDiagnostics).await;
+    assert!(started.detail.starts_with("validating"), "{}", started.detail);
+    let job = format!("gpumedic-validate-{}-1", v.verdict_id.simple());
+    (rec, job)
+}
+
+#[tokio::test]
+async fn a_validation_job_that_passes_releases_the_node_and_one_that_fails_escalates() {
+    let w = World::new().await;
+    let (a, b) = (w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "job".into()),
+            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
+        ])
+        .await;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+
+    // A: healthy evidence; the Job runs pinned to the node; the node waits, validating.
+    let (rec, job_a) = repaired_then_recovered(&w, &a).await;
+    let job =
+        eventually("the validation Job", Duration::from_secs(30), async || jobs.get_opt(&job_a).await.unwrap()).await;
+    let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.node_name.as_deref(), Some(a.as_str()), "pinned to the node");
+    assert!(
+        pod.tolerations.iter().flatten().any(|t| t.key.as_deref() == Some("gpumedic.io/unhealthy")),
+        "tolerates gpumedic's taint"
+    );
+    let command: Vec<String> = pod.containers[0].command.clone().unwrap_or_default();
+    assert_eq!(command, ["dcgmi", "diag", "-r", "2"]);
+    let node = get_node(&w.client, &a).await;
+    assert_eq!(state(&node).as_deref(), Some("validating"));
+    assert!(cordoned(&node), "not released before the Job passes");
+
+    // The test, as the kubelet and the Job controller: the diagnostic passed.
+    jobs.patch_status(&job_a, &PatchParams::default(), &Patch::Merge(job_status(true))).await.expect("Job status");
+    let node = eventually("node A to return", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &a).await;
+        (!cordoned(&n)).then_some(n)
+    })
+    .await;
+    assert!(gpumedic_taints(&node).is_empty() && state(&node).is_none() && !has_ladder(&node));
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let events = event_reasons(&w.client, &a).await;
+    assert!(
+        events.iter().any(|e| e == "ValidationStarted") && events.iter().any(|e| e == "ValidationPassed"),
+        "{events:?}"
+    );
+
+    // B: the diagnostic fails: the ladder escalates to the next rung and the node stays out.
+    let (_, job_b) = repaired_then_recovered(&w, &b).await;
+    eventually("B's validation Job", Duration::from_secs(30), async || jobs.get_opt(&job_b).await.unwrap()).await;
+    jobs.patch_status(&job_b, &PatchParams::default(), &Patch::Merge(job_status(false))).await.expect("Job status");
+    let calls = eventually("the second rung's webhook call", Duration::from_secs(30), async || {
+        let calls: Vec<Call> =
+            receiver.calls().into_iter().filter(|c| c.body["node"] == b.as_str() && c.body["step"] == 2).collect();
+        (!calls.is_empty()).then_some(calls)
+    })
+    .await;
+    assert_eq!(calls[0].body["action"], "reboot_node");
+    let node = get_node(&w.client, &b).await;
+    assert!(cordoned(&node), "a failed validation keeps the node out");
+    assert_eq!(state(&node).as_deref(), Some("remediating"));
+    let events = event_reasons(&w.client, &b).await;
+    assert!(
+        events.iter().any(|e| e == "ValidationFailed") && events.iter().any(|e| e == "RepairEscalated"),
+        "{events:?}"
+    );
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_validation_job_that_never_finishes_times_out_and_escalates() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "job".into()),
+            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "3s".into()),
+        ])
+        .await;
+    let (_, job) = repaired_then_recovered(&w, &name).await;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    assert!(jobs.get_opt(&job).await.unwrap().is_some());
+    eventually("the second rung's webhook call", Duration::from_secs(30), async || {
+        receiver.calls().iter().any(|c| c.body["node"] == name.as_str() && c.body["step"] == 2).then_some(())
+    })
+    .await;
+    let events = event_reasons(&w.client, &name).await;
+    assert!(events.iter().any(|e| e == "ValidationFailed"), "{events:?}");
+    assert!(cordoned(&get_node(&w.client, &name).await));
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }

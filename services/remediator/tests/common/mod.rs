@@ -184,6 +184,7 @@ pub fn request(node: &str, action: Action) -> Remediation {
         incident_id: "i1".into(),
         recovery: false,
         reissue: false,
+        custom: None,
     }
 }
 
