@@ -91,6 +91,8 @@ impl Classifier {
                 .await?
                 .into_iter()
                 .filter(|i| gained.contains(&kafka::partition_for(i.node.as_bytes(), count)))
+                // Lemon incidents are not the engine's: they never recover on evidence.
+                .filter(|i| i.rule_id != crate::lemons::GPU_RULE && i.rule_id != crate::lemons::NODE_RULE)
                 .collect();
             let reattached = rebuilt.reattach(stored);
             if reattached.unknown_rule > 0 {
