@@ -110,11 +110,19 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     service.shutdown.spawn("node-watch", watch(node_api, node_watch, nodes_writer, "Nodes", token.clone()));
     let synced = console.nodes_synced.clone();
     let waiting = nodes.clone();
+    let sync_token = token.clone();
+    // A long task like the others: it ends only with the service.
     service.shutdown.spawn("node-sync", async move {
-        if waiting.wait_until_ready().await.is_ok() {
-            let _ = synced.set(());
-            nodes_ready.set(true);
-            tracing::info!(nodes = waiting.state().len(), "The Node cache is filled.");
+        tokio::select! {
+            () = sync_token.cancelled() => {}
+            filled = waiting.wait_until_ready() => {
+                if filled.is_ok() {
+                    let _ = synced.set(());
+                    nodes_ready.set(true);
+                    tracing::info!(nodes = waiting.state().len(), "The Node cache is filled.");
+                }
+                sync_token.cancelled().await;
+            }
         }
         Ok::<(), ConsoleError>(())
     });
