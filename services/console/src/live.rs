@@ -12,7 +12,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use chrono::{DateTime, Utc};
 use futures::Stream;
 use gpumedic_runtime::admin::ReadyFlag;
-use gpumedic_runtime::kafka::{self, KafkaError, KafkaSettings, Record};
+use gpumedic_runtime::kafka::{KafkaError, KafkaSettings, Record};
 use gpumedic_schemas::verdict::Verdict;
 use rdkafka::Message as _;
 use rdkafka::consumer::Consumer as _;
@@ -156,10 +156,8 @@ pub async fn run(
     assigned: ReadyFlag,
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
-    let specs = kafka::stage_topics(&[topic.as_str()], &[], gpumedic_schemas::topics::DEFAULT_PARTITIONS);
-    if !kafka::wait_for_topics(&settings, &specs, &token).await {
-        return Ok(());
-    }
+    // The console creates no topic (its Kafka principal may only read): a topic that does not
+    // exist yet is read from its beginning once the classifier creates it.
     settings.start_group_at_end(&group, &[topic.as_str()]).await?;
     let codec = settings.codec().await?;
     let consumer = settings.consumer(crate::NAME, &group, &[topic.as_str()], assigned)?;
