@@ -41,6 +41,7 @@ dl.facts{display:grid;grid-template-columns:max-content auto;gap:4px 16px;backgr
 const SCRIPT: &str = r#"
 (function(){var feed=document.getElementById('live');if(!feed||!window.EventSource)return;
 var node=feed.getAttribute('data-node');var es=new EventSource('/api/v1/live'+(node?'?node='+encodeURIComponent(node):''));
+es.onopen=function(){feed.setAttribute('data-live','open');};es.onerror=function(){feed.setAttribute('data-live','retrying');};
 es.addEventListener('verdict',function(m){var v=JSON.parse(m.data);var li=document.createElement('li');
 li.className='live-verdict';li.setAttribute('data-verdict-id',v.verdict_id);li.setAttribute('data-node',v.node);
 var s=document.createElement('span');s.className='pill sev-'+v.severity;s.textContent=v.recovery?'recovered':v.severity;li.appendChild(s);

@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
+
 use std::time::Duration;
 
 use chrono::Utc;
