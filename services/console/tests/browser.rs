@@ -36,7 +36,10 @@ async fn a_browser_sees_the_quarantined_node_its_incident_and_a_live_verdict() {
         b.screenshot(&dir.join("nodes.png"));
 
         b.open(&format!("{base}/nodes/{}", fleet.quarantined));
-        assert!(has(&mut b, "#open-incidents", &fleet.incident.to_string()), "the node page shows its incident");
+        let link =
+            format!("document.querySelector('#open-incidents a[href=\"/incidents/{}\"]') !== null", fleet.incident);
+        assert_eq!(b.eval(&link), serde_json::json!(true), "the node page links its open incident");
+        assert!(has(&mut b, "#open-incidents", "xid-79-fallen-off-the-bus"), "the node page shows its incident's rule");
         assert!(has(&mut b, "#gpus", "0000:2a:00.0"), "the node page lists its GPUs");
         assert!(has(&mut b, "#events", "GpumedicQuarantined"), "the node page shows its Events");
         b.screenshot(&dir.join("node.png"));

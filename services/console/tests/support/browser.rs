@@ -68,9 +68,11 @@ impl Browser {
         }
         let child = Command::new("sh")
             .arg("-c")
-            .arg("exec \"$0\" --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run \
+            .arg(
+                "exec \"$0\" --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run \
                   --no-default-browser-check --hide-scrollbars --window-size=1400,1000 \
-                  --user-data-dir=\"$1\" --remote-debugging-pipe about:blank 3<\"$2\" 4>\"$3\"")
+                  --user-data-dir=\"$1\" --remote-debugging-pipe about:blank 3<\"$2\" 4>\"$3\"",
+            )
             .arg(chromium())
             .arg(profile.join("profile"))
             .arg(&to_browser)
@@ -104,10 +106,12 @@ impl Browser {
             .and_then(|ts| ts.iter().find(|t| t["type"] == "page"))
             .and_then(|t| t["targetId"].as_str())
             .map(str::to_owned)
-            .unwrap_or_else(|| b.call("Target.createTarget", json!({ "url": "about:blank" }), false)["targetId"]
-                .as_str()
-                .expect("a target id")
-                .to_owned());
+            .unwrap_or_else(|| {
+                b.call("Target.createTarget", json!({ "url": "about:blank" }), false)["targetId"]
+                    .as_str()
+                    .expect("a target id")
+                    .to_owned()
+            });
         let attached = b.call("Target.attachToTarget", json!({ "targetId": page, "flatten": true }), false);
         b.session = attached["sessionId"].as_str().expect("a session").to_owned();
         b.call("Page.enable", json!({}), true);
