@@ -182,8 +182,7 @@ mod tests {
                 "Gpumedic",
             ],
         )
-        .err()
-        .expect("invalid");
+        .expect_err("invalid");
         let LoadError::Invalid(text) = e else { panic!("not a validation error") };
         for flag in ["--database-url", "--api-auth", "--verdicts-topic", "--remediator-namespace"] {
             assert!(text.contains(flag), "{flag} missing from {text}");
@@ -196,7 +195,6 @@ mod tests {
             "gpumedic-console",
             ["gpumedic-console", "--kafka-bootstrap", "127.0.0.1:19092", "--database-url", "postgres://u@h/db"],
         )
-        .ok()
         .expect("valid");
         assert_eq!(c.api_auth.mode, api_auth::Mode::Kubernetes);
         assert_eq!(c.gpu_node_selector, "nvidia.com/gpu.present=true");
