@@ -88,35 +88,41 @@ impl Live {
     }
 
     /// The Server-Sent Events of one page: `verdict` events, only those of `node` when given,
-    /// and `lagged` when the page fell behind and missed some.
+    /// and `lagged` when the page fell behind and missed some. The stream holds nothing but its
+    /// receiver: it is dropped, and counted out, as soon as the page goes.
     pub fn events(&self, node: Option<String>) -> Sse<impl Stream<Item = Result<Event, Infallible>> + use<>> {
-        let mut rx = self.sender.subscribe();
-        let clients = Clients::enter();
-        let stream = async_stream(move |tx| async move {
-            let _clients = clients;
-            // A first comment, so a client sees the stream open before any verdict.
-            if tx.send(Event::default().comment("connected")).await.is_err() {
-                return;
+        let page = Page { rx: self.sender.subscribe(), node, _clients: Clients::enter(), opened: false };
+        let stream = futures::stream::unfold(page, |mut page| async move {
+            if !page.opened {
+                // A first comment, so a client sees the stream open before any verdict.
+                page.opened = true;
+                return Some((Ok(Event::default().comment("connected")), page));
             }
             loop {
-                let event = match rx.recv().await {
-                    Ok(v) if node.as_ref().is_none_or(|n| *n == v.node) => {
-                        match Event::default().event("verdict").json_data(&*v) {
-                            Ok(e) => e,
-                            Err(_) => continue,
+                match page.rx.recv().await {
+                    Ok(v) if page.node.as_ref().is_none_or(|n| *n == v.node) => {
+                        if let Ok(e) = Event::default().event("verdict").json_data(&*v) {
+                            return Some((Ok(e), page));
                         }
                     }
-                    Ok(_) => continue,
-                    Err(broadcast::error::RecvError::Lagged(n)) => Event::default().event("lagged").data(n.to_string()),
-                    Err(broadcast::error::RecvError::Closed) => return,
-                };
-                if tx.send(event).await.is_err() {
-                    return;
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        return Some((Ok(Event::default().event("lagged").data(n.to_string())), page));
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
                 }
             }
         });
         Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
     }
+}
+
+/// One open page's stream.
+struct Page {
+    rx: broadcast::Receiver<Arc<LiveVerdict>>,
+    node: Option<String>,
+    _clients: Clients,
+    opened: bool,
 }
 
 /// Counts open event streams in `gpumedic_console_live_clients`.
@@ -133,17 +139,6 @@ impl Drop for Clients {
     fn drop(&mut self) {
         metrics::gauge!("gpumedic_console_live_clients").decrement(1.0);
     }
-}
-
-/// A stream fed by a task through a small channel: the task ends when the client goes.
-fn async_stream<F, Fut>(body: F) -> impl Stream<Item = Result<Event, Infallible>>
-where
-    F: FnOnce(tokio::sync::mpsc::Sender<Event>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    tokio::spawn(body(tx));
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) })
 }
 
 /// Reads `topic` in a new group named `group` from its current end, handing each verdict to

@@ -157,6 +157,18 @@ async fn pages_and_api_show_the_fleet_the_history_and_live_verdicts() {
     assert!(line.contains(&fleet.healthy) && line.contains("double-bit"), "{line}");
     let (_, text) = http_get(addr, "/metrics").await.unwrap();
     assert!(text.lines().any(|l| l.starts_with("gpumedic_console_live_verdicts_total 1")), "{text}");
+    assert!(text.lines().any(|l| l == "gpumedic_console_live_clients 1"), "{text}");
+    // A page that goes is counted out at once, with no verdict needed to notice.
+    drop(lines);
+    let mut text = String::new();
+    for _ in 0..50 {
+        text = http_get(addr, "/metrics").await.unwrap().1;
+        if text.lines().any(|l| l == "gpumedic_console_live_clients 0") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the closed stream is still counted: {text}");
 }
 
 /// The ClusterRole `name` as `k8s/base/classifier.yaml` ships it.
