@@ -95,35 +95,35 @@ fn is_gpumedic_condition(type_: &str) -> bool {
 }
 
 impl NodeSummary {
-    /// The summary of `node`.
+    /// The summary of `node`. Reads the node in place: the fleet view summarises every node
+    /// of the cache on each request, so nothing is copied that is not shown.
     pub fn of(node: &Node) -> NodeSummary {
-        let labels = node.metadata.labels.clone().unwrap_or_default();
-        let spec = node.spec.clone().unwrap_or_default();
-        let status = node.status.clone().unwrap_or_default();
-        let cordoned = spec.unschedulable.unwrap_or(false);
+        let label = |k: &str| node.metadata.labels.as_ref().and_then(|l| l.get(k));
+        let spec = node.spec.as_ref();
+        let status = node.status.as_ref();
+        let cordoned = spec.and_then(|s| s.unschedulable).unwrap_or(false);
         let taints: Vec<TaintView> = spec
-            .taints
-            .unwrap_or_default()
+            .and_then(|s| s.taints.as_ref())
             .into_iter()
+            .flatten()
             .filter(|t| is_gpumedic_taint(&t.key))
-            .map(|t| TaintView { key: t.key, value: t.value, effect: t.effect })
+            .map(|t| TaintView { key: t.key.clone(), value: t.value.clone(), effect: t.effect.clone() })
             .collect();
-        let state = if labels.get(OPT_OUT_LABEL).is_some_and(|v| v == "true") {
+        let state = if label(OPT_OUT_LABEL).is_some_and(|v| v == "true") {
             OPTED_OUT.to_owned()
         } else {
-            labels.get(STATE_LABEL).filter(|v| !v.is_empty()).cloned().unwrap_or_else(|| HEALTHY.to_owned())
+            label(STATE_LABEL).filter(|v| !v.is_empty()).cloned().unwrap_or_else(|| HEALTHY.to_owned())
         };
         let capacity = status
-            .capacity
-            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
             .and_then(|c| c.get(GPU_RESOURCE))
             .and_then(|q| q.0.parse::<u32>().ok())
             .filter(|n| *n > 0);
-        let gpus = capacity.or_else(|| labels.get(GPU_COUNT_LABEL).and_then(|v| v.parse().ok())).unwrap_or(0);
+        let gpus = capacity.or_else(|| label(GPU_COUNT_LABEL).and_then(|v| v.parse().ok())).unwrap_or(0);
         let conditions = status
-            .conditions
-            .unwrap_or_default()
+            .and_then(|s| s.conditions.as_ref())
             .into_iter()
+            .flatten()
             .filter(|c| {
                 let usual = matches!(
                     c.type_.as_str(),
@@ -133,11 +133,11 @@ impl NodeSummary {
                 is_gpumedic_condition(&c.type_) || (usual && unhealthy) || (!usual && c.status == "True")
             })
             .map(|c| ConditionView {
-                type_: c.type_,
-                status: c.status,
-                reason: c.reason,
-                message: c.message,
-                last_transition: c.last_transition_time.map(|t| t.0.to_string()),
+                type_: c.type_.clone(),
+                status: c.status.clone(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+                last_transition: c.last_transition_time.as_ref().map(|t| t.0.to_string()),
             })
             .collect();
         let out_of_service = cordoned || taints.iter().any(|t| t.key == TAINT_KEY && t.effect != "PreferNoSchedule");
@@ -145,8 +145,8 @@ impl NodeSummary {
             name: node.metadata.name.clone().unwrap_or_default(),
             state,
             cordoned,
-            product: labels.get(PRODUCT_LABEL).cloned(),
-            zone: labels.get(ZONE_LABEL).cloned(),
+            product: label(PRODUCT_LABEL).cloned(),
+            zone: label(ZONE_LABEL).cloned(),
             gpus,
             out_of_service,
             taints,
