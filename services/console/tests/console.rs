@@ -106,6 +106,15 @@ async fn pages_and_api_show_the_fleet_the_history_and_live_verdicts() {
     // Incidents: the list and one story.
     let list = get_json(addr, &format!("/api/v1/incidents?node={}&status=open", fleet.quarantined)).await;
     assert_eq!(list["items"][0]["incident_id"], fleet.incident.to_string(), "{list}");
+    // Every incident of this run's database, a page at a time, newest first.
+    let first = get_json(addr, "/api/v1/incidents?limit=1").await;
+    assert_eq!(first["items"][0]["incident_id"], fleet.incident.to_string(), "{first}");
+    let cursor = first["next_cursor"].as_str().expect("a second page");
+    let second = get_json(addr, &format!("/api/v1/incidents?limit=1&cursor={cursor}")).await;
+    assert_eq!(second["items"][0]["node"], fleet.healthy.as_str(), "{second}");
+    assert!(second["next_cursor"].is_null(), "{second}");
+    let resolved = get_json(addr, "/api/v1/incidents?status=resolved").await;
+    assert_eq!(resolved["items"].as_array().map(Vec::len), Some(1), "{resolved}");
     let d = get_json(addr, &format!("/api/v1/incidents/{}", fleet.incident)).await;
     assert_eq!(d["verdicts"][0]["verdict_id"], fleet.verdict.to_string(), "{d}");
     assert_eq!(d["events"][0]["xid"], 79, "{d}");

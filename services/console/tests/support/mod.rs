@@ -138,6 +138,17 @@ pub async fn fleet() -> Fleet {
     .execute(&db)
     .await
     .expect("insert incident");
+    // A past incident of the healthy node, resolved, for the incident list's pages.
+    sqlx::query(
+        "INSERT INTO incidents (incident_id, node, rule_id, severity, opened_at, resolved_at, summary)
+         VALUES ($1, $2, 'thermal-slowdown', 'warning', now() - interval '2 days', now() - interval '47 hours',
+                 'GPU 5 throttled for heat')",
+    )
+    .bind(Uuid::new_v4())
+    .bind(&healthy)
+    .execute(&db)
+    .await
+    .expect("insert a past incident");
     sqlx::query(
         "INSERT INTO health_events (event_id, node, observed_at, source, component, kind, gpu_uuid, xid, synthetic, record)
          VALUES ($1, $2, now() - interval '6 minutes', 'kernel_log', 'gpu', 'xid', 'GPU-3b2c', 79, true, '{}'),
