@@ -37,12 +37,21 @@ pub struct Fleet {
     pub incident: Uuid,
     pub verdict: Uuid,
     pub client: kube::Client,
+    _created: Created,
 }
 
-impl Drop for Fleet {
+/// Deletes what a fixture created in the apiserver, however the test ends; made before the first
+/// object is, so a fixture that fails half-way leaves nothing behind either.
+pub struct Created {
+    client: kube::Client,
+    nodes: Vec<String>,
+    namespace: String,
+}
+
+impl Drop for Created {
     fn drop(&mut self) {
         let client = self.client.clone();
-        let nodes = [self.healthy.clone(), self.quarantined.clone(), self.other.clone()];
+        let nodes = self.nodes.clone();
         let namespace = self.namespace.clone();
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
@@ -91,11 +100,16 @@ pub async fn fleet() -> Fleet {
         .expect("the classifier's migrations");
 
     let (healthy, quarantined, other) = (format!("{run}-gpu-0"), format!("{run}-gpu-1"), format!("{run}-gpu-2"));
+    let namespace = run.clone();
+    let created = Created {
+        client: client.clone(),
+        nodes: vec![healthy.clone(), quarantined.clone(), other.clone()],
+        namespace: namespace.clone(),
+    };
     let nodes: Api<Node> = Api::all(client.clone());
     for (name, zone, q) in [(&healthy, "zone-a", false), (&quarantined, "zone-a", true), (&other, "zone-b", false)] {
         nodes.create(&PostParams::default(), &node(name, &run, zone, q)).await.expect("create node");
     }
-    let namespace = run.clone();
     Api::<Namespace>::all(client.clone())
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": namespace } })).unwrap())
         .await
@@ -191,7 +205,19 @@ pub async fn fleet() -> Fleet {
         .ensure_topics(&[kafka::TopicSpec::new(topic.clone(), 3).with_replication(1)])
         .await
         .expect("create the verdict topic");
-    Fleet { run, namespace, topic, database_url, healthy, quarantined, other, incident, verdict, client }
+    Fleet {
+        run,
+        namespace,
+        topic,
+        database_url,
+        healthy,
+        quarantined,
+        other,
+        incident,
+        verdict,
+        client,
+        _created: created,
+    }
 }
 
 pub fn kafka_settings() -> KafkaSettings {
