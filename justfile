@@ -35,13 +35,14 @@ fmt:
 # in target/load-tests/*.json, figures in docs/benchmarks.md, plots redrawn into docs/img/.
 bench:
     ./compose/up >/dev/null
-    {{cargo}} build --release -p gpumedic -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-load-tests
+    {{cargo}} build --release -p gpumedic -p gpumedic-enricher -p gpumedic-classifier -p gpumedic-remediator -p gpumedic-console -p gpumedic-load-tests
     eval "$(./compose/env)" && target/release/gpumedic-load-tests kafka-ceiling --records 200000
     eval "$(./compose/env)" && target/release/gpumedic-load-tests classify-throughput
     eval "$(./compose/env)" && target/release/gpumedic-load-tests pipeline-throughput
     eval "$(./compose/env)" && target/release/gpumedic-load-tests latency
     eval "$(./compose/env)" && target/release/gpumedic-load-tests backtest
     eval "$(./compose/env)" && target/release/gpumedic-load-tests remediation
+    eval "$(./compose/env)" && target/release/gpumedic-load-tests console
     load-tests/plot/run
 
 # The soak, on request: the pipeline for 30 minutes at 5,000 events/s from the simulated fleet,

@@ -18,6 +18,8 @@ export KAFKA_BOOTSTRAP DATABASE_URL KUBECONFIG SCHEMA_REGISTRY_URL OTLP_ENDPOINT
 # beside the cargo build rather than before it. Nothing to do once it is in the cache.
 ./compose/lib/install-promtool.sh &
 promtool_build=$!
+# Headless Chromium (Debian's package) for the console's browser tests; nothing to do once installed.
+./compose/lib/install-chromium.sh >/dev/null
 
 # End-to-end tests start every service binary, so build them all first: every target with the
 # features the tests use, so `cargo test` reuses this build instead of building the dependencies

@@ -19,10 +19,13 @@
 //!   no event, incident or node action was lost or duplicated (see [`chaos`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
+//! - `console`: the console's fleet, node list and node pages with 10,000 Nodes and 1,000,000
+//!   incidents, beside a plain `SELECT` of the same rows (see [`console`]).
 
 mod backtest;
 mod chaos;
 mod classify;
+mod console;
 mod fleet;
 mod latency;
 mod pipeline;
@@ -84,6 +87,9 @@ enum Scenario {
     /// The remediator against the apiserver: the floor (a plain node patch), mass quarantine and
     /// mass drain (see load-tests/src/remediation.rs).
     Remediation(remediation::Args),
+    /// Render times of the console's pages with a large fleet and history, beside a plain SELECT
+    /// of the same rows.
+    Console(console::Options),
     /// The pipeline under faults on private servers (services killed, Kafka, PostgreSQL and the
     /// apiserver restarted, PostgreSQL paused), proven by id at the end; exits 1 when a proof fails.
     Chaos(chaos::Options),
@@ -147,6 +153,10 @@ async fn main() -> anyhow::Result<()> {
             write_result(&cli.out_dir, "classifier-restart.json", &result)?;
         }
         Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
+        Scenario::Console(options) => {
+            let result = console::run(options).await?;
+            write_result(&cli.out_dir, "console.json", &result)?;
+        }
         Scenario::Chaos(options) => {
             let result = chaos::run(options).await?;
             write_result(&cli.out_dir, "chaos.json", &result)?;

@@ -278,23 +278,33 @@ pub struct IncidentDetail {
 async fn one(State(p): State<SharedPool>, Path(id): Path<String>) -> Result<Json<IncidentDetail>, ApiError> {
     let id: Uuid = id.parse().map_err(|_| bad(format!("id: '{id}' is not a UUID")))?;
     let db = pool(&p)?;
-    let incident = sqlx::query_as::<_, Incident>(
+    incident_detail(db, id)
+        .await
+        .map_err(|e| unavailable(&e))?
+        .map(Json)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no incident {id}")))
+}
+
+/// One incident with its story (verdicts, evidence events, actions, NVLink peers); `None` when
+/// there is no such incident. Shared with the console, which tells the same story.
+pub async fn incident_detail(db: &PgPool, id: Uuid) -> Result<Option<IncidentDetail>, sqlx::Error> {
+    let Some(incident) = sqlx::query_as::<_, Incident>(
         "SELECT incident_id, node, gpu_uuid AS gpu, rule_id, severity, opened_at, resolved_at, summary
            FROM incidents WHERE incident_id = $1",
     )
     .bind(id)
     .fetch_optional(db)
-    .await
-    .map_err(|e| unavailable(&e))?
-    .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no incident {id}")))?;
+    .await?
+    else {
+        return Ok(None);
+    };
     let verdicts = sqlx::query_as::<_, VerdictRow>(
         "SELECT verdict_id, action, severity, reason, recovery, evidence, issued_at
            FROM verdicts WHERE incident_id = $1 ORDER BY issued_at, verdict_id",
     )
     .bind(id)
     .fetch_all(db)
-    .await
-    .map_err(|e| unavailable(&e))?;
+    .await?;
     let events = sqlx::query_as::<_, EventRow>(
         "SELECT event_id, observed_at, source, kind, xid, healthy, synthetic FROM health_events
           WHERE event_id IN (SELECT unnest(evidence) FROM verdicts WHERE incident_id = $1)
@@ -302,25 +312,22 @@ async fn one(State(p): State<SharedPool>, Path(id): Path<String>) -> Result<Json
     )
     .bind(id)
     .fetch_all(db)
-    .await
-    .map_err(|e| unavailable(&e))?;
+    .await?;
     let actions = sqlx::query_as::<_, ActionRow>(
         "SELECT a.verdict_id, a.action, a.status, a.detail, a.at FROM actions a
            JOIN verdicts v USING (verdict_id) WHERE v.incident_id = $1 ORDER BY a.at",
     )
     .bind(id)
     .fetch_all(db)
-    .await
-    .map_err(|e| unavailable(&e))?;
+    .await?;
     let peers = sqlx::query_as::<_, PeerRow>(
         "SELECT event_id, node, gpu_uuid AS gpu, at FROM sympathetic_evidence WHERE incident_id = $1
           ORDER BY at, event_id LIMIT 1000",
     )
     .bind(id)
     .fetch_all(db)
-    .await
-    .map_err(|e| unavailable(&e))?;
-    Ok(Json(IncidentDetail { incident, verdicts, events, actions, peers }))
+    .await?;
+    Ok(Some(IncidentDetail { incident, verdicts, events, actions, peers }))
 }
 
 /// Query parameters of the lemon list.

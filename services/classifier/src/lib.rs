@@ -82,7 +82,7 @@ fn register_metrics() {
 /// Runs the classifier until SIGTERM/SIGINT or a failure.
 pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let api_pool = api::SharedPool::default();
-    let access = auth::Access::start(&config.api_auth).await;
+    let access = auth::Access::start(NAME, &config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone(), access));
     register_metrics();
     let db_ready = service.readiness.register("database");

@@ -3,7 +3,8 @@
 //! Brings the testbed up (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1) unless it is
 //! up already. Creates a simulated GPU fleet as real Nodes and Pods in the apiserver, and starts the
 //! four services: one collector per node with simulated GPUs, plus the enricher, classifier and
-//! remediator. One simulated GPU falls off the bus (it goes silent and the driver's Xid 79 line
+//! remediator; and the console, whose URL it prints (its fleet page shows the story as it
+//! happens). One simulated GPU falls off the bus (it goes silent and the driver's Xid 79 line
 //! names it), then the demo narrates what happens, live: detected, classified, cordoned, drained,
 //! recorded; the other GPUs' heartbeats for longer than the quiet period do not release the node;
 //! a simulated reboot (a new boot id, the GPU answering again, a complete inventory) does, once,
@@ -41,6 +42,11 @@ pub struct DemoArgs {
     #[arg(long)]
     repo: Option<PathBuf>,
 }
+
+/// The console's port on this machine.
+const CONSOLE_PORT: u16 = 9405;
+/// Where the console is reached.
+const CONSOLE_URL: &str = "http://127.0.0.1:9405";
 
 /// The quiet period every rule is capped at (`GPUMEDIC_MAX_QUIET`), so recovery fits in a demo.
 const QUIET: Duration = Duration::from_secs(20);
@@ -200,11 +206,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             bail!("{} is missing: build the services with `cargo build --workspace --bins`", p.display())
         }
     };
-    let (collector, enricher, classifier, remediator) = (
+    let (collector, enricher, classifier, remediator, console) = (
         binary("gpumedic-collector")?,
         binary("gpumedic-enricher")?,
         binary("gpumedic-classifier")?,
         binary("gpumedic-remediator")?,
+        binary("gpumedic-console")?,
     );
     let bootstrap = env["KAFKA_BOOTSTRAP"].clone();
     let database_url = env["DATABASE_URL"].clone();
@@ -236,6 +243,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "metadata": { "name": n, "labels": {
                 "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                // GPU feature discovery's count: the console's GPU capacity (the demo's Nodes
+                // have no kubelet to report nvidia.com/gpu).
+                "nvidia.com/gpu.count": "8",
                 "node.kubernetes.io/instance-type": "p5.48xlarge",
                 "topology.kubernetes.io/zone": "demo-zone-a",
                 "gpumedic.io/demo": run_id,
@@ -277,7 +287,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         &mut services,
         StoryContext {
             me: &me,
-            bins: [&collector, &enricher, &classifier, &remediator],
+            bins: [&collector, &enricher, &classifier, &remediator, &console],
             nodes: &nodes,
             faulty: &faulty,
             ns: &ns,
@@ -309,7 +319,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
 struct StoryContext<'a> {
     me: &'a Path,
-    bins: [&'a Path; 4],
+    bins: [&'a Path; 5],
     nodes: &'a [String],
     faulty: &'a str,
     ns: &'a str,
@@ -325,7 +335,7 @@ async fn story(
     services: &mut Services,
     cx: StoryContext<'_>,
 ) -> anyhow::Result<()> {
-    let [collector, enricher, classifier, remediator] = cx.bins;
+    let [collector, enricher, classifier, remediator, console] = cx.bins;
     let bootstrap = env["KAFKA_BOOTSTRAP"].clone();
     let common = |port: u16| {
         vec![
@@ -335,7 +345,7 @@ async fn story(
             ("KUBECONFIG", env["KUBECONFIG"].clone()),
         ]
     };
-    say("Starting the four services");
+    say("Starting the four services and the console");
     let mut ports = Vec::new();
     let mut injection = BTreeMap::new();
     for (i, n) in cx.nodes.iter().enumerate() {
@@ -405,9 +415,19 @@ async fn story(
         ("GPUMEDIC_RESYNC_INTERVAL", "10s".into()),
     ]);
     services.start("remediator", remediator, &e, logs)?;
-    ports.extend([9402, 9403, 9404]);
+    let mut e = common(CONSOLE_PORT);
+    e.extend([
+        ("GPUMEDIC_DATABASE_URL", env["DATABASE_URL"].clone()),
+        // This run's fleet only, and the remediator's status object in the run's namespace.
+        ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/demo={}", cx.run_id)),
+        ("GPUMEDIC_REMEDIATOR_NAMESPACE", cx.ns.to_owned()),
+        // A demo on this machine: the pages open in a browser without a token.
+        ("GPUMEDIC_API_AUTH", "none".into()),
+    ]);
+    services.start("console", console, &e, logs)?;
+    ports.extend([9402, 9403, 9404, CONSOLE_PORT]);
     tell(&format!(
-        "collectors on {}-{}, enricher 9402, classifier 9403, remediator 9404 (/healthz /readyz /metrics)",
+        "collectors on {}-{}, enricher 9402, classifier 9403, remediator 9404, console {CONSOLE_PORT} (/healthz /readyz /metrics)",
         ports[0],
         ports[cx.nodes.len() - 1]
     ));
@@ -420,6 +440,7 @@ async fn story(
         .await?;
     }
     tell("all services report ready; each simulated GPU sends a heartbeat every 2 s");
+    say(&format!("Open the console to watch the story on the fleet page: {CONSOLE_URL}/"));
 
     let faulty = cx.faulty;
     let collector_addr = injection.get(faulty).context("the faulty node's collector")?.clone();
@@ -496,6 +517,16 @@ async fn story(
         .map(|t| format!("{}={}:{}", t.key, t.value.clone().unwrap_or_default(), t.effect))
         .unwrap_or_else(|| "none".into());
     tell(&format!("cordoned: {faulty} is unschedulable; taint {taint}"));
+    let total = cx.nodes.len() * 8;
+    let fleet: serde_json::Value = wait_for(30, "the console to show the node out of service", async || {
+        let f: serde_json::Value = http.get(format!("{CONSOLE_URL}/api/v1/fleet")).send().await?.json().await?;
+        Ok((f["gpus"]["out_of_service"] == 8).then_some(f))
+    })
+    .await?;
+    tell(&format!(
+        "the console shows it: {:.1}% of the fleet's {total} GPUs in service, {faulty} quarantined ({CONSOLE_URL}/nodes/{faulty})",
+        fleet["gpus"]["in_service_ratio"].as_f64().unwrap_or_default() * 100.0
+    ));
     if let Some((status, reason)) = condition(&node, "GpuUnhealthy") {
         tell(&format!("condition: GpuUnhealthy={status} reason {reason}"));
     }

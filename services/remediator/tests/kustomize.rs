@@ -167,8 +167,14 @@ fn assert_service_basics(objects: &[Value]) {
     let names: BTreeSet<&str> = workloads.iter().map(|w| name(w)).collect();
     assert_eq!(
         names,
-        BTreeSet::from(["gpumedic-collector", "gpumedic-enricher", "gpumedic-classifier", "gpumedic-remediator"]),
-        "the four services"
+        BTreeSet::from([
+            "gpumedic-collector",
+            "gpumedic-enricher",
+            "gpumedic-classifier",
+            "gpumedic-remediator",
+            "gpumedic-console"
+        ]),
+        "the four services and the console"
     );
     for w in &workloads {
         let who = format!("{} {}", kind(w), name(w));
@@ -406,9 +412,31 @@ fn assert_rbac(objects: &[Value]) {
         bound,
         BTreeSet::from([
             "gpumedic-classifier".to_owned(),
+            "gpumedic-console".to_owned(),
             "gpumedic-enricher".to_owned(),
             "gpumedic-remediator".to_owned()
         ])
+    );
+    // The console reads Nodes and their Events and creates token reviews; in its namespace it
+    // reads the remediator's status object, nothing else.
+    let console = find(objects, "ClusterRole", "gpumedic-console");
+    for rule in console.pointer("/rules").and_then(Value::as_array).expect("rules") {
+        let verbs: BTreeSet<&str> = rule["verbs"].as_array().expect("verbs").iter().filter_map(Value::as_str).collect();
+        let reviews = rule["apiGroups"] == serde_json::json!(["authentication.k8s.io"])
+            || rule["apiGroups"] == serde_json::json!(["authorization.k8s.io"]);
+        if reviews {
+            assert_eq!(verbs, BTreeSet::from(["create"]), "the console only creates reviews there: {rule}");
+        } else {
+            assert!(verbs.is_subset(&BTreeSet::from(["get", "list", "watch"])), "the console only reads: {rule}");
+            assert_eq!(rule["apiGroups"], serde_json::json!([""]), "the console reads core objects: {rule}");
+        }
+    }
+    let status_reader = find(objects, "Role", "gpumedic-console");
+    assert_eq!(
+        status_reader.pointer("/rules"),
+        Some(&serde_json::json!([{"apiGroups": [""], "resources": ["configmaps"],
+            "resourceNames": ["gpumedic-remediator-status"], "verbs": ["get", "list", "watch"]}])),
+        "the console reads the remediator's status object only"
     );
     // The classifier creates token and access reviews, nothing else: no read, no write.
     let classifier = find(objects, "ClusterRole", "gpumedic-classifier");

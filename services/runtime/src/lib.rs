@@ -6,6 +6,7 @@
 //! shape so each service only writes what is its own.
 
 pub mod admin;
+pub mod api_auth;
 pub mod config;
 pub mod fault;
 pub mod k8s;
