@@ -6,8 +6,8 @@
 //!    `--heartbeat` (60 s, the collector's default), and Xids at `--faults-per-hour` over the
 //!    fleet, fatal ones (79, 48) among the harmless ones (13, 31), timestamped over the last
 //!    `--history` and written with the classifier's own batch statement.
-//! 2. Ceiling: the rebuild's own query (every event of the window, oldest first) is read as text
-//!    and counted by a plain client that does nothing with the rows.
+//! 2. Ceiling: the rebuild's own queries (every event of the window, node by node, oldest first)
+//!    are read as text and counted by a plain client that does nothing with the rows.
 //! 3. The classifier binary starts on empty topics with that database; one replica owns every
 //!    partition, so it rebuilds every node. The clock runs from the process start until its first
 //!    rebuild is done (`gpumedic_classifier_rebuild_seconds_count`); its peak resident memory
@@ -258,17 +258,18 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let since = now - chrono::Duration::hours(48);
     let nodes = store::nodes_since(&pool, since).await?;
     let mut read = 0u64;
-    let mut stream = sqlx::query_scalar::<_, String>(
-        "SELECT h.record::text FROM health_events h WHERE h.observed_at >= $1 AND h.node = ANY($2)
-          ORDER BY h.observed_at, h.event_id",
-    )
-    .bind(since)
-    .bind(&nodes)
-    .fetch(&pool);
-    while stream.try_next().await?.is_some() {
-        read += 1;
+    for node in &nodes {
+        let mut stream = sqlx::query_scalar::<_, String>(
+            "SELECT h.record::text FROM health_events h WHERE h.node = $2 AND h.observed_at >= $1
+              ORDER BY h.observed_at, h.event_id",
+        )
+        .bind(since)
+        .bind(node)
+        .fetch(&pool);
+        while stream.try_next().await?.is_some() {
+            read += 1;
+        }
     }
-    drop(stream);
     let postgres_read_seconds = reading.elapsed().as_secs_f64();
     let postgres_read_per_sec = read as f64 / postgres_read_seconds;
     anyhow::ensure!(read == events, "the ceiling read {read} rows, {events} were written");

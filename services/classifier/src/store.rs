@@ -457,16 +457,26 @@ pub async fn record_decisions(pool: &PgPool, decisions: &[(Decision, Verdict)]) 
     write_batch(pool, &batch).await.map(|_| ())
 }
 
-/// The nodes with events observed since `since`.
+/// The nodes with events observed since `since`. One index probe per node (a loose index scan
+/// over `(node, observed_at)`), not a pass over every event of the window: at a fleet's day of
+/// history that pass takes longer than the statement timeout.
 pub async fn nodes_since(pool: &PgPool, since: DateTime<Utc>) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar("SELECT DISTINCT node FROM health_events WHERE observed_at >= $1")
-        .bind(since)
-        .fetch_all(pool)
-        .await
+    sqlx::query_scalar(
+        "WITH RECURSIVE n AS (
+             (SELECT node FROM health_events WHERE observed_at >= $1 ORDER BY node LIMIT 1)
+             UNION ALL
+             SELECT (SELECT h.node FROM health_events h
+                      WHERE h.node > n.node AND h.observed_at >= $1 ORDER BY h.node LIMIT 1)
+               FROM n WHERE n.node IS NOT NULL)
+         SELECT node FROM n WHERE node IS NOT NULL",
+    )
+    .bind(since)
+    .fetch_all(pool)
+    .await
 }
 
-/// Rebuilds an engine with `rules` from the events of `nodes` observed since `since`, oldest
-/// first, streamed: memory holds the engine's state, not the rows. Returns it with the number of
+/// Rebuilds an engine with `rules` from the events of `nodes` observed since `since`, each node's
+/// oldest first, streamed: memory holds the engine's state, not the rows. Returns it with the number of
 /// events replayed.
 pub async fn rebuild(
     pool: &PgPool,
@@ -480,33 +490,39 @@ pub async fn rebuild(
     // An event that joined a root incident on another node of its NVLink domain is handed that
     // root again, and only that one: the replay makes the decision that was made live, whatever
     // else the incident store knows now (a root recorded after the event opened its own incident).
-    let mut rows = sqlx::query_as::<_, RebuildRow>(
-        "SELECT h.record, s.incident_id, s.root_rule_id, s.root_node, s.root_gpu_uuid, s.root_opened_at
-           FROM health_events h
-           LEFT JOIN sympathetic_evidence s ON s.event_id = h.event_id AND s.root_node <> h.node
-          WHERE h.observed_at >= $1 AND h.node = ANY($2)
-          ORDER BY h.observed_at, h.event_id",
-    )
-    .bind(since)
-    .bind(nodes)
-    .fetch(pool);
-    while let Some((v, incident_id, rule_id, root_node, root_gpu, opened_at)) = rows.try_next().await? {
-        if let Ok(e) = serde_json::from_value::<EnrichedHealthEvent>(v) {
-            let mut o = crate::observe::observation(&e);
-            if let (Some(incident_id), Some(rule_id), Some(node), Some(opened_at), Some(domain)) =
-                (incident_id, rule_id, root_node, opened_at, o.nvlink_domain.clone())
-            {
-                o.domain_roots.push(crate::rules::DomainRoot {
-                    domain,
-                    incident_id,
-                    rule_id,
-                    node,
-                    gpu: root_gpu,
-                    opened_at_micros: opened_at.timestamp_micros(),
-                });
+    // One node at a time, oldest first: a node's state depends on its own events only (a domain
+    // root comes with the event), and one query per node is an index range with a small sort,
+    // where one query over the whole window sorts every event of the fleet (a day of a
+    // 4,000-GPU fleet ran past the statement timeout).
+    for node in nodes {
+        let mut rows = sqlx::query_as::<_, RebuildRow>(
+            "SELECT h.record, s.incident_id, s.root_rule_id, s.root_node, s.root_gpu_uuid, s.root_opened_at
+               FROM health_events h
+               LEFT JOIN sympathetic_evidence s ON s.event_id = h.event_id AND s.root_node <> h.node
+              WHERE h.node = $2 AND h.observed_at >= $1
+              ORDER BY h.observed_at, h.event_id",
+        )
+        .bind(since)
+        .bind(node)
+        .fetch(pool);
+        while let Some((v, incident_id, rule_id, root_node, root_gpu, opened_at)) = rows.try_next().await? {
+            if let Ok(e) = serde_json::from_value::<EnrichedHealthEvent>(v) {
+                let mut o = crate::observe::observation(&e);
+                if let (Some(incident_id), Some(rule_id), Some(node), Some(opened_at), Some(domain)) =
+                    (incident_id, rule_id, root_node, opened_at, o.nvlink_domain.clone())
+                {
+                    o.domain_roots.push(crate::rules::DomainRoot {
+                        domain,
+                        incident_id,
+                        rule_id,
+                        node,
+                        gpu: root_gpu,
+                        opened_at_micros: opened_at.timestamp_micros(),
+                    });
+                }
+                engine.observe(&o);
+                replayed += 1;
             }
-            engine.observe(&o);
-            replayed += 1;
         }
     }
     // Refusals were counted when the events first arrived, and what was absorbed was recorded.
@@ -519,7 +535,7 @@ pub async fn rebuild(
 /// verdicts it has had, for [`crate::rules::Engine::reattach`] after a rebuild. A row whose
 /// severity or action this version cannot read is skipped with a warning.
 pub async fn open_incidents(pool: &PgPool) -> Result<Vec<crate::rules::StoredIncident>, StoreError> {
-    let rows: Vec<(Uuid, String, String, Option<String>, String, DateTime<Utc>, Option<String>, i64)> = sqlx::query_as(
+    let rows: Vec<OpenIncidentRow> = sqlx::query_as(
         "SELECT i.incident_id, i.node, i.rule_id, i.gpu_uuid, i.severity, i.opened_at, v.action, v.n
                FROM incidents i
                CROSS JOIN LATERAL (
@@ -545,6 +561,9 @@ pub async fn open_incidents(pool: &PgPool) -> Result<Vec<crate::rules::StoredInc
         })
         .collect())
 }
+
+/// An open incident's row: id, node, rule, GPU, severity, opened at, latest action, verdicts.
+type OpenIncidentRow = (Uuid, String, String, Option<String>, String, DateTime<Utc>, Option<String>, i64);
 
 /// A severity or action as the store writes it (its serde name), or a warning and nothing.
 fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Option<T> {
