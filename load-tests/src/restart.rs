@@ -351,8 +351,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
     Ok(Result {
         scenario: "classifier-restart",
-        nodes: o.nodes,
-        gpus: o.nodes * GPUS_PER_NODE,
+        // A kept database holds the fleet it was written for, whatever --nodes says now.
+        nodes: if o.reuse_database.is_some() { owned_nodes as usize } else { o.nodes },
+        gpus: if o.reuse_database.is_some() { owned_nodes as usize } else { o.nodes } * GPUS_PER_NODE,
         history_hours: o.history.as_secs_f64() / 3600.0,
         events,
         faults,
