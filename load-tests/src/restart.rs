@@ -346,14 +346,15 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         "  classifier: rebuilt {owned_nodes:.0} nodes from {events} events in {rebuild_seconds:.1} s ({replay_per_sec:.0} events/s), \
          {total:.1} s from process start; peak RSS {peak_rss:.0} MiB (limit 1024 MiB), {rss_after:.0} MiB after"
     );
+    // A kept database holds the fleet it was written for, whatever --nodes says now.
+    let nodes = if o.reuse_database.is_some() { owned_nodes as usize } else { o.nodes };
     if !o.keep && o.reuse_database.is_none() {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db}\" WITH (FORCE)"))).execute(&admin).await.ok();
     }
     Ok(Result {
         scenario: "classifier-restart",
-        // A kept database holds the fleet it was written for, whatever --nodes says now.
-        nodes: if o.reuse_database.is_some() { owned_nodes as usize } else { o.nodes },
-        gpus: if o.reuse_database.is_some() { owned_nodes as usize } else { o.nodes } * GPUS_PER_NODE,
+        nodes,
+        gpus: nodes * GPUS_PER_NODE,
         history_hours: o.history.as_secs_f64() / 3600.0,
         events,
         faults,
