@@ -123,6 +123,11 @@ pub(crate) fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>)
     let mut e = HealthEvent::new(format!("bench-node-{n:05}"), source, Component::Gpu, entity, detail);
     e.healthy = healthy;
     e.observed_at = base + chrono::Duration::microseconds(i as i64 * 10);
+    enriched(e, base)
+}
+
+/// `e` as the enricher would have sent it, at `enriched_at`, on a bench cloud node.
+pub(crate) fn enriched(e: HealthEvent, enriched_at: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
     EnrichedHealthEvent {
         event: e,
         node_context: NodeContext {
@@ -136,7 +141,7 @@ pub(crate) fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>)
         node_unknown: false,
         xid_catalog: None,
         workloads: vec![],
-        enriched_at: base,
+        enriched_at,
         gpu: None,
         gpu_unresolved: false,
     }

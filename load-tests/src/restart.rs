@@ -20,7 +20,6 @@ use futures::TryStreamExt as _;
 use gpumedic_classifier::store;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
 use gpumedic_runtime::testbed;
-use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 
@@ -90,23 +89,8 @@ fn gpu_entity(node: usize, gpu: usize) -> Entity {
 }
 
 fn enriched(e: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        enriched_at: e.observed_at,
-        event: e,
-        node_context: NodeContext {
-            cluster: Some("bench".into()),
-            instance_type: Some("p5.48xlarge".into()),
-            zone: Some("us-east-1a".into()),
-            gpu_product: Some("NVIDIA-H100-80GB-HBM3".into()),
-            driver_version: Some("550.90.07".into()),
-            ..Default::default()
-        },
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    let at = e.observed_at;
+    crate::classify::enriched(e, at)
 }
 
 /// The events of one heartbeat round at `at`: a heartbeat per GPU of every node, and the Xids

@@ -610,23 +610,8 @@ pub fn render(template: &Value, ladder: &Ladder) -> Value {
         ("message", r.message.clone()),
         ("name", name.clone()),
     ];
-    fn fill(v: &mut Value, vars: &[(&str, String)]) {
-        match v {
-            Value::String(s) => {
-                for (k, value) in vars {
-                    let placeholder = format!("{{{{{k}}}}}");
-                    if s.contains(&placeholder) {
-                        *s = s.replace(&placeholder, value);
-                    }
-                }
-            }
-            Value::Array(items) => items.iter_mut().for_each(|i| fill(i, vars)),
-            Value::Object(map) => map.values_mut().for_each(|i| fill(i, vars)),
-            _ => {}
-        }
-    }
     let mut object = template.clone();
-    fill(&mut object, &vars);
+    fill_template(&mut object, &vars);
     if !object["metadata"].is_object() {
         object["metadata"] = json!({});
     }
@@ -769,6 +754,24 @@ impl Hooks {
             Some(r) => r.report(ladder).await,
             None => Ok(Report::Working),
         }
+    }
+}
+
+/// Replaces every `{{name}}` in the strings of `v` (objects and arrays included) with its value
+/// from `vars`: the templates of repair custom resources and validation Jobs.
+pub(crate) fn fill_template(v: &mut Value, vars: &[(&str, String)]) {
+    match v {
+        Value::String(s) => {
+            for (k, value) in vars {
+                let placeholder = format!("{{{{{k}}}}}");
+                if s.contains(&placeholder) {
+                    *s = s.replace(&placeholder, value);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|i| fill_template(i, vars)),
+        Value::Object(map) => map.values_mut().for_each(|i| fill_template(i, vars)),
+        _ => {}
     }
 }
 

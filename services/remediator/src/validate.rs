@@ -103,23 +103,8 @@ pub fn render(template: &Value, recovery: &Remediation, name: &str, namespace: &
         ("verdict_id", recovery.verdict_id.clone()),
         ("name", name.to_owned()),
     ];
-    fn fill(v: &mut Value, vars: &[(&str, String)]) {
-        match v {
-            Value::String(s) => {
-                for (k, value) in vars {
-                    let placeholder = format!("{{{{{k}}}}}");
-                    if s.contains(&placeholder) {
-                        *s = s.replace(&placeholder, value);
-                    }
-                }
-            }
-            Value::Array(items) => items.iter_mut().for_each(|i| fill(i, vars)),
-            Value::Object(map) => map.values_mut().for_each(|i| fill(i, vars)),
-            _ => {}
-        }
-    }
     let mut job = template.clone();
-    fill(&mut job, &vars);
+    crate::hooks::fill_template(&mut job, &vars);
     if !job["metadata"].is_object() {
         job["metadata"] = json!({});
     }
