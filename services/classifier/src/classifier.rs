@@ -98,7 +98,7 @@ impl Classifier {
             if reattached.unknown_rule > 0 {
                 tracing::warn!(
                     incidents = reattached.unknown_rule,
-                    "Open incidents of rules the rule set no longer has are not followed; close them by hand (docs/operations.md)."
+                    "Open incidents of rules the rule set no longer has are not followed; close them by hand (docs/rules.md)."
                 );
             }
             let open = rebuilt.open_incidents().len();
