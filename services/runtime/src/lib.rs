@@ -12,8 +12,10 @@ pub mod k8s;
 pub mod kafka;
 pub mod keyed;
 pub mod postgres;
+pub mod schema;
 pub mod service;
 pub mod shutdown;
+pub mod stage;
 pub mod telemetry;
 pub mod testbed;
 
