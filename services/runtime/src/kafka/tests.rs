@@ -1,14 +1,20 @@
 //! Tests of the Kafka rooms, against the testbed's Kafka where they say so.
 
+#[cfg(feature = "testbed")]
 use std::time::Duration;
 
+#[cfg(feature = "testbed")]
 use rdkafka::config::ClientConfig;
+#[cfg(feature = "testbed")]
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
+#[cfg(feature = "testbed")]
 use rdkafka::producer::FutureRecord;
+#[cfg(feature = "testbed")]
 use tokio_util::sync::CancellationToken;
 
 use super::batch::record_bytes;
 use super::*;
+#[cfg(feature = "testbed")]
 use crate::BoxError;
 use crate::config::Validate as _;
 
@@ -62,6 +68,7 @@ fn partition_for_is_the_crc32_of_the_key_modulo_the_count() {
     assert_eq!(partition_for(b"node", 0), 0, "no partitions: no panic");
 }
 
+#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: the partitions records land on are the ones [`partition_for`]
 /// names, so a consumer knows its partitions' nodes.
 #[tokio::test]
@@ -82,15 +89,18 @@ async fn records_land_where_partition_for_says() {
     }
 }
 
+#[cfg(feature = "testbed")]
 /// The (partition, offset) of each record of each batch offered, in order.
 type Seen = std::sync::Arc<std::sync::Mutex<Vec<Vec<(i32, i64)>>>>;
 
+#[cfg(feature = "testbed")]
 /// Records every batch it is offered; fails the first one once; dead-letters `bad` payloads.
 struct Recorder {
     seen: Seen,
     failed_once: bool,
 }
 
+#[cfg(feature = "testbed")]
 impl BatchHandler for Recorder {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         self.seen.lock().unwrap().push(records.iter().map(|r| (r.partition, r.offset)).collect());
@@ -108,6 +118,7 @@ impl BatchHandler for Recorder {
     }
 }
 
+#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: batches are bounded, keep each partition's order, a failed
 /// batch comes again whole, refused records reach the dead-letter topic, and the offsets
 /// committed at shutdown are the ends of the partitions.
@@ -176,6 +187,7 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     assert_eq!(total, 50);
 }
 
+#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: a group started at the end reads only what was written after,
 /// including a record written before any member has its partitions; a missing topic is left out.
 #[tokio::test]
@@ -213,6 +225,7 @@ async fn a_group_started_at_the_end_reads_every_later_record_and_no_earlier_one(
     assert!(payloads.iter().all(|p| p == "after"), "{payloads:?}");
 }
 
+#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: a partition the hold paused, then lost and got back (a
 /// session that timed out while the broker restarted), is fetched again after the hold resumes,
 /// although the assignment was empty when it resumed. librdkafka keeps a partition's pause
