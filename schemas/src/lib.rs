@@ -13,9 +13,9 @@ pub mod action;
 pub mod avro;
 mod binary;
 pub mod codec;
-pub mod framing;
 pub mod compat;
 pub mod enriched;
+pub mod framing;
 pub mod health;
 #[cfg(feature = "registry")]
 pub mod registry;
@@ -24,10 +24,10 @@ pub mod topics;
 pub mod verdict;
 
 pub use action::{ActionOutcome, ActionStatus};
-pub use framing::{DecodeError, EncodeError, Record, decode, encode};
-pub use enriched::EnrichedHealthEvent;
-pub use health::{Detail, HealthEvent, Kind};
 pub use codec::{Codec, DecodeFailure, SchemaResolver};
 #[cfg(feature = "registry")]
 pub use codec::{RegistryOptions, RegistryResolver, RegistryStartError};
+pub use enriched::EnrichedHealthEvent;
+pub use framing::{DecodeError, EncodeError, Record, decode, encode};
+pub use health::{Detail, HealthEvent, Kind};
 pub use verdict::{RecommendedAction, Severity, Verdict};

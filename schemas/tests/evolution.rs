@@ -24,7 +24,7 @@ use apache_avro::writer::datum::GenericDatumWriter;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Detail, Kind, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
-use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Record, Verdict, avro, framing, compat};
+use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Record, Verdict, avro, compat, framing};
 
 const NAMES: [&str; 4] = ["HealthEvent", "EnrichedHealthEvent", "Verdict", "ActionOutcome"];
 

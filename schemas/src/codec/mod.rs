@@ -233,7 +233,10 @@ mod tests {
         let err = codec.decode::<crate::HealthEvent>(&bytes).await.unwrap_err();
         assert!(err.is_transient(), "{err:?}");
         assert_eq!(err.reason(), "registry_unavailable");
-        assert!(matches!(err, DecodeFailure::RegistryUnavailable { id, .. } if id == framing::HEALTH_EVENT_V2), "{err:?}");
+        assert!(
+            matches!(err, DecodeFailure::RegistryUnavailable { id, .. } if id == framing::HEALTH_EVENT_V2),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("the registry is down"), "{err}");
         let err = codec.decode_value(&bytes, avro::health_event()).await.unwrap_err();
         assert!(err.is_transient(), "{err:?}");

@@ -215,7 +215,9 @@ impl SchemaResolver for RegistryResolver {
             match self.resolve_known_or_fetch(id).await {
                 Ok(writer) => Ok(Writer::Schema(writer)),
                 Err(Fetch::Invalid(e)) => Err(DecodeFailure::Invalid(e)),
-                Err(Fetch::Unavailable(source)) => Err(DecodeFailure::RegistryUnavailable { id, source: Box::new(source) }),
+                Err(Fetch::Unavailable(source)) => {
+                    Err(DecodeFailure::RegistryUnavailable { id, source: Box::new(source) })
+                }
             }
         }))
     }

@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use crate::admin::{self, Readiness};
 use crate::config::CommonConfig;
 use crate::kafka::{self, BatchHandler, BatchSettings};
-use crate::stage::Stage;
 use crate::shutdown::{Shutdown, ShutdownError};
+use crate::stage::Stage;
 
 /// A running service: its name, readiness checks and task tree.
 pub struct Service {

@@ -10,7 +10,9 @@ use tracing::Instrument as _;
 
 use crate::fault;
 
-use super::{Consumer, HandleError, Hold, KafkaError, Producer, Record, RecordHandler, dead_letter_until_done, record_span};
+use super::{
+    Consumer, HandleError, Hold, KafkaError, Producer, Record, RecordHandler, dead_letter_until_done, record_span,
+};
 
 /// How often a handler may fail in the same permanent way ([`fault::is_permanent`]) before
 /// [`run_consumer`] and [`keyed::run_keyed_consumer`](crate::keyed::run_keyed_consumer) give its

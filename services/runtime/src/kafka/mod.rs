@@ -32,22 +32,20 @@ pub mod produce;
 pub mod record;
 pub mod settings;
 
-pub use admin::{TopicSpec, dead_letter_topic, replication_for, stage_topics, topic_exists, wait_for_topics};
 pub(crate) use admin::existing_partitions;
+pub use admin::{TopicSpec, dead_letter_topic, replication_for, stage_topics, topic_exists, wait_for_topics};
 pub use batch::{
     BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, run_batch_consumer,
 };
 pub use consume::{DEFAULT_POISON_ATTEMPTS, run_consumer};
 pub(crate) use consume::{commit_stored, observe_latency, register_consumer_metrics, report_poison};
 pub use context::{Assignment, ServiceContext};
-pub use dead_letter::{dead_letter, dlq_headers};
 pub(crate) use dead_letter::dead_letter_until_done;
-pub use hold::POLL_GRACE;
+pub use dead_letter::{dead_letter, dlq_headers};
 pub(crate) use hold::Hold;
+pub use hold::POLL_GRACE;
 pub use produce::{Envelope, partition_for, publish, publish_record};
-pub use record::{
-    HandleError, Record, RecordHandler, decode_payload, record_headers, record_span, traceparent,
-};
+pub use record::{HandleError, Record, RecordHandler, decode_payload, record_headers, record_span, traceparent};
 pub use settings::{KafkaArgs, KafkaSettings};
 
 /// What went wrong talking to Kafka.
