@@ -32,7 +32,6 @@ pub mod produce;
 pub mod record;
 pub mod settings;
 
-pub(crate) use admin::existing_partitions;
 pub use admin::{TopicSpec, dead_letter_topic, replication_for, stage_topics, topic_exists, wait_for_topics};
 pub use batch::{
     BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, run_batch_consumer,
