@@ -66,7 +66,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     for i in 0..o.events {
         let e = crate::classify::event(i, o.nodes, base);
         buffer.clear();
-        gpumedic_schemas::codec::encode_into(&e, &mut buffer)?;
+        gpumedic_schemas::framing::encode_into(&e, &mut buffer)?;
         crate::send(&producer, BaseRecord::to(&topic).key(e.event.node.as_str()).payload(buffer.as_slice()))?;
     }
     producer.flush(Duration::from_secs(300)).context("flush")?;

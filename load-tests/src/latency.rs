@@ -217,7 +217,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                     let mut e = HealthEvent::new(node.as_str(), Source::Nvml, Component::Gpu, entity, detail);
                     e.healthy = true;
                     buffer.clear();
-                    gpumedic_schemas::codec::encode_into(&e, &mut buffer)?;
+                    gpumedic_schemas::framing::encode_into(&e, &mut buffer)?;
                     crate::send(
                         &producer,
                         BaseRecord::to(topics::HEALTH_RAW).key(node.as_str()).payload(buffer.as_slice()),

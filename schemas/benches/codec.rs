@@ -16,26 +16,26 @@ mod common;
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gpumedic_schemas::codec::{self, Record};
+use gpumedic_schemas::framing::{self, Record};
 
 /// Benchmarks `encode` and `decode` of one record under `name`.
 fn bench_record<T: Record + PartialEq + std::fmt::Debug>(c: &mut Criterion, name: &str, record: &T) {
-    let payload = codec::encode(record).expect("the record encodes");
+    let payload = framing::encode(record).expect("the record encodes");
     // A benchmark of a broken codec measures nothing: check the round trip first.
-    assert_eq!(&codec::decode::<T>(&payload).expect("the record decodes"), record);
+    assert_eq!(&framing::decode::<T>(&payload).expect("the record decodes"), record);
 
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
-    group.bench_function("encode", |b| b.iter(|| codec::encode(black_box(record)).expect("encodes")));
+    group.bench_function("encode", |b| b.iter(|| framing::encode(black_box(record)).expect("encodes")));
     // What a producer that reuses its buffer pays.
     let mut buffer = Vec::with_capacity(payload.len());
     group.bench_function("encode_into", |b| {
         b.iter(|| {
             buffer.clear();
-            codec::encode_into(black_box(record), &mut buffer).expect("encodes");
+            framing::encode_into(black_box(record), &mut buffer).expect("encodes");
         })
     });
-    group.bench_function("decode", |b| b.iter(|| codec::decode::<T>(black_box(&payload)).expect("decodes")));
+    group.bench_function("decode", |b| b.iter(|| framing::decode::<T>(black_box(&payload)).expect("decodes")));
     group.finish();
 }
 

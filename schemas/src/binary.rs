@@ -15,7 +15,7 @@
 //!
 //! Only data written with this build's schema takes this path; a record written with another
 //! version of its schema goes through apache-avro's schema resolution
-//! ([`decode_body_with_writer_schema`](crate::codec::decode_body_with_writer_schema)).
+//! ([`decode_body_with_writer_schema`](crate::framing::decode_body_with_writer_schema)).
 //!
 //! The reader never trusts a length or count from the input: it checks a length against the bytes
 //! left before it takes them, and allocates nothing on the strength of a count (apache-avro

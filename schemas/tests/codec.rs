@@ -3,59 +3,59 @@
 mod common;
 
 use common::XorShift;
-use gpumedic_schemas::codec::{self, DecodeError};
+use gpumedic_schemas::framing::{self, DecodeError};
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Verdict};
 
 fn sample_payloads() -> Vec<Vec<u8>> {
     let mut payloads: Vec<Vec<u8>> =
-        common::all_details().into_iter().map(|d| codec::encode(&common::health_event(d)).unwrap()).collect();
-    payloads.push(codec::encode(&common::enriched(common::all_details().remove(0))).unwrap());
-    payloads.push(codec::encode(&common::verdict()).unwrap());
-    payloads.push(codec::encode(&common::action_outcome()).unwrap());
+        common::all_details().into_iter().map(|d| framing::encode(&common::health_event(d)).unwrap()).collect();
+    payloads.push(framing::encode(&common::enriched(common::all_details().remove(0))).unwrap());
+    payloads.push(framing::encode(&common::verdict()).unwrap());
+    payloads.push(framing::encode(&common::action_outcome()).unwrap());
     payloads
 }
 
 #[test]
 fn the_frame_is_magic_byte_schema_id_body() {
-    let payload = codec::encode(&common::verdict()).unwrap();
+    let payload = framing::encode(&common::verdict()).unwrap();
     assert_eq!(&payload[..5], &[0, 0, 0, 0, 7]);
-    assert_eq!(codec::split_frame(&payload).unwrap().0, codec::VERDICT_V2);
+    assert_eq!(framing::split_frame(&payload).unwrap().0, framing::VERDICT_V2);
 }
 
 #[test]
 fn too_short_payloads_are_rejected() {
     for len in 0..5 {
-        let err = codec::decode::<HealthEvent>(&vec![0; len]).unwrap_err();
+        let err = framing::decode::<HealthEvent>(&vec![0; len]).unwrap_err();
         assert!(matches!(err, DecodeError::TooShort { len: l } if l == len), "{err}");
     }
 }
 
 #[test]
 fn a_wrong_magic_byte_is_rejected() {
-    let mut payload = codec::encode(&common::verdict()).unwrap();
+    let mut payload = framing::encode(&common::verdict()).unwrap();
     payload[0] = 0x7b; // a JSON payload starts with '{'
-    let err = codec::decode::<Verdict>(&payload).unwrap_err();
+    let err = framing::decode::<Verdict>(&payload).unwrap_err();
     assert!(matches!(err, DecodeError::WrongMagicByte(0x7b)), "{err}");
     assert_eq!(err.reason(), "wrong_magic_byte");
 }
 
 #[test]
 fn an_unknown_schema_id_is_rejected() {
-    let mut payload = codec::encode(&common::verdict()).unwrap();
+    let mut payload = framing::encode(&common::verdict()).unwrap();
     payload[1..5].copy_from_slice(&999u32.to_be_bytes());
-    let err = codec::decode::<Verdict>(&payload).unwrap_err();
+    let err = framing::decode::<Verdict>(&payload).unwrap_err();
     assert!(matches!(err, DecodeError::UnknownSchemaId(999)), "{err}");
 }
 
 #[test]
 fn another_record_type_is_rejected() {
-    let payload = codec::encode(&common::action_outcome()).unwrap();
-    let err = codec::decode::<Verdict>(&payload).unwrap_err();
+    let payload = framing::encode(&common::action_outcome()).unwrap();
+    let err = framing::decode::<Verdict>(&payload).unwrap_err();
     match err {
         DecodeError::WrongRecordType { expected, found, id } => {
             assert_eq!(expected, "io.gpumedic.events.Verdict");
             assert_eq!(found, "io.gpumedic.events.ActionOutcome");
-            assert_eq!(id, codec::ACTION_OUTCOME_V2);
+            assert_eq!(id, framing::ACTION_OUTCOME_V2);
         }
         other => panic!("expected WrongRecordType, got {other}"),
     }
@@ -63,18 +63,18 @@ fn another_record_type_is_rejected() {
 
 #[test]
 fn a_truncated_body_is_malformed() {
-    let payload = codec::encode(&common::health_event(common::all_details().remove(0))).unwrap();
+    let payload = framing::encode(&common::health_event(common::all_details().remove(0))).unwrap();
     for cut in 5..payload.len() {
-        let err = codec::decode::<HealthEvent>(&payload[..cut]).unwrap_err();
+        let err = framing::decode::<HealthEvent>(&payload[..cut]).unwrap_err();
         assert!(matches!(err, DecodeError::Malformed(_)), "cut at {cut}: {err}");
     }
 }
 
 #[test]
 fn trailing_bytes_are_rejected() {
-    let mut payload = codec::encode(&common::action_outcome()).unwrap();
+    let mut payload = framing::encode(&common::action_outcome()).unwrap();
     payload.extend_from_slice(&[1, 2, 3]);
-    let err = codec::decode::<ActionOutcome>(&payload).unwrap_err();
+    let err = framing::decode::<ActionOutcome>(&payload).unwrap_err();
     assert!(matches!(err, DecodeError::TrailingBytes(3)), "{err}");
 }
 
@@ -124,10 +124,10 @@ fn decoding_mutated_payloads_never_panics() {
         }
         let result = std::panic::catch_unwind(|| {
             [
-                codec::decode::<HealthEvent>(&payload).is_ok(),
-                codec::decode::<EnrichedHealthEvent>(&payload).is_ok(),
-                codec::decode::<Verdict>(&payload).is_ok(),
-                codec::decode::<ActionOutcome>(&payload).is_ok(),
+                framing::decode::<HealthEvent>(&payload).is_ok(),
+                framing::decode::<EnrichedHealthEvent>(&payload).is_ok(),
+                framing::decode::<Verdict>(&payload).is_ok(),
+                framing::decode::<ActionOutcome>(&payload).is_ok(),
             ]
         });
         match result {
@@ -148,11 +148,11 @@ fn random_bytes_never_panic() {
         if payload.len() >= 5 && rng.below(2) == 0 {
             // A valid frame header pointing at a real schema, so the bytes reach Avro: the
             // current versions' fast path or an older version's schema resolution.
-            payload[..5].copy_from_slice(&[0, 0, 0, 0, 1 + rng.below(codec::SCHEMA_TABLE.len()) as u8]);
+            payload[..5].copy_from_slice(&[0, 0, 0, 0, 1 + rng.below(framing::SCHEMA_TABLE.len()) as u8]);
         }
-        let _ = codec::decode::<HealthEvent>(&payload);
-        let _ = codec::decode::<EnrichedHealthEvent>(&payload);
-        let _ = codec::decode::<Verdict>(&payload);
-        let _ = codec::decode::<ActionOutcome>(&payload);
+        let _ = framing::decode::<HealthEvent>(&payload);
+        let _ = framing::decode::<EnrichedHealthEvent>(&payload);
+        let _ = framing::decode::<Verdict>(&payload);
+        let _ = framing::decode::<ActionOutcome>(&payload);
     }
 }

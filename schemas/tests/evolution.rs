@@ -24,7 +24,7 @@ use apache_avro::writer::datum::GenericDatumWriter;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Detail, Kind, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
-use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Record, Verdict, avro, codec, compat};
+use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Record, Verdict, avro, compat, framing};
 
 const NAMES: [&str; 4] = ["HealthEvent", "EnrichedHealthEvent", "Verdict", "ActionOutcome"];
 
@@ -38,7 +38,7 @@ const RELEASED: [(&str, [&str; 4], [u32; 4]); 2] = [
             include_str!("../avro/released/v1/verdict.avsc"),
             include_str!("../avro/released/v1/action_outcome.avsc"),
         ],
-        [codec::HEALTH_EVENT_V1, codec::ENRICHED_HEALTH_EVENT_V1, codec::VERDICT_V1, codec::ACTION_OUTCOME_V1],
+        [framing::HEALTH_EVENT_V1, framing::ENRICHED_HEALTH_EVENT_V1, framing::VERDICT_V1, framing::ACTION_OUTCOME_V1],
     ),
     (
         "latest (v2)",
@@ -48,7 +48,7 @@ const RELEASED: [(&str, [&str; 4], [u32; 4]); 2] = [
             include_str!("../avro/released/verdict.avsc"),
             include_str!("../avro/released/action_outcome.avsc"),
         ],
-        [codec::HEALTH_EVENT_V2, codec::ENRICHED_HEALTH_EVENT_V2, codec::VERDICT_V2, codec::ACTION_OUTCOME_V2],
+        [framing::HEALTH_EVENT_V2, framing::ENRICHED_HEALTH_EVENT_V2, framing::VERDICT_V2, framing::ACTION_OUTCOME_V2],
     ),
 ];
 const HEALTH_EVENT_V3: &str = include_str!("fixtures/health_event_v3.avsc");
@@ -81,7 +81,7 @@ fn the_schema_behind_every_embedded_id_is_its_released_file() {
     for (version, sources, ids) in RELEASED {
         let released = avro::parse_set(&sources).expect("released schemas parse");
         for ((name, id), released) in NAMES.iter().zip(ids).zip(&released) {
-            let embedded = codec::schema_for_id(id).unwrap_or_else(|| panic!("no schema for id {id}"));
+            let embedded = framing::schema_for_id(id).unwrap_or_else(|| panic!("no schema for id {id}"));
             assert_eq!(
                 embedded.canonical_form(),
                 released.canonical_form(),
@@ -92,17 +92,17 @@ fn the_schema_behind_every_embedded_id_is_its_released_file() {
         }
     }
     covered.sort_unstable();
-    let table: Vec<u32> = codec::SCHEMA_TABLE.iter().map(|entry| entry.id).collect();
+    let table: Vec<u32> = framing::SCHEMA_TABLE.iter().map(|entry| entry.id).collect();
     assert_eq!(covered, table, "every id of the table is a released schema");
 }
 
 #[test]
 fn this_build_writes_the_current_schemas_under_the_latest_ids() {
-    assert_eq!(codec::schema_for_id(HealthEvent::SCHEMA_ID), Some(avro::health_event()));
-    assert_eq!(codec::schema_for_id(EnrichedHealthEvent::SCHEMA_ID), Some(avro::enriched_health_event()));
-    assert_eq!(codec::schema_for_id(Verdict::SCHEMA_ID), Some(avro::verdict()));
-    assert_eq!(codec::schema_for_id(ActionOutcome::SCHEMA_ID), Some(avro::action_outcome()));
-    let payload = codec::encode(&common::health_event(Detail::Absent)).unwrap();
+    assert_eq!(framing::schema_for_id(HealthEvent::SCHEMA_ID), Some(avro::health_event()));
+    assert_eq!(framing::schema_for_id(EnrichedHealthEvent::SCHEMA_ID), Some(avro::enriched_health_event()));
+    assert_eq!(framing::schema_for_id(Verdict::SCHEMA_ID), Some(avro::verdict()));
+    assert_eq!(framing::schema_for_id(ActionOutcome::SCHEMA_ID), Some(avro::action_outcome()));
+    let payload = framing::encode(&common::health_event(Detail::Absent)).unwrap();
     assert_eq!(&payload[..5], &[0, 0, 0, 0, 5]);
 }
 
@@ -147,14 +147,14 @@ fn resolve(writer: &Schema, reader: &Schema, body: &[u8]) -> Value {
 /// `record` as a writer with `schema` (an older or newer version of its schema) would write it:
 /// the fields that version lacks dropped, the ones only it has at their defaults.
 fn written_with<T: Record>(record: &T, schema: &Schema) -> Vec<u8> {
-    let current = codec::schema_for_id(T::SCHEMA_ID).unwrap();
-    let value = resolve(current, schema, &codec::encode(record).unwrap()[5..]);
+    let current = framing::schema_for_id(T::SCHEMA_ID).unwrap();
+    let value = resolve(current, schema, &framing::encode(record).unwrap()[5..]);
     assert!(value.validate(schema), "{}: not a valid datum of the other version", T::NAME);
     GenericDatumWriter::builder(schema).build().unwrap().write_value_to_vec(value).expect("valid datum")
 }
 
 fn frame(id: u32, body: &[u8]) -> Vec<u8> {
-    let mut payload = vec![codec::MAGIC_BYTE];
+    let mut payload = vec![framing::MAGIC_BYTE];
     payload.extend_from_slice(&id.to_be_bytes());
     payload.extend_from_slice(body);
     payload
@@ -173,8 +173,8 @@ fn a_v1_health_event_decodes_into_the_v2_type_with_the_defaults() {
     for detail in details.into_iter().filter(|d| d.kind() != Kind::GpuInventory) {
         let event = common::health_event(detail);
         assert!(event.boot_id.is_some(), "the fixture sets the v2 field, so its default shows");
-        let payload = frame(codec::HEALTH_EVENT_V1, &written_with(&event, v1));
-        let read: HealthEvent = codec::decode(&payload).unwrap();
+        let payload = frame(framing::HEALTH_EVENT_V1, &written_with(&event, v1));
+        let read: HealthEvent = framing::decode(&payload).unwrap();
         assert_eq!(read, v1_view(&event));
         seen += 1;
     }
@@ -186,8 +186,8 @@ fn a_v1_enriched_event_decodes_into_the_v2_type_with_the_defaults() {
     let v1 = &avro::v1()[1];
     let mut enriched = common::enriched(common::all_details().remove(0));
     enriched.gpu_unresolved = true;
-    let payload = frame(codec::ENRICHED_HEALTH_EVENT_V1, &written_with(&enriched, v1));
-    let read: EnrichedHealthEvent = codec::decode(&payload).unwrap();
+    let payload = frame(framing::ENRICHED_HEALTH_EVENT_V1, &written_with(&enriched, v1));
+    let read: EnrichedHealthEvent = framing::decode(&payload).unwrap();
     let expected = EnrichedHealthEvent {
         event: v1_view(&enriched.event),
         node_context: NodeContext { expected_gpus: None, ..enriched.node_context.clone() },
@@ -201,25 +201,25 @@ fn a_v1_enriched_event_decodes_into_the_v2_type_with_the_defaults() {
 #[test]
 fn a_v1_verdict_and_action_outcome_decode_into_the_v2_types_with_the_defaults() {
     let verdict = common::verdict();
-    let payload = frame(codec::VERDICT_V1, &written_with(&verdict, &avro::v1()[2]));
-    let read: Verdict = codec::decode(&payload).unwrap();
+    let payload = frame(framing::VERDICT_V1, &written_with(&verdict, &avro::v1()[2]));
+    let read: Verdict = framing::decode(&payload).unwrap();
     assert_eq!(read, Verdict { not_before: None, deferrable: false, workload: None, ..verdict });
 
     let outcome = common::action_outcome();
-    let payload = frame(codec::ACTION_OUTCOME_V1, &written_with(&outcome, &avro::v1()[3]));
-    assert_eq!(codec::decode::<ActionOutcome>(&payload).unwrap(), outcome);
+    let payload = frame(framing::ACTION_OUTCOME_V1, &written_with(&outcome, &avro::v1()[3]));
+    assert_eq!(framing::decode::<ActionOutcome>(&payload).unwrap(), outcome);
 }
 
 /// Decodes a frame the v1 build wrote, and checks that the record, seen through the v1 schema
 /// again, is what the frame holds: nothing a v1 record carried was lost or changed on the way into
 /// the v2 type. (Compared as values, not bytes: a map's entries may be written in any order.)
 fn check_v1_frame<T: Record + std::fmt::Debug>(frame: &[u8], v1: &Schema, id: u32) -> T {
-    let (frame_id, body) = codec::split_frame(frame).unwrap();
+    let (frame_id, body) = framing::split_frame(frame).unwrap();
     assert_eq!(frame_id, id, "{}", T::NAME);
-    let record: T = codec::decode(frame).unwrap_or_else(|e| panic!("{}: v1 frame does not decode: {e}", T::NAME));
-    let current = codec::schema_for_id(T::SCHEMA_ID).unwrap();
+    let record: T = framing::decode(frame).unwrap_or_else(|e| panic!("{}: v1 frame does not decode: {e}", T::NAME));
+    let current = framing::schema_for_id(T::SCHEMA_ID).unwrap();
     assert_eq!(
-        resolve(current, v1, &codec::encode(&record).unwrap()[5..]),
+        resolve(current, v1, &framing::encode(&record).unwrap()[5..]),
         resolve(v1, v1, body),
         "{}: v1 content changed on the way into v2: {record:?}",
         T::NAME
@@ -236,7 +236,7 @@ fn frames_written_by_the_v1_build_still_decode() {
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect();
         match record {
             "HealthEvent" => {
-                let event: HealthEvent = check_v1_frame(&bytes, &avro::v1()[0], codec::HEALTH_EVENT_V1);
+                let event: HealthEvent = check_v1_frame(&bytes, &avro::v1()[0], framing::HEALTH_EVENT_V1);
                 assert_eq!(event.boot_id, None);
                 assert_ne!(event.kind, Kind::Unknown);
                 assert_eq!(event.detail.kind(), event.kind);
@@ -244,18 +244,18 @@ fn frames_written_by_the_v1_build_still_decode() {
             }
             "EnrichedHealthEvent" => {
                 let enriched: EnrichedHealthEvent =
-                    check_v1_frame(&bytes, &avro::v1()[1], codec::ENRICHED_HEALTH_EVENT_V1);
+                    check_v1_frame(&bytes, &avro::v1()[1], framing::ENRICHED_HEALTH_EVENT_V1);
                 assert_eq!((enriched.gpu, enriched.gpu_unresolved), (None, false));
                 assert_eq!(enriched.node_context.expected_gpus, None);
                 counts[1] += 1;
             }
             "Verdict" => {
-                let verdict: Verdict = check_v1_frame(&bytes, &avro::v1()[2], codec::VERDICT_V1);
+                let verdict: Verdict = check_v1_frame(&bytes, &avro::v1()[2], framing::VERDICT_V1);
                 assert_eq!((verdict.not_before, verdict.deferrable, verdict.workload), (None, false, None));
                 counts[2] += 1;
             }
             "ActionOutcome" => {
-                check_v1_frame::<ActionOutcome>(&bytes, &avro::v1()[3], codec::ACTION_OUTCOME_V1);
+                check_v1_frame::<ActionOutcome>(&bytes, &avro::v1()[3], framing::ACTION_OUTCOME_V1);
                 counts[3] += 1;
             }
             other => panic!("unknown record {other}"),
@@ -269,7 +269,7 @@ fn a_v1_reader_reads_a_v2_verdict_with_the_new_symbol_as_unknown() {
     let mut verdict = common::verdict();
     verdict.action = RecommendedAction::RunDiagnostics;
     let v1 = &avro::v1()[2];
-    let mut value = resolve(avro::verdict(), v1, &codec::encode(&verdict).unwrap()[5..]);
+    let mut value = resolve(avro::verdict(), v1, &framing::encode(&verdict).unwrap()[5..]);
     assert!(value.validate(v1));
     assert_eq!(field_mut(&mut value, "action"), &Value::Enum(0, "unknown".into()));
     assert_eq!(field_mut(&mut value, "rule_id"), &Value::String(verdict.rule_id.clone()));
@@ -278,7 +278,7 @@ fn a_v1_reader_reads_a_v2_verdict_with_the_new_symbol_as_unknown() {
     assert_eq!(event.kind, Kind::GpuInventory);
     event.entity = Default::default();
     let v1 = &avro::v1()[0];
-    let mut value = resolve(avro::health_event(), v1, &codec::encode(&event).unwrap()[5..]);
+    let mut value = resolve(avro::health_event(), v1, &framing::encode(&event).unwrap()[5..]);
     assert_eq!(field_mut(&mut value, "kind"), &Value::Enum(0, "unknown".into()));
     let Value::Record(detail) = field_mut(&mut value, "detail") else { panic!("detail is a record") };
     assert!(detail.iter().all(|(_, field)| field == &Value::Union(0, Box::new(Value::Null))), "no detail set for v1");
@@ -286,7 +286,7 @@ fn a_v1_reader_reads_a_v2_verdict_with_the_new_symbol_as_unknown() {
 
 /// `event` as a v3 writer would write it, with the v3-only parts set.
 fn written_by_v3(event: &HealthEvent, v3: &Schema) -> Vec<u8> {
-    let mut value = resolve(avro::health_event(), v3, &codec::encode(event).unwrap()[5..]);
+    let mut value = resolve(avro::health_event(), v3, &framing::encode(event).unwrap()[5..]);
     *field_mut(&mut value, "sequence") = Value::Union(1, Box::new(Value::Long(7)));
     *field_mut(&mut value, "source") = Value::Enum(7, "bmc".into());
     *field_mut(&mut value, "kind") = Value::Enum(19, "fabric_manager".into());
@@ -306,7 +306,7 @@ fn this_build_reads_what_a_v3_writer_wrote() {
     let event = common::health_event(common::all_details().remove(0));
     let body = written_by_v3(&event, &v3);
 
-    let read: HealthEvent = codec::decode_body_with_writer_schema(&v3, &body).unwrap();
+    let read: HealthEvent = framing::decode_body_with_writer_schema(&v3, &body).unwrap();
     // New symbols fall back to the enum defaults; the new kind's detail is invisible to v2.
     assert_eq!(read.source, Source::Unknown);
     assert_eq!(read.kind, Kind::Unknown);
@@ -319,7 +319,7 @@ fn this_build_reads_what_a_v3_writer_wrote() {
 fn a_v3_reader_reads_what_this_build_wrote() {
     let v3 = one(HEALTH_EVENT_V3);
     let event = common::health_event(common::all_details().remove(3));
-    let payload = codec::encode(&event).unwrap();
+    let payload = framing::encode(&event).unwrap();
     let mut value = resolve(avro::health_event(), &v3, &payload[5..]);
     assert!(value.validate(&v3));
     assert_eq!(

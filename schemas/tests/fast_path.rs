@@ -14,7 +14,7 @@ use common::XorShift;
 use gpumedic_schemas::action::ActionStatus;
 use gpumedic_schemas::health::*;
 use gpumedic_schemas::verdict::{RecommendedAction, Severity};
-use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Record, Verdict, avro, codec};
+use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Record, Verdict, avro, framing};
 
 /// What apache-avro writes for `record` with `schema`, by field name and symbol name.
 fn apache_body<T: Record>(schema: &Schema, record: &T) -> Vec<u8> {
@@ -35,10 +35,10 @@ fn apache_read<T: Record>(schema: &Schema, body: &[u8]) -> Option<T> {
 }
 
 fn assert_same_as_apache<T: Record + PartialEq + Debug>(schema: &Schema, record: &T) {
-    let framed = codec::encode(record).unwrap();
-    let body = &framed[codec::HEADER_LEN..];
+    let framed = framing::encode(record).unwrap();
+    let body = &framed[framing::HEADER_LEN..];
     assert_eq!(body, apache_body(schema, record).as_slice(), "{} bytes differ from apache-avro: {record:?}", T::NAME);
-    assert_eq!(&codec::decode::<T>(&framed).unwrap(), record, "{} fast read", T::NAME);
+    assert_eq!(&framing::decode::<T>(&framed).unwrap(), record, "{} fast read", T::NAME);
     assert_eq!(apache_read::<T>(schema, body).as_ref(), Some(record), "{} apache-avro read", T::NAME);
 }
 
@@ -256,8 +256,8 @@ fn readers_agree_on_mutations<T: Record>(schema: &Schema, body: &[u8], rng: &mut
         framed.extend_from_slice(&mutated);
         // Compared through their encodings: a mutated double may be NaN, which is not equal to
         // itself as a value but is as bytes.
-        let fast = codec::decode::<T>(&framed).ok().map(|record| codec::encode(&record).unwrap());
-        let apache = apache_read::<T>(schema, &mutated).map(|record| codec::encode(&record).unwrap());
+        let fast = framing::decode::<T>(&framed).ok().map(|record| framing::encode(&record).unwrap());
+        let apache = apache_read::<T>(schema, &mutated).map(|record| framing::encode(&record).unwrap());
         outcomes[usize::from(fast.is_some())] += 1;
         assert_eq!(fast, apache, "{} readers disagree at round {round} on {mutated:02x?}", T::NAME);
     }

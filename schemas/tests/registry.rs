@@ -13,7 +13,7 @@ use apache_avro::Schema;
 use apache_avro::reader::datum::GenericDatumReader;
 use apache_avro::types::Value;
 use apache_avro::writer::datum::GenericDatumWriter;
-use gpumedic_schemas::codec::{self, DecodeError};
+use gpumedic_schemas::framing::{self, DecodeError};
 use gpumedic_schemas::health::{Detail, Kind, Source};
 use gpumedic_schemas::registry::{RegistryClient, RegistryError};
 use gpumedic_schemas::{
@@ -52,7 +52,7 @@ async fn codec(url: &str) -> Codec {
 }
 
 fn id_of(payload: &[u8]) -> u32 {
-    codec::split_frame(payload).expect("framed").0
+    framing::split_frame(payload).expect("framed").0
 }
 
 fn v3() -> (Schema, String) {
@@ -69,7 +69,7 @@ fn field_mut<'a>(record: &'a mut Value, name: &str) -> &'a mut Value {
 /// `event` as a v3 writer (the next version, a fixture) would write it (unframed), with the
 /// v3-only parts set.
 fn written_by_v3(event: &HealthEvent, v3: &Schema) -> Vec<u8> {
-    let body = &codec::encode(event).unwrap()[5..];
+    let body = &framing::encode(event).unwrap()[5..];
     let mut value = GenericDatumReader::builder(avro::health_event())
         .reader_schema(v3)
         .build()
@@ -82,7 +82,7 @@ fn written_by_v3(event: &HealthEvent, v3: &Schema) -> Vec<u8> {
 }
 
 fn frame(id: u32, body: &[u8]) -> Vec<u8> {
-    let mut payload = vec![codec::MAGIC_BYTE];
+    let mut payload = vec![framing::MAGIC_BYTE];
     payload.extend_from_slice(&id.to_be_bytes());
     payload.extend_from_slice(body);
     payload
@@ -145,7 +145,7 @@ async fn the_v1_schemas_are_earlier_versions_of_the_same_subjects_and_stay_reada
         .reader_schema(&avro::v1()[2])
         .build()
         .unwrap()
-        .read_value(&mut &codec::encode(&verdict).unwrap()[5..])
+        .read_value(&mut &framing::encode(&verdict).unwrap()[5..])
         .unwrap();
     let body = GenericDatumWriter::builder(&avro::v1()[2]).build().unwrap().write_value_to_vec(v1_value).unwrap();
     let read: Verdict = codec.decode(&frame(v1_id, &body)).await.unwrap();

@@ -11,7 +11,7 @@ use apache_avro::Schema;
 use apache_avro::reader::datum::GenericDatumReader;
 use apache_avro::writer::datum::GenericDatumWriter;
 use gpumedic_schemas::health::{Detail, Entity, Kind};
-use gpumedic_schemas::{Record, avro, codec};
+use gpumedic_schemas::{Record, avro, framing};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -35,14 +35,14 @@ where
     let from_value: T = apache_avro::from_value(&value).unwrap();
     assert_eq!(&from_value, record, "{} Value round trip", T::NAME);
 
-    let framed = codec::encode(record).unwrap();
+    let framed = framing::encode(record).unwrap();
     assert_eq!(framed[0], 0);
     assert_eq!(u32::from_be_bytes(framed[1..5].try_into().unwrap()), T::SCHEMA_ID);
     assert_eq!(&framed[5..], body.as_slice(), "the codec writes the same body");
-    assert_eq!(&codec::decode::<T>(&framed).unwrap(), record);
+    assert_eq!(&framing::decode::<T>(&framed).unwrap(), record);
 
     // Through resolution (writer schema given explicitly, as a registry would): same result.
-    assert_eq!(&codec::decode_body_with_writer_schema::<T>(schema, &body).unwrap(), record);
+    assert_eq!(&framing::decode_body_with_writer_schema::<T>(schema, &body).unwrap(), record);
 }
 
 #[test]

@@ -97,8 +97,8 @@ fn an_xid_event_becomes_the_raw_event_with_the_collectors_fields() {
     assert_eq!(xid.recovery_action, Some(h::XidRecoveryAction::DrainAndReset));
     assert_eq!(xid.nvlink5.as_ref().map(|f| f.error_status), Some(Some(0x1_0000_0000)));
     // What the collector will publish goes through the Kafka codec.
-    let framed = gpumedic_schemas::codec::encode(&event).expect("encodes");
-    assert_eq!(gpumedic_schemas::codec::decode::<HealthEvent>(&framed).expect("decodes"), event);
+    let framed = gpumedic_schemas::framing::encode(&event).expect("encodes");
+    assert_eq!(gpumedic_schemas::framing::decode::<HealthEvent>(&framed).expect("decodes"), event);
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn every_kind_maps_onto_the_avro_kind_of_its_detail() {
             format!("KIND_{:?}", converted.kind).to_uppercase().replace('_', ""),
             kind.as_str_name().replace('_', "")
         );
-        gpumedic_schemas::codec::encode(&converted).expect("encodes");
+        gpumedic_schemas::framing::encode(&converted).expect("encodes");
     }
 }
 

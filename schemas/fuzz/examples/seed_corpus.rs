@@ -12,18 +12,18 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use gpumedic_schemas::codec;
+use gpumedic_schemas::framing;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/decode");
     fs::create_dir_all(&dir)?;
     let mut seeds = Vec::new();
     for (i, detail) in common::all_details().into_iter().enumerate() {
-        seeds.push((format!("seed-health-event-{i:02}"), codec::encode(&common::health_event(detail.clone()))?));
-        seeds.push((format!("seed-enriched-{i:02}"), codec::encode(&common::enriched(detail))?));
+        seeds.push((format!("seed-health-event-{i:02}"), framing::encode(&common::health_event(detail.clone()))?));
+        seeds.push((format!("seed-enriched-{i:02}"), framing::encode(&common::enriched(detail))?));
     }
-    seeds.push(("seed-verdict".to_owned(), codec::encode(&common::verdict())?));
-    seeds.push(("seed-action-outcome".to_owned(), codec::encode(&common::action_outcome())?));
+    seeds.push(("seed-verdict".to_owned(), framing::encode(&common::verdict())?));
+    seeds.push(("seed-action-outcome".to_owned(), framing::encode(&common::action_outcome())?));
     for (name, bytes) in &seeds {
         fs::write(dir.join(name), bytes)?;
     }

@@ -12,14 +12,14 @@
 #![no_main]
 
 use apache_avro::reader::datum::GenericDatumReader;
-use gpumedic_schemas::codec::{self, Record};
+use gpumedic_schemas::framing::{self, Record};
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Verdict};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let frame = codec::split_frame(data);
+    let frame = framing::split_frame(data);
     if let Ok((_, body)) = &frame {
-        assert_eq!(body.len(), data.len() - codec::HEADER_LEN);
+        assert_eq!(body.len(), data.len() - framing::HEADER_LEN);
     }
     check::<HealthEvent>(data);
     check::<EnrichedHealthEvent>(data);
@@ -28,24 +28,24 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn check<T: Record>(data: &[u8]) {
-    let decoded = codec::decode::<T>(data);
-    let fast = decoded.as_ref().ok().map(|record| codec::encode(record).expect("a decoded record encodes"));
+    let decoded = framing::decode::<T>(data);
+    let fast = decoded.as_ref().ok().map(|record| framing::encode(record).expect("a decoded record encodes"));
 
-    if let Ok((id, body)) = codec::split_frame(data)
+    if let Ok((id, body)) = framing::split_frame(data)
         && id == T::SCHEMA_ID
     {
-        let apache = apache_read::<T>(id, body).map(|record| codec::encode(&record).expect("encodes"));
+        let apache = apache_read::<T>(id, body).map(|record| framing::encode(&record).expect("encodes"));
         assert_eq!(fast, apache, "{}: the fast reader and apache-avro disagree", T::NAME);
     }
 
     if let Some(encoded) = fast {
-        let again = codec::decode::<T>(&encoded).expect("an encoded record decodes");
-        assert_eq!(codec::encode(&again).expect("encodes"), encoded, "{}: round trip changed the bytes", T::NAME);
+        let again = framing::decode::<T>(&encoded).expect("an encoded record decodes");
+        assert_eq!(framing::encode(&again).expect("encodes"), encoded, "{}: round trip changed the bytes", T::NAME);
     }
 }
 
 fn apache_read<T: Record>(id: u32, body: &[u8]) -> Option<T> {
-    let schema = codec::schema_for_id(id)?;
+    let schema = framing::schema_for_id(id)?;
     let reader = GenericDatumReader::builder(schema).human_readable(false).build().ok()?;
     let mut rest = body;
     let record = reader.read_deser::<T>(&mut rest).ok()?;

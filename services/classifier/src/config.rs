@@ -6,11 +6,24 @@ use std::time::Duration;
 
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
-use gpumedic_runtime::kafka::{self, BatchSettings, KafkaArgs, KafkaSettings};
+use gpumedic_runtime::kafka::BatchSettings;
+use gpumedic_runtime::stage::{BatchArgs, StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::topics;
 
 use crate::rules::{self, RuleSet, SyntheticPolicy};
 use crate::{auth, lemons, workload};
+
+/// The defaults of the classifier's stage flags.
+#[derive(Debug, Clone)]
+pub struct Defaults;
+
+impl StageDefaults for Defaults {
+    const GROUP: &'static str = "gpumedic-classifier";
+    const BATCH_MAX: &'static str = "5000";
+    const BATCH_LINGER: &'static str = "5ms";
+    const MAX_BATCH_LINGER: Duration = Duration::from_secs(10);
+    const LINGER_DELAYS: &'static str = "every verdict";
+}
 
 /// Command-line flags and environment variables.
 #[derive(Debug, Parser)]
@@ -23,12 +36,9 @@ pub struct Args {
     #[command(flatten)]
     common: CommonArgs,
     #[command(flatten)]
-    kafka: KafkaArgs,
+    stage: StageArgs<Defaults>,
     #[command(flatten)]
-    batch_limits: kafka::BatchLimitArgs,
-    /// Kafka consumer group shared by all classifier replicas.
-    #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-classifier")]
-    group: String,
+    batch: BatchArgs<Defaults>,
     /// PostgreSQL URL (postgres://user:password@host:port/database).
     #[arg(long, env = "GPUMEDIC_DATABASE_URL")]
     database_url: String,
@@ -64,14 +74,6 @@ pub struct Args {
     /// How often time-based conditions (burst ends, quiet periods) are evaluated without events.
     #[arg(long, env = "GPUMEDIC_TICK", default_value = "2s")]
     tick: String,
-    /// At most this many records are classified and written to Postgres together. Batches fill
-    /// only under backlog (see --batch-linger); larger ones cost fewer round trips per event
-    /// (docs/benchmarks.md).
-    #[arg(long, env = "GPUMEDIC_BATCH_MAX", default_value_t = 5000)]
-    batch_max: usize,
-    /// How long a batch waits for more records after its first one (a latency cap when quiet).
-    #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "5ms")]
-    batch_linger: String,
     /// A batch is written as this many statements at once, split by node, each on its own
     /// connection: Postgres runs one backend per statement, so one statement uses one core of
     /// the database (docs/profiles.md). At most --database-pool.
@@ -141,10 +143,8 @@ pub struct Topics {
 pub struct Config {
     /// Shared service settings.
     pub common: CommonConfig,
-    /// Kafka settings.
-    pub kafka: KafkaSettings,
-    /// The consumer group.
-    pub group: String,
+    /// Kafka settings and the consumer group.
+    pub stage: StageSettings,
     /// The database URL.
     pub database_url: String,
     /// Connections in the pool.
@@ -187,11 +187,8 @@ impl Validate for Args {
     fn validate(self) -> Result<Config, Problems> {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
-        let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
-        let batch_limits = self.batch_limits.validate().map_err(|e| p.extend(e)).ok();
-        if self.group.trim().is_empty() {
-            p.push("--group", "the consumer group must not be empty");
-        }
+        let stage = self.stage.validate().map_err(|e| p.extend(e)).ok();
+        let batch = self.batch.validate().map_err(|e| p.extend(e)).ok();
         if !(self.database_url.starts_with("postgres://") || self.database_url.starts_with("postgresql://")) {
             p.push("--database-url", "must be a postgres:// URL");
         }
@@ -233,13 +230,6 @@ impl Validate for Args {
         };
         let rebuild_window = p.check("--rebuild-window", parse_duration(&self.rebuild_window));
         let tick = p.check("--tick", parse_duration(&self.tick));
-        if !(1..=100_000).contains(&self.batch_max) {
-            p.push("--batch-max", format!("{} is not from 1 to 100000", self.batch_max));
-        }
-        let linger = p.check("--batch-linger", parse_duration(&self.batch_linger));
-        if linger.is_some_and(|l| l > Duration::from_secs(10)) {
-            p.push("--batch-linger", "must be at most 10s (it delays every verdict)");
-        }
         let retention = p.check("--event-retention", parse_duration(&self.event_retention));
         if let Some(r) = retention {
             if r < Duration::from_secs(86_400) {
@@ -307,8 +297,7 @@ impl Validate for Args {
             }
             Config {
                 common: common.expect("checked"),
-                kafka: kafka.expect("checked"),
-                group: self.group,
+                stage: stage.expect("checked"),
                 database_url: self.database_url,
                 database_pool: self.database_pool,
                 api_database_pool: self.api_database_pool,
@@ -321,11 +310,7 @@ impl Validate for Args {
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),
-                batch: BatchSettings {
-                    max: self.batch_max,
-                    linger: linger.expect("checked"),
-                    limits: batch_limits.expect("checked"),
-                },
+                batch: batch.expect("checked"),
                 event_retention: retention.expect("checked"),
                 rules_dir: self.rules_dir,
                 allow_synthetic: self.allow_synthetic,

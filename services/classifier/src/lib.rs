@@ -42,7 +42,7 @@ mod handler;
 mod ticker;
 
 pub use classifier::{Classifier, ClassifierError};
-pub use config::{Args, Config, Topics};
+pub use config::{Args, Config, Defaults, Topics};
 pub use database::{MIGRATOR, connect_and_migrate};
 pub use handler::Handler;
 
@@ -53,7 +53,7 @@ use gpumedic_runtime::kafka;
 use gpumedic_runtime::postgres;
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
-use gpumedic_schemas::topics;
+use gpumedic_runtime::stage::Stage;
 use tokio::sync::Mutex;
 
 use crate::classifier::Owned;
@@ -86,7 +86,6 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone(), access));
     register_metrics();
     let db_ready = service.readiness.register("database");
-    let assigned = service.readiness.register("kafka-partitions-assigned");
     let token = service.shutdown.token();
     let assignment = kafka::Assignment::default();
     let setup = async {
@@ -95,8 +94,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         retention::maintain_logged(&pool, config.event_retention).await;
         // State is rebuilt per partition once the group assigns them (Classifier::reconcile).
         let engine = Engine::new(config.rules.clone());
-        let producer = config.kafka.producer(NAME)?;
-        let codec = config.kafka.codec().await?;
+        let producer = config.stage.kafka.producer(NAME)?;
+        let codec = config.stage.kafka.codec().await?;
         Ok::<_, ClassifierError>(Classifier {
             engine,
             pool,
@@ -147,17 +146,9 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         let watch = reload::watch(classifier.clone(), dir, config.allow_synthetic, config.rules_poll, token.clone());
         service.shutdown.spawn("rules-watch", watch);
     }
-    let Config { kafka: settings, group, topics: t, batch, .. } = config;
+    let Config { stage, topics: t, batch, .. } = config;
     let handler = Handler::new(classifier, t.actions.clone());
-    service.shutdown.spawn("consumer", async move {
-        let inputs = [t.enriched.as_str(), t.actions.as_str()];
-        let specs = kafka::stage_topics(&inputs, &[t.verdicts.as_str()], topics::DEFAULT_PARTITIONS);
-        if !kafka::wait_for_topics(&settings, &specs, &token).await {
-            return Ok(());
-        }
-        let consumer = settings.consumer_tracking(NAME, &group, &inputs, assigned, assignment)?;
-        let dlq = settings.producer(&format!("{NAME}-dlq"))?;
-        kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
-    });
+    let stage = Stage::new(stage, [t.enriched, t.actions], [t.verdicts]).tracking(assignment);
+    service.spawn_stage(stage, batch, handler);
     service.run().await
 }

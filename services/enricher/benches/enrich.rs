@@ -167,7 +167,7 @@ fn enrich_step(
     let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
     let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_ref(), gpu, catalog, Utc::now());
     out.clear();
-    gpumedic_schemas::codec::encode_into(&enriched, out).expect("encodes");
+    gpumedic_schemas::framing::encode_into(&enriched, out).expect("encodes");
 }
 
 /// Answers every token as the collector's on the node it names, as the apiserver would for a
@@ -255,7 +255,7 @@ fn bench(c: &mut Criterion) {
                 let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
                 let enriched = enrich::enrich(event, node.as_ref(), gpu, &catalog, Utc::now());
                 out.clear();
-                gpumedic_schemas::codec::encode_into(&enriched, &mut out).expect("encodes");
+                gpumedic_schemas::framing::encode_into(&enriched, &mut out).expect("encodes");
             }
         })
     });

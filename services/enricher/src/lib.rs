@@ -26,11 +26,10 @@ use clap::Parser;
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
 use gpumedic_runtime::k8s;
-use gpumedic_runtime::kafka::{
-    self, BatchHandler, BatchSettings, Disposition, KafkaArgs, KafkaSettings, Producer, Record, record_headers,
-};
+use gpumedic_runtime::kafka::{self, BatchHandler, BatchSettings, Disposition, Producer, Record, record_headers};
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
+use gpumedic_runtime::stage::{BatchArgs, Stage, StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
 
@@ -41,6 +40,18 @@ use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
 
 /// The service's name, as used in metric names and logs.
 pub const NAME: &str = "enricher";
+
+/// The defaults of the enricher's stage flags.
+#[derive(Debug, Clone)]
+pub struct Defaults;
+
+impl StageDefaults for Defaults {
+    const GROUP: &'static str = "gpumedic-enricher";
+    const BATCH_MAX: &'static str = "1000";
+    const BATCH_LINGER: &'static str = "2ms";
+    const MAX_BATCH_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+    const LINGER_DELAYS: &'static str = "every event";
+}
 
 /// Command-line flags and environment variables.
 #[derive(Debug, Parser)]
@@ -53,12 +64,9 @@ pub struct Args {
     #[command(flatten)]
     common: CommonArgs,
     #[command(flatten)]
-    kafka: KafkaArgs,
+    stage: StageArgs<Defaults>,
     #[command(flatten)]
-    batch_limits: kafka::BatchLimitArgs,
-    /// Kafka consumer group shared by all enricher replicas.
-    #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-enricher")]
-    group: String,
+    batch: BatchArgs<Defaults>,
     /// The topic of raw health events read (another name lets pipelines share one Kafka).
     #[arg(long, env = "GPUMEDIC_RAW_TOPIC", default_value = topics::HEALTH_RAW)]
     raw_topic: String,
@@ -74,13 +82,6 @@ pub struct Args {
     /// An Xid catalog file to use instead of the one built in (see catalog/xid-catalog.yaml).
     #[arg(long, env = "GPUMEDIC_XID_CATALOG")]
     xid_catalog: Option<PathBuf>,
-    /// Most raw records enriched together: their enriched records are produced together and the
-    /// offsets stored once every one is acknowledged (a batch fills only under backlog).
-    #[arg(long, env = "GPUMEDIC_BATCH_MAX", default_value_t = 1000)]
-    batch_max: usize,
-    /// How long a batch waits for more records after its first one (a latency cap when quiet).
-    #[arg(long, env = "GPUMEDIC_BATCH_LINGER", default_value = "2ms")]
-    batch_linger: String,
     /// Most nodes whose GPU inventory is kept; past it the least recently updated is forgotten
     /// (its events pass marked unresolved until its next inventory).
     #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_NODES", default_value_t = 200_000)]
@@ -124,10 +125,8 @@ pub struct NodeAuthSettings {
 pub struct Config {
     /// Shared service settings.
     pub common: CommonConfig,
-    /// Kafka settings.
-    pub kafka: KafkaSettings,
-    /// The consumer group.
-    pub group: String,
+    /// Kafka settings and the consumer group.
+    pub stage: StageSettings,
     /// The topic read.
     pub raw_topic: String,
     /// The topic written.
@@ -150,11 +149,8 @@ impl Validate for Args {
     fn validate(self) -> Result<Config, Problems> {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
-        let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
-        let batch_limits = self.batch_limits.validate().map_err(|e| p.extend(e)).ok();
-        if self.group.trim().is_empty() {
-            p.push("--group", "the consumer group must not be empty");
-        }
+        let stage = self.stage.validate().map_err(|e| p.extend(e)).ok();
+        let batch = self.batch.validate().map_err(|e| p.extend(e)).ok();
         for (flag, topic) in [("--raw-topic", &self.raw_topic), ("--enriched-topic", &self.enriched_topic)] {
             if topic.trim().is_empty() {
                 p.push(flag, "the topic must not be empty");
@@ -162,13 +158,6 @@ impl Validate for Args {
         }
         if self.raw_topic == self.enriched_topic {
             p.push("--enriched-topic", "must differ from --raw-topic (the enricher would read its own output)");
-        }
-        if !(1..=100_000).contains(&self.batch_max) {
-            p.push("--batch-max", format!("{} is not from 1 to 100000", self.batch_max));
-        }
-        let linger = p.check("--batch-linger", gpumedic_runtime::config::parse_duration(&self.batch_linger));
-        if linger.is_some_and(|l| l > std::time::Duration::from_secs(1)) {
-            p.push("--batch-linger", "must be at most 1s (it delays every event)");
         }
         if !(1..=10_000_000).contains(&self.inventory_max_nodes) {
             p.push("--inventory-max-nodes", format!("{} is not from 1 to 10000000", self.inventory_max_nodes));
@@ -215,8 +204,7 @@ impl Validate for Args {
         };
         p.finish(|| Config {
             common: common.expect("checked"),
-            kafka: kafka.expect("checked"),
-            group: self.group,
+            stage: stage.expect("checked"),
             raw_topic: self.raw_topic,
             enriched_topic: self.enriched_topic,
             context: ContextSettings {
@@ -224,11 +212,7 @@ impl Validate for Args {
                 cluster: self.cluster_name,
             },
             catalog: catalog.expect("checked"),
-            batch: BatchSettings {
-                max: self.batch_max,
-                linger: linger.expect("checked"),
-                limits: batch_limits.expect("checked"),
-            },
+            batch: batch.expect("checked"),
             inventory: InventoryLimits {
                 max_nodes: self.inventory_max_nodes,
                 max_gpus: self.inventory_max_gpus,
@@ -252,7 +236,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         cache::run_watchers(client, watch_cache, context, synced, token).await;
         Ok::<_, gpumedic_runtime::BoxError>(())
     });
-    let producer = match config.kafka.producer(NAME) {
+    let producer = match config.stage.kafka.producer(NAME) {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "Cannot create the Kafka producer.");
@@ -260,7 +244,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
     };
     tracing::info!(catalog_version = %config.catalog.version, codes = config.catalog.len(), "Xid catalog loaded.");
-    let codec = match config.kafka.codec().await {
+    let codec = match config.stage.kafka.codec().await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "Cannot use the schema registry.");
@@ -299,18 +283,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         codec,
         enriched_topic: config.enriched_topic.clone(),
     };
-    let assigned = service.readiness.register("kafka-partitions-assigned");
-    let token = service.shutdown.token();
-    let Config { kafka: settings, group, batch, raw_topic, enriched_topic, .. } = config;
-    service.shutdown.spawn("consumer", async move {
-        let specs = kafka::stage_topics(&[&raw_topic], &[&enriched_topic], topics::DEFAULT_PARTITIONS);
-        if !kafka::wait_for_topics(&settings, &specs, &token).await {
-            return Ok(());
-        }
-        let consumer = settings.consumer(NAME, &group, &[&raw_topic], assigned)?;
-        let dlq = settings.producer(&format!("{NAME}-dlq"))?;
-        kafka::run_batch_consumer(NAME, consumer, dlq, handler, batch, token).await
-    });
+    let Config { stage, batch, raw_topic, enriched_topic, .. } = config;
+    service.spawn_stage(Stage::new(stage, [raw_topic], [enriched_topic]), batch, handler);
     service.run().await
 }
 

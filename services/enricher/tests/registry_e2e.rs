@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, dlq_headers, publish};
 use gpumedic_runtime::testbed;
-use gpumedic_schemas::codec::split_frame;
+use gpumedic_schemas::framing::split_frame;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, RegistryOptions, topics};
 

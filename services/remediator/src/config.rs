@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
-use gpumedic_runtime::kafka::{KafkaArgs, KafkaSettings};
+use gpumedic_runtime::stage::{StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::topics;
 
 use crate::apply::Settings;
@@ -16,6 +16,14 @@ use crate::safety::BreakerLimits;
 use crate::window::Window;
 use crate::{control, hooks, ladder, validate};
 
+/// The defaults of the remediator's stage flags.
+#[derive(Debug, Clone)]
+pub struct Defaults;
+
+impl StageDefaults for Defaults {
+    const GROUP: &'static str = "gpumedic-remediator";
+}
+
 /// Command-line flags and environment variables.
 #[derive(Debug, Parser)]
 #[command(name = "gpumedic-remediator", version, about = "Applies verdicts to Kubernetes nodes, safely.")]
@@ -23,10 +31,7 @@ pub struct Args {
     #[command(flatten)]
     common: CommonArgs,
     #[command(flatten)]
-    kafka: KafkaArgs,
-    /// Kafka consumer group shared by all remediator replicas.
-    #[arg(long, env = "GPUMEDIC_GROUP", default_value = "gpumedic-remediator")]
-    group: String,
+    stage: StageArgs<Defaults>,
     /// The topic verdicts are read from (the public contract's; another one only for staging
     /// side by side or tests).
     #[arg(long, env = "GPUMEDIC_VERDICTS_TOPIC", default_value = topics::VERDICTS)]
@@ -218,10 +223,8 @@ struct WebhookKeyArgs {
 pub struct Config {
     /// Shared service settings.
     pub common: CommonConfig,
-    /// Kafka settings.
-    pub kafka: KafkaSettings,
-    /// The consumer group.
-    pub group: String,
+    /// Kafka settings and the consumer group.
+    pub stage: StageSettings,
     /// The verdict topic.
     pub verdicts_topic: String,
     /// The actions topic.
@@ -283,10 +286,7 @@ impl Validate for Args {
     fn validate(self) -> Result<Config, Problems> {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
-        let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
-        if self.group.trim().is_empty() {
-            p.push("--group", "the consumer group must not be empty");
-        }
+        let stage = self.stage.validate().map_err(|e| p.extend(e)).ok();
         for (flag, topic) in [("--verdicts-topic", &self.verdicts_topic), ("--actions-topic", &self.actions_topic)] {
             if topic.trim().is_empty() {
                 p.push(flag, "the topic must not be empty");
@@ -457,8 +457,7 @@ impl Validate for Args {
         });
         p.finish(|| Config {
             common: common.expect("checked"),
-            kafka: kafka.expect("checked"),
-            group: self.group,
+            stage: stage.expect("checked"),
             verdicts_topic: self.verdicts_topic,
             actions_topic: self.actions_topic,
             settings: Settings {

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::admin::ReadyFlag;
-use gpumedic_runtime::kafka::{self};
 use gpumedic_runtime::keyed;
-use gpumedic_schemas::topics;
 use tokio_util::sync::CancellationToken;
 
 use crate::NAME;
@@ -44,12 +42,7 @@ pub(crate) async fn lead(
     lease_ready: ReadyFlag,
     token: CancellationToken,
 ) -> Result<(), BoxError> {
-    let specs = kafka::stage_topics(
-        &[shared.verdicts_topic.as_str()],
-        &[shared.actions_topic.as_str()],
-        topics::DEFAULT_PARTITIONS,
-    );
-    if !kafka::wait_for_topics(&shared.kafka, &specs, &token).await {
+    if !shared.stage.wait_for_topics(&token).await {
         return Ok(());
     }
     let renew = lease.settings().renew;
@@ -176,9 +169,7 @@ pub(crate) async fn consume(shared: Arc<Shared>, term: CancellationToken) -> Res
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
-    let consumer =
-        shared.kafka.consumer(NAME, &shared.group, &[shared.verdicts_topic.as_str()], shared.consuming.clone())?;
-    let dlq = shared.kafka.producer(&format!("{NAME}-dlq"))?;
+    let (consumer, dlq) = shared.stage.join(NAME, shared.consuming.clone())?;
     let handler = Handler { shared: shared.clone(), term: term.clone() };
     // Verdicts for different nodes at once, each node's in order; offsets stored only up to the
     // last verdict below which all are done.

@@ -52,7 +52,7 @@ mod repairs;
 mod resync;
 mod term;
 
-pub use config::{Args, Config};
+pub use config::{Args, Config, Defaults};
 pub use fleet::Fleet;
 pub use handler::Handler;
 
@@ -62,6 +62,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::shutdown::ShutdownError;
+use gpumedic_runtime::stage::Stage;
 
 use crate::apply::Remediator;
 use crate::control::StatusClient;
@@ -121,8 +122,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             Gate::new(config.breaker, config.quarantines_per_minute),
         )?
         .with_validity(validity.clone());
-        let producer = config.kafka.producer(NAME)?;
-        let codec = config.kafka.codec().await?;
+        let producer = config.stage.kafka.producer(NAME)?;
+        let codec = config.stage.kafka.codec().await?;
         Ok::<_, BoxError>((remediator, producer, codec))
     };
     let setup = async {
@@ -165,9 +166,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         codec,
         fleet,
         status: StatusClient::new(client.clone(), &config.lease.namespace, &config.status_configmap),
-        kafka: config.kafka,
-        group: config.group,
-        verdicts_topic: config.verdicts_topic,
+        stage: Stage::new(config.stage, [config.verdicts_topic], [config.actions_topic.clone()]),
         actions_topic: config.actions_topic,
         max_verdict_age: config.max_verdict_age,
         max_in_flight: config.max_in_flight,

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::admin::ReadyFlag;
-use gpumedic_runtime::kafka::{self, HandleError, KafkaSettings, Producer};
+use gpumedic_runtime::kafka::{self, HandleError, Producer};
+use gpumedic_runtime::stage::Stage;
 use gpumedic_schemas::{ActionOutcome, Codec, Record as _};
 use tokio_util::sync::CancellationToken;
 
@@ -25,9 +26,8 @@ pub(crate) struct Shared {
     pub(crate) codec: Arc<Codec>,
     pub(crate) fleet: Fleet,
     pub(crate) status: StatusClient,
-    pub(crate) kafka: KafkaSettings,
-    pub(crate) group: String,
-    pub(crate) verdicts_topic: String,
+    /// The verdict topic in, the actions topic out, and the consumer group the leader joins.
+    pub(crate) stage: Stage,
     pub(crate) actions_topic: String,
     pub(crate) max_verdict_age: Duration,
     pub(crate) max_in_flight: usize,

@@ -539,7 +539,7 @@ fn assert_monitoring(objects: &[Value]) {
     }
     assert!(literal > 0, "the alerts use gpumedic's own metrics");
     // The runtime's per-service names: gpumedic_{service}_... with these suffixes and labels.
-    let kafka = std::fs::read_to_string(repo_root().join("services/runtime/src/kafka.rs")).expect("kafka.rs");
+    let kafka = rust_sources(&repo_root().join("services/runtime/src/kafka"));
     for (needle, in_alerts) in [
         ("_consumer_lag", "_consumer_lag"),
         ("_records_total", "_records_total"),

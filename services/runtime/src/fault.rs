@@ -77,6 +77,7 @@ pub fn is_permanent(error: &(dyn std::error::Error + 'static)) -> bool {
             }
             return false;
         }
+        #[cfg(feature = "postgres")]
         if let Some(s) = e.downcast_ref::<sqlx::Error>() {
             return match s {
                 sqlx::Error::Database(db) => db.code().is_some_and(|c| is_permanent_sqlstate(&c)),
@@ -143,6 +144,7 @@ mod tests {
         assert!(is_permanent(&Outer(RecordFault::new("bad"))));
         let plain: BoxError = "the database is down".into();
         assert!(!is_permanent(plain.as_ref()));
+        #[cfg(feature = "postgres")]
         assert!(!is_permanent(&sqlx::Error::PoolTimedOut));
     }
 

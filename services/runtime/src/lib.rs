@@ -9,13 +9,18 @@ pub mod admin;
 pub mod api_auth;
 pub mod config;
 pub mod fault;
+#[cfg(feature = "k8s")]
 pub mod k8s;
 pub mod kafka;
 pub mod keyed;
+#[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod schema;
 pub mod service;
 pub mod shutdown;
+pub mod stage;
 pub mod telemetry;
+#[cfg(feature = "testbed")]
 pub mod testbed;
 
 /// A boxed error from a task or a handler, for places that carry errors of many kinds.

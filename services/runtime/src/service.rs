@@ -8,8 +8,9 @@ use std::process::ExitCode;
 
 use crate::admin::{self, Readiness};
 use crate::config::CommonConfig;
-use crate::kafka::{self, KafkaSettings, RecordHandler};
+use crate::kafka::{self, BatchHandler, BatchSettings};
 use crate::shutdown::{Shutdown, ShutdownError};
+use crate::stage::Stage;
 
 /// A running service: its name, readiness checks and task tree.
 pub struct Service {
@@ -38,29 +39,21 @@ impl Service {
         Self { name, readiness, shutdown }
     }
 
-    /// Spawns the consuming stage of a service: creates its topics (`inputs`, their dead-letter
-    /// topics and `outputs`, each with `partitions`), joins `group` on `inputs`, and feeds every
-    /// record to `handler` at least once. Readiness waits for the group's partition assignment.
-    pub fn spawn_consumer<H: RecordHandler + 'static>(
-        &mut self,
-        kafka: KafkaSettings,
-        group: String,
-        inputs: Vec<&'static str>,
-        outputs: Vec<&'static str>,
-        partitions: i32,
-        handler: H,
-    ) {
+    /// Spawns the consuming stage of a service: creates its topics (inputs, their dead-letter
+    /// topics and outputs) with backoff while Kafka is not ready, joins its consumer group on the
+    /// inputs, and hands every record to `handler` at least once, `batch` at a time
+    /// ([`kafka::run_batch_consumer`]). Readiness (`kafka-partitions-assigned`) waits for the
+    /// group's partition assignment.
+    pub fn spawn_stage<H: BatchHandler + 'static>(&mut self, stage: Stage, batch: BatchSettings, handler: H) {
         let assigned = self.readiness.register("kafka-partitions-assigned");
         let token = self.shutdown.token();
         let name = self.name;
         self.shutdown.spawn("consumer", async move {
-            let specs = kafka::stage_topics(&inputs, &outputs, partitions);
-            if !kafka::wait_for_topics(&kafka, &specs, &token).await {
+            if !stage.wait_for_topics(&token).await {
                 return Ok(());
             }
-            let consumer = kafka.consumer(name, &group, &inputs, assigned)?;
-            let dlq = kafka.producer(&format!("{name}-dlq"))?;
-            kafka::run_consumer(name, consumer, dlq, handler, token).await
+            let (consumer, dlq) = stage.join(name, assigned)?;
+            kafka::run_batch_consumer(name, consumer, dlq, handler, batch, token).await
         });
     }
 

@@ -300,7 +300,8 @@ pub async fn wait_for_record(
     let since =
         FIRST_TOUCH.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().saturating_sub(Duration::from_secs(60));
     // A topic not created yet (or metadata not answered) holds only what comes next.
-    let partitions = crate::kafka::existing_partitions(&consumer, topic, Duration::from_secs(10)).unwrap_or_default();
+    let partitions =
+        crate::kafka::admin::existing_partitions(&consumer, topic, Duration::from_secs(10)).unwrap_or_default();
     if partitions.is_empty() {
         consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
     } else {
