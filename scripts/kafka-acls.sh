@@ -15,7 +15,7 @@
 #   --group-prefix P        the consumer groups are P + enricher, classifier, remediator; the
 #                           CLI's replay readers P + replay-* (default: gpumedic-)
 #   --user-prefix P         the principals are User:P + collector, enricher, classifier,
-#                           remediator, operator (default: gpumedic-)
+#                           remediator, console, operator (default: gpumedic-)
 #   --kafka-libs DIR        run the ACL tool from a Kafka install's libs/ folder with java,
 #                           rather than kafka-acls.sh from PATH
 #   --print                 print the kafka-acls.sh commands instead of running them
@@ -26,6 +26,7 @@
 #   enricher    read raw (group enricher); write raw.dlq, enriched
 #   classifier  read enriched, actions (group classifier); write enriched.dlq, actions.dlq, verdicts
 #   remediator  read verdicts (group remediator); write verdicts.dlq, actions
+#   console     read verdicts (groups console-*: one per replica, started at the end); write nothing
 #   operator    read and write every topic under the prefix (gpumedic inject, replay republish,
 #               topics create); read in the groups replay-*
 set -euo pipefail
@@ -109,6 +110,8 @@ acl collector --operation Write --operation Describe --operation Create --topic 
 service enricher "${group_prefix}enricher" "$raw" "$enriched"
 service classifier "${group_prefix}classifier" "$enriched $actions" "$verdicts"
 service remediator "${group_prefix}remediator" "$verdicts" "$actions"
+acl console --operation Read --operation Describe --topic "$verdicts"
+acl console --operation Read --resource-pattern-type prefixed --group "${group_prefix}console-"
 acl operator --operation Read --operation Write --operation Describe --operation Create \
   --resource-pattern-type prefixed --topic "$topic_prefix"
 acl operator --operation Read --operation Describe --resource-pattern-type prefixed --group "${group_prefix}replay-"
