@@ -165,7 +165,7 @@ fn enrich_step(
     let event: HealthEvent = gpumedic_schemas::decode(payload).expect("decodes");
     let node = cache.node(&event.node);
     let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
-    let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_ref(), gpu, catalog, Utc::now());
+    let enriched: EnrichedHealthEvent = enrich::enrich(event, node.as_deref(), gpu, catalog, Utc::now());
     out.clear();
     gpumedic_schemas::framing::encode_into(&enriched, out).expect("encodes");
 }
@@ -241,19 +241,21 @@ fn bench(c: &mut Criterion) {
         Policy { collector: ServiceAccountRef::parse("gpumedic:gpumedic-collector").expect("valid"), operator: None };
     let mut verifier = Verifier::new(Apiserver, policy, 100_000);
     let now = Utc::now().timestamp();
-    runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], &t[..])), now)).expect("reviewed");
+    runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], Some(&t[..]))), now)).expect("reviewed");
     assert!(verifier.len() > NODES / 2, "one review per node's token");
     assert!(keyed[0].1.len() > 900, "a token the size of a real one");
     group.bench_function("decode_verify_enrich_encode_1000_mixed", |b| {
         b.iter(|| {
-            runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], &t[..])), now)).expect("cached");
-            for (payload, (key, token)) in events.iter().zip(&keyed) {
+            let reviews = runtime
+                .block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], Some(&t[..]))), now))
+                .expect("cached");
+            for ((payload, (key, token)), review) in events.iter().zip(&keyed).zip(&reviews) {
                 let event: HealthEvent = gpumedic_schemas::decode(black_box(payload)).expect("decodes");
-                let accepted = verifier.check(Some(token), &event.node, Some(key), now);
+                let accepted = verifier.check_reviewed(review.as_deref(), Some(token), &event.node, Some(key), now);
                 assert!(accepted.is_ok(), "{accepted:?}");
                 let node = cache.node(&event.node);
                 let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
-                let enriched = enrich::enrich(event, node.as_ref(), gpu, &catalog, Utc::now());
+                let enriched = enrich::enrich(event, node.as_deref(), gpu, &catalog, Utc::now());
                 out.clear();
                 gpumedic_schemas::framing::encode_into(&enriched, &mut out).expect("encodes");
             }

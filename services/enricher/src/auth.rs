@@ -355,30 +355,36 @@ impl<R: Reviewer> Verifier<R> {
         Some(review)
     }
 
-    /// Makes sure every token among `records` (key, token) that needs a review has one: reviews
-    /// the tokens not cached, a few at a time. Tokens that are not JWTs or have expired by their
-    /// own claim are refused without asking.
+    /// Makes sure every token among `records` (key, token; `None`: the record has no token) that
+    /// needs a review has one: reviews the tokens not cached, a few at a time. Tokens that are not
+    /// JWTs or have expired by their own claim are refused without asking. Returns each record's
+    /// review, in the order given, for [`Verifier::check_reviewed`]: one cache look-up per record.
     ///
     /// # Errors
     /// [`AuthError::Review`] when the apiserver did not answer: nothing is cached for that token.
     pub async fn prepare<'a>(
         &mut self,
-        records: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+        records: impl IntoIterator<Item = (&'a [u8], Option<&'a [u8]>)>,
         now: i64,
-    ) -> Result<(), AuthError> {
+    ) -> Result<Vec<Option<Arc<Review>>>, AuthError> {
+        let mut found = Vec::new();
         let mut wanted: HashMap<Digest, (&'a [u8], i64)> = HashMap::new();
-        for (key, token) in records {
-            if token.len() > MAX_TOKEN_BYTES || self.cached(key, token, now).is_some() {
-                continue;
-            }
+        // The records whose token was not cached, with its digest, filled in after the reviews.
+        let mut pending: Vec<(usize, Digest)> = Vec::new();
+        for (i, (key, token)) in records.into_iter().enumerate() {
+            let review = token.filter(|t| t.len() <= MAX_TOKEN_BYTES).and_then(|t| self.cached(key, t, now));
+            found.push(review.clone());
+            let Some(token) = token.filter(|t| review.is_none() && t.len() <= MAX_TOKEN_BYTES) else { continue };
             let Some(exp) = unverified_expiry(token) else { continue };
             if exp <= now {
                 continue;
             }
-            wanted.entry(digest(token)).or_insert((token, exp));
+            let d = digest(token);
+            wanted.entry(d).or_insert((token, exp));
+            pending.push((i, d));
         }
         if wanted.is_empty() {
-            return Ok(());
+            return Ok(found);
         }
         // Owned, so the review futures borrow nothing of the batch (they must be Send for any
         // lifetime of it). A token that is not UTF-8 is not a JWT: unverified_expiry refused it.
@@ -398,15 +404,24 @@ impl<R: Reviewer> Verifier<R> {
         }
         drop(answers);
         metrics::counter!("gpumedic_enricher_token_reviews_total").increment(reviewed.len() as u64);
+        let mut fresh: HashMap<Digest, Arc<Review>> = HashMap::with_capacity(reviewed.len());
         for (d, exp, review) in reviewed {
             let lifetime = match review {
                 Review::Authenticated { .. } => MAX_CACHE_LIFETIME,
                 Review::Refused(_) => REFUSED_CACHE_LIFETIME,
             };
             let until = exp.min(now.saturating_add(lifetime.as_secs() as i64));
-            self.insert(d, Entry { review: Arc::new(review), until }, now);
+            let review = Arc::new(review);
+            fresh.insert(d, review.clone());
+            self.insert(d, Entry { review, until }, now);
         }
-        failed.map_or(Ok(()), Err)
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for (i, d) in pending {
+            found[i] = fresh.get(&d).cloned();
+        }
+        Ok(found)
     }
 
     fn insert(&mut self, d: Digest, entry: Entry, now: i64) {
@@ -427,7 +442,8 @@ impl<R: Reviewer> Verifier<R> {
     }
 
     /// The decision for one record after [`Verifier::prepare`] saw its token: `token` its header
-    /// (`None`: missing), `node` its node field, `key` its key.
+    /// (`None`: missing), `node` its node field, `key` its key. Looks the review up again: the
+    /// consumer uses [`Verifier::check_reviewed`] with what `prepare` returned.
     ///
     /// # Errors
     /// The [`Refusal`]. A token `prepare` could not review (it failed) is never accepted; the
@@ -439,18 +455,37 @@ impl<R: Reviewer> Verifier<R> {
         key: Option<&[u8]>,
         now: i64,
     ) -> Result<Accepted, Refusal> {
+        let review = token
+            .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN_BYTES)
+            .and_then(|t| self.cached(key.unwrap_or_default(), t, now));
+        self.check_reviewed(review.as_deref(), token, node, key, now)
+    }
+
+    /// The decision for one record, given the review [`Verifier::prepare`] returned for it
+    /// (`None`: none, because the token is missing, oversized, not a JWT or expired by its claim).
+    ///
+    /// # Errors
+    /// The [`Refusal`].
+    pub fn check_reviewed(
+        &self,
+        review: Option<&Review>,
+        token: Option<&[u8]>,
+        node: &str,
+        key: Option<&[u8]>,
+        now: i64,
+    ) -> Result<Accepted, Refusal> {
         let Some(token) = token.filter(|t| !t.is_empty()) else { return Err(Refusal::Missing) };
         if token.len() > MAX_TOKEN_BYTES {
             return Err(Refusal::Invalid(format!("longer than {MAX_TOKEN_BYTES} bytes")));
         }
         // A live cache entry never outlives the token's exp, so the hot path decodes nothing.
-        if let Some(review) = self.cached(key.unwrap_or_default(), token, now) {
-            return decide(&review, node, key, &self.policy);
+        if let Some(review) = review {
+            return decide(review, node, key, &self.policy);
         }
         match unverified_expiry(token) {
             None => Err(Refusal::Invalid("not a JSON web token with an expiry".into())),
             Some(exp) if exp <= now => Err(Refusal::Expired),
-            // Only when prepare was skipped: refuse rather than accept unreviewed.
+            // Only when prepare was skipped or failed: refuse rather than accept unreviewed.
             Some(_) => Err(Refusal::Invalid("not reviewed".into())),
         }
     }
@@ -556,7 +591,7 @@ mod tests {
         huge.extend(std::iter::repeat_n(b'x', MAX_TOKEN_BYTES));
         let fake = Fake::default();
         let mut v = Verifier::new(&fake, policy(), 100);
-        v.prepare([(&b"n"[..], &huge[..])], now).await.unwrap();
+        v.prepare([(&b"n"[..], Some(&huge[..]))], now).await.unwrap();
         assert!(fake.asked.lock().unwrap().is_empty());
         assert_eq!(v.check(Some(&huge), "n", Some(b"n"), now).unwrap_err().label(), "invalid");
     }
@@ -589,15 +624,37 @@ mod tests {
         let old = jwt("old", now - 1);
         let fake = Fake { answers: HashMap::from([(a.clone(), collector_on("node-a"))]), ..Fake::default() };
         let mut v = Verifier::new(&fake, policy(), 100);
-        let batch: Vec<(&[u8], &[u8])> = vec![
-            (b"node-a", &a),
-            (b"node-a", &a),
-            (b"node-b", &a),
-            (b"node-b", &forged),
-            (b"node-c", &old),
-            (b"node-c", b"garbage"),
+        let batch: Vec<(&[u8], Option<&[u8]>)> = vec![
+            (b"node-a", Some(&a)),
+            (b"node-a", Some(&a)),
+            (b"node-b", Some(&a)),
+            (b"node-b", Some(&forged)),
+            (b"node-c", Some(&old)),
+            (b"node-c", Some(b"garbage")),
+            (b"node-c", None),
         ];
-        v.prepare(batch.iter().copied(), now).await.unwrap();
+        let reviews = v.prepare(batch.iter().copied(), now).await.unwrap();
+        // What prepare returns decides each record as check does.
+        let decided: Vec<_> = batch
+            .iter()
+            .zip(&reviews)
+            .map(|((key, token), review)| {
+                let node = std::str::from_utf8(key).unwrap();
+                v.check_reviewed(review.as_deref(), *token, node, Some(key), now).map_err(|r| r.label())
+            })
+            .collect();
+        assert_eq!(
+            decided,
+            [
+                Ok(Accepted::Node),
+                Ok(Accepted::Node),
+                Err("wrong_node"),
+                Err("invalid"),
+                Err("expired"),
+                Err("invalid"),
+                Err("missing")
+            ]
+        );
         assert_eq!(fake.asked.lock().unwrap().len(), 2, "a and the forged token, once each");
         assert_eq!(v.check(Some(&a), "node-a", Some(b"node-a"), now), Ok(Accepted::Node));
         assert_eq!(v.check(Some(&a), "node-b", Some(b"node-b"), now).unwrap_err().label(), "wrong_node");
@@ -606,8 +663,9 @@ mod tests {
         assert_eq!(v.check(Some(b"garbage"), "node-c", Some(b"node-c"), now).unwrap_err().label(), "invalid");
         assert_eq!(v.check(None, "node-c", Some(b"node-c"), now), Err(Refusal::Missing));
         // Cached: the next batch asks nothing.
-        v.prepare(batch.iter().copied(), now + 30).await.unwrap();
+        let again = v.prepare(batch.iter().copied(), now + 30).await.unwrap();
         assert_eq!(fake.asked.lock().unwrap().len(), 2);
+        assert_eq!(again, reviews, "the same reviews, from the cache");
         // Past its exp the cached review is not used, and the token is expired by its claim.
         assert_eq!(v.check(Some(&a), "node-a", Some(b"node-a"), now + 600), Err(Refusal::Expired));
     }
@@ -619,7 +677,7 @@ mod tests {
         let fake =
             Fake { answers: HashMap::from([(a.clone(), collector_on("node-a"))]), down: true, ..Fake::default() };
         let mut v = Verifier::new(&fake, policy(), 100);
-        assert!(v.prepare([(&b"node-a"[..], &a[..])], now).await.is_err());
+        assert!(v.prepare([(&b"node-a"[..], Some(&a[..]))], now).await.is_err());
         assert!(v.is_empty());
         assert!(v.check(Some(&a), "node-a", Some(b"node-a"), now).is_err(), "never accepted unreviewed");
     }
@@ -631,7 +689,7 @@ mod tests {
         let fake = Fake { answers: tokens.iter().map(|t| (t.clone(), collector_on("n"))).collect(), ..Fake::default() };
         let mut v = Verifier::new(&fake, policy(), 20);
         for t in &tokens {
-            v.prepare([(&b"n"[..], &t[..])], now).await.unwrap();
+            v.prepare([(&b"n"[..], Some(&t[..]))], now).await.unwrap();
             assert!(v.len() <= 20);
         }
         assert_eq!(v.check(Some(&tokens[49]), "n", Some(b"n"), now), Ok(Accepted::Node), "the newest is kept");

@@ -34,7 +34,9 @@ pub struct ClusterCache {
 
 #[derive(Debug, Default)]
 struct Index {
-    nodes: HashMap<String, NodeInfo>,
+    /// Shared with the readers: a reader takes a reference, not a copy of the node's context and
+    /// workloads (the enrich step reads a node per event); a writer copies on write.
+    nodes: HashMap<String, Arc<NodeInfo>>,
     /// Pod (namespace/name) to the node it is bound to and its workload entry.
     pods: HashMap<String, (String, Workload)>,
 }
@@ -50,7 +52,7 @@ pub struct ContextSettings {
 
 impl ClusterCache {
     /// What the cache knows about `node`, if anything.
-    pub fn node(&self, node: &str) -> Option<NodeInfo> {
+    pub fn node(&self, node: &str) -> Option<Arc<NodeInfo>> {
         self.inner.read().expect("cache lock").nodes.get(node).cloned()
     }
 
@@ -70,7 +72,7 @@ impl ClusterCache {
         let workloads: Vec<Workload> =
             index.pods.values().filter(|(n, _)| *n == name).map(|(_, w)| w.clone()).collect();
         let nvlink_domain = labels.get(crate::enrich::labels::GPU_CLIQUE).filter(|v| !v.is_empty()).cloned();
-        index.nodes.insert(name, NodeInfo { context, workloads, nvlink_domain });
+        index.nodes.insert(name, Arc::new(NodeInfo { context, workloads, nvlink_domain }));
     }
 
     fn delete_node(&self, node: &Node) {
@@ -90,9 +92,10 @@ impl ClusterCache {
             && old_node != node
             && let Some(info) = index.nodes.get_mut(&old_node)
         {
-            info.workloads.retain(|w| !(w.namespace == workload.namespace && w.pod == workload.pod));
+            Arc::make_mut(info).workloads.retain(|w| !(w.namespace == workload.namespace && w.pod == workload.pod));
         }
         if let Some(info) = index.nodes.get_mut(&node) {
+            let info = Arc::make_mut(info);
             info.workloads.retain(|w| !(w.namespace == workload.namespace && w.pod == workload.pod));
             info.workloads.push(workload);
         }
@@ -103,7 +106,7 @@ impl ClusterCache {
         if let Some((node, w)) = index.pods.remove(key)
             && let Some(info) = index.nodes.get_mut(&node)
         {
-            info.workloads.retain(|x| !(x.namespace == w.namespace && x.pod == w.pod));
+            Arc::make_mut(info).workloads.retain(|x| !(x.namespace == w.namespace && x.pod == w.pod));
         }
     }
 }
@@ -463,7 +466,7 @@ mod tests {
         pods.handle(watcher::Event::Init);
         pods.handle(watcher::Event::InitApply(on("p", "a")));
         assert!(pods.handle(watcher::Event::InitDone));
-        let workloads = cache.node("a").unwrap().workloads;
+        let workloads = cache.node("a").unwrap().workloads.clone();
         assert_eq!(workloads.iter().map(|w| w.pod.as_str()).collect::<Vec<_>>(), ["p"]);
 
         // Watch events between lists apply as they come.

@@ -314,14 +314,17 @@ impl BatchHandler for Enrich {
         // than the resolution itself.
         let mut unresolved = [0u64; Unresolved::ALL.len()];
         let now_s = now.timestamp();
-        if let Some(auth) = &mut self.auth {
-            // Every token of the batch reviewed (or cached) first; an apiserver that does not
-            // answer fails the batch, which is retried: no record is accepted unreviewed.
-            let tokens = records
-                .iter()
-                .filter_map(|r| Some((r.key.as_deref().unwrap_or_default(), r.header(record_headers::NODE_TOKEN)?)));
-            auth.prepare(tokens, now_s).await?;
-        }
+        // Every token of the batch reviewed (or cached) first; an apiserver that does not answer
+        // fails the batch, which is retried: no record is accepted unreviewed.
+        let reviews = match &mut self.auth {
+            Some(auth) => {
+                let tokens = records
+                    .iter()
+                    .map(|r| (r.key.as_deref().unwrap_or_default(), r.header(record_headers::NODE_TOKEN)));
+                auth.prepare(tokens, now_s).await?
+            }
+            None => Vec::new(),
+        };
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
                 dispositions[i] = Disposition::DeadLetter("empty record".into());
@@ -335,8 +338,15 @@ impl BatchHandler for Enrich {
                     continue;
                 }
             };
-            if let Some(auth) = &mut self.auth {
-                match auth.check(record.header(record_headers::NODE_TOKEN), &event.node, record.key.as_deref(), now_s) {
+            if let Some(auth) = &self.auth {
+                let review = reviews.get(i).and_then(Option::as_deref);
+                match auth.check_reviewed(
+                    review,
+                    record.header(record_headers::NODE_TOKEN),
+                    &event.node,
+                    record.key.as_deref(),
+                    now_s,
+                ) {
                     Ok(Accepted::Node) => {}
                     Ok(Accepted::Operator) => {
                         metrics::counter!("gpumedic_enricher_records_operator_total").increment(1);
@@ -376,7 +386,7 @@ impl BatchHandler for Enrich {
             }
             let event_id = event.event_id.to_string();
             let key = event.node.clone();
-            let enriched = enrich::enrich(event, node.as_ref(), gpu, &self.catalog, now);
+            let enriched = enrich::enrich(event, node.as_deref(), gpu, &self.catalog, now);
             match self.codec.encode(&enriched) {
                 Ok(bytes) => out.push((i, key, event_id, bytes)),
                 Err(e) => dispositions[i] = Disposition::DeadLetter(e.to_string()),
