@@ -300,7 +300,10 @@ impl Remediator {
         let rules = match dra::rules_on(&self.client, name).await {
             Ok(rules) => rules,
             Err(e) if dra::unserved(&e) => {
-                tracing::warn!(node = name, "The cluster serves no DeviceTaintRules (resource.k8s.io/v1beta2, feature gate DRADeviceTaintRules); quarantining the node instead of the GPU.");
+                tracing::warn!(
+                    node = name,
+                    "The cluster serves no DeviceTaintRules (resource.k8s.io/v1beta2, feature gate DRADeviceTaintRules); quarantining the node instead of the GPU."
+                );
                 return on_node();
             }
             Err(e) => return Err(e.into()),
@@ -366,7 +369,11 @@ impl Remediator {
         let ensured = dra::ensure_rule(&self.client, &wanted, &request.incident_id).await?;
         let drained = match ensured {
             Ensured::Foreign => {
-                tracing::warn!(node = name, rule = rule_name, "A DeviceTaintRule with gpumedic's name exists that gpumedic did not create; quarantining the node instead.");
+                tracing::warn!(
+                    node = name,
+                    rule = rule_name,
+                    "A DeviceTaintRule with gpumedic's name exists that gpumedic did not create; quarantining the node instead."
+                );
                 return Ok(Route::Node(Remediation { gpu: None, ..request.clone() }));
             }
             Ensured::Created => {
@@ -401,7 +408,12 @@ impl Remediator {
 
     /// Evicts the pods holding `device` (by their ResourceClaims' allocations) and marks gpumedic's
     /// rule drained once they are all gone.
-    async fn drain_gpu(&self, node: &Node, device: &dra::DeviceRef, rule_name: &str) -> Result<DrainReport, ApplyError> {
+    async fn drain_gpu(
+        &self,
+        node: &Node,
+        device: &dra::DeviceRef,
+        rule_name: &str,
+    ) -> Result<DrainReport, ApplyError> {
         let name = node.metadata.name.as_deref().unwrap_or_default();
         let holders = dra::holders(&self.client, device).await?;
         let message = format!("Draining the pods whose ResourceClaims hold device {device} through the Eviction API");
@@ -517,7 +529,6 @@ impl Remediator {
                 }
                 None => None,
             };
-            let mut plan = plan;
             // The repair follows a finished drain only (the planner asks for one only once the
             // node is drained or being drained); an incomplete drain leaves the ladder unstarted.
             if plan.repair.is_some() {

@@ -736,15 +736,9 @@ mod tests {
         assert_eq!((config.breaker_max_gpus, config.settings.gpu_quarantine.max_share), (100, 0.5));
         let config = validate(&["--repair-webhook-secret", "s", "--gpu-quarantine", "false"]).expect("valid");
         assert!(!config.settings.gpu_quarantine.enabled);
-        let problems = validate(&[
-            "--repair-webhook-secret",
-            "s",
-            "--breaker-max-gpus",
-            "0",
-            "--gpu-quarantine-max-share",
-            "1.5",
-        ])
-        .expect_err("invalid");
+        let problems =
+            validate(&["--repair-webhook-secret", "s", "--breaker-max-gpus", "0", "--gpu-quarantine-max-share", "1.5"])
+                .expect_err("invalid");
         assert!(problems.iter().any(|p| p.starts_with("--breaker-max-gpus: must be at least 1")), "{problems:#?}");
         assert!(problems.iter().any(|p| p == "--gpu-quarantine-max-share: must be between 0 and 1"), "{problems:#?}");
     }

@@ -131,21 +131,20 @@ pub fn gpu_scoped(action: Action, full_remediation: bool) -> bool {
 /// with the driver's name.
 fn attribute<'a>(device: &'a k8s_openapi::api::resource::v1::Device, name: &str) -> Option<&'a str> {
     let attrs = device.attributes.as_ref()?;
-    attrs
-        .get(name)
-        .or_else(|| attrs.get(&format!("{DRIVER}/{name}")))
-        .and_then(|a| a.string.as_deref())
+    attrs.get(name).or_else(|| attrs.get(&format!("{DRIVER}/{name}"))).and_then(|a| a.string.as_deref())
 }
 
-fn gpu_devices<'a>(
-    slices: &'a [ResourceSlice],
-) -> impl Iterator<Item = (&'a ResourceSlice, &'a k8s_openapi::api::resource::v1::Device)> {
+fn gpu_devices(
+    slices: &[ResourceSlice],
+) -> impl Iterator<Item = (&ResourceSlice, &k8s_openapi::api::resource::v1::Device)> {
     slices
         .iter()
         .filter(|s| s.spec.driver == DRIVER)
         .flat_map(|s| s.spec.devices.iter().flatten().map(move |d| (s, d)))
         // Whole GPUs only: a MIG device has a `MIG-` UUID of its own.
-        .filter(|(_, d)| attribute(d, "uuid").is_some_and(|u| u.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("GPU-"))))
+        .filter(|(_, d)| {
+            attribute(d, "uuid").is_some_and(|u| u.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("GPU-")))
+        })
 }
 
 /// The device among `slices` whose `uuid` attribute is `uuid` (case-insensitive).
@@ -168,11 +167,7 @@ pub fn escalates(quarantined: usize, total: usize, max_share: f64) -> bool {
 
 /// A label value for `node`: the name when it fits a label value (63 characters), else a digest.
 pub fn node_label_value(node: &str) -> String {
-    if node.len() <= 63 {
-        node.to_owned()
-    } else {
-        format!("h-{}", &digest(node)[..32])
-    }
+    if node.len() <= 63 { node.to_owned() } else { format!("h-{}", &digest(node)[..32]) }
 }
 
 fn digest(s: &str) -> String {
@@ -296,7 +291,11 @@ impl Holders {
         if self.pods.contains(&PodRef { namespace: namespace.clone(), name }) {
             return true;
         }
-        let named = pod.spec.iter().flat_map(|s| s.resource_claims.iter().flatten()).filter_map(|c| c.resource_claim_name.clone());
+        let named = pod
+            .spec
+            .iter()
+            .flat_map(|s| s.resource_claims.iter().flatten())
+            .filter_map(|c| c.resource_claim_name.clone());
         let generated = pod
             .status
             .iter()
@@ -557,7 +556,10 @@ mod tests {
         assert!(owned(&r) && on_node(&r, "n1") && !on_node(&r, "n2"));
         assert_eq!(incidents(&r), BTreeSet::from(["i1".to_owned()]));
         let sel = r.spec.device_selector.as_ref().unwrap();
-        assert_eq!((sel.driver.as_deref(), sel.pool.as_deref(), sel.device.as_deref()), (Some(DRIVER), Some("n1"), Some("gpu-1")));
+        assert_eq!(
+            (sel.driver.as_deref(), sel.pool.as_deref(), sel.device.as_deref()),
+            (Some(DRIVER), Some("n1"), Some("gpu-1"))
+        );
         assert_eq!((r.spec.taint.effect.as_str(), r.spec.taint.value.as_deref()), ("NoSchedule", Some("memory")));
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["apiVersion"], "resource.k8s.io/v1beta2");
@@ -566,7 +568,8 @@ mod tests {
     #[test]
     fn the_holders_are_the_claims_allocated_the_device_and_their_pods() {
         let device = DeviceRef { driver: DRIVER.into(), pool: "n1".into(), device: "gpu-1".into() };
-        let claims = [claim("a", "c1", "gpu-1", &["p1"]), claim("a", "c2", "gpu-0", &["p2"]), claim("b", "c3", "gpu-1", &[])];
+        let claims =
+            [claim("a", "c1", "gpu-1", &["p1"]), claim("a", "c2", "gpu-0", &["p2"]), claim("b", "c3", "gpu-1", &[])];
         let h = Holders::of(&device, &claims);
         assert_eq!(h.claims, BTreeSet::from([("a".into(), "c1".into()), ("b".into(), "c3".into())]));
         let pod = |ns: &str, name: &str, claim: Option<&str>, generated: Option<&str>| -> Pod {

@@ -389,7 +389,10 @@ mod tests {
         assert_eq!(b.admit_gpu("g3", t0), Admission::Allowed);
         b.cancel_gpu("g3");
         assert_eq!(b.counted_gpus(t0), 0);
-        b.restore_gpus([("old".to_owned(), t0), ("new".to_owned(), t0 + Duration::from_secs(600))], t0 + Duration::from_secs(600));
+        b.restore_gpus(
+            [("old".to_owned(), t0), ("new".to_owned(), t0 + Duration::from_secs(600))],
+            t0 + Duration::from_secs(600),
+        );
         assert_eq!(b.counted_gpus(t0 + Duration::from_secs(600)), 1, "rules older than the window are not counted");
     }
 

@@ -127,7 +127,12 @@ async fn rules(client: &kube::Client, node: &str) -> BTreeMap<String, String> {
         .into_iter()
         .map(|r| {
             let sel = r.spec.device_selector.clone().unwrap_or_default();
-            let device = format!("{}/{}/{}", sel.driver.unwrap_or_default(), sel.pool.unwrap_or_default(), sel.device.unwrap_or_default());
+            let device = format!(
+                "{}/{}/{}",
+                sel.driver.unwrap_or_default(),
+                sel.pool.unwrap_or_default(),
+                sel.device.unwrap_or_default()
+            );
             (r.metadata.name.unwrap_or_default(), device)
         })
         .collect()
@@ -192,7 +197,10 @@ async fn one_faulty_gpu_gets_one_rule_and_only_its_pods_leave() {
     assert_eq!(pods_left(&client, &ns).await, ["cpu-only", "job-0", "job-2"]);
 
     // One rule, on that device, NoSchedule, gpumedic's.
-    assert_eq!(rules(&client, &node).await, BTreeMap::from([(rule_name.clone(), format!("gpu.nvidia.com/{node}/gpu-1"))]));
+    assert_eq!(
+        rules(&client, &node).await,
+        BTreeMap::from([(rule_name.clone(), format!("gpu.nvidia.com/{node}/gpu-1"))])
+    );
     let rule = Api::<DeviceTaintRule>::all(client.clone()).get(&rule_name).await.expect("rule");
     assert_eq!(rule.spec.taint.effect, "NoSchedule");
     assert_eq!(rule.spec.taint.key, "gpumedic.io/unhealthy");
@@ -203,7 +211,8 @@ async fn one_faulty_gpu_gets_one_rule_and_only_its_pods_leave() {
     assert!(!cordoned(&n), "the node stays schedulable");
     assert!(gpumedic_taints(&n).is_empty(), "{:?}", taints(&n));
     assert_eq!(labels(&n).get(dra::GPU_LABEL), Some(&uuid(&node, 1)));
-    let condition = n.status.and_then(|s| s.conditions).unwrap_or_default().into_iter().find(|c| c.type_ == "GpuUnhealthy");
+    let condition =
+        n.status.and_then(|s| s.conditions).unwrap_or_default().into_iter().find(|c| c.type_ == "GpuUnhealthy");
     let condition = condition.expect("the GPU condition");
     assert_eq!(condition.status, "True");
     assert!(condition.message.unwrap_or_default().contains(&uuid(&node, 1)), "the condition names the GPU");
