@@ -252,7 +252,7 @@ impl Remediator {
         let request = request.naming_gpu();
         match self.route(&request, gpu_nodes).await? {
             Route::Done(outcome) => Ok(outcome),
-            Route::Node(request) => self.remediate_node(&request, gpu_nodes).await,
+            Route::Node(request) => self.remediate_node(&request, gpu_nodes, None).await,
         }
     }
 
@@ -337,7 +337,7 @@ impl Remediator {
                 }
             }
         }
-        let result = self.quarantine_gpu(request, &node, &device, &rule_name, gpu_nodes).await;
+        let result = self.quarantine_gpu(request, &node, &device, &rule_name, !fresh, gpu_nodes).await;
         if fresh && !matches!(result, Ok(Route::Done(Outcome::Applied { .. }))) {
             lock(&self.gate).breaker.cancel_gpu(&rule_name);
         }
@@ -353,12 +353,13 @@ impl Remediator {
         node: &Node,
         device: &dra::DeviceRef,
         rule_name: &str,
+        exists: bool,
         gpu_nodes: usize,
     ) -> Result<Route, ApplyError> {
         let name = request.node.as_str();
         let uuid = request.gpu.as_ref().map(|g| g.uuid.as_str()).unwrap_or_default();
         let mark = Remediation { action: Action::Monitor, ..request.clone() };
-        let mut plan = match self.remediate_node(&mark, gpu_nodes).await? {
+        let mut plan = match self.remediate_node(&mark, gpu_nodes, Some(node.clone())).await? {
             Outcome::Applied { plan, .. } => plan,
             Outcome::AlreadyDone => Box::new(Plan::new(name, Intent::Quarantine)),
             skipped @ Outcome::Skipped { .. } => return Ok(Route::Done(skipped)),
@@ -366,7 +367,7 @@ impl Remediator {
         plan.intent = Intent::Quarantine;
         self.leading(name)?;
         let wanted = dra::rule(name, uuid, device, request);
-        let ensured = dra::ensure_rule(&self.client, &wanted, &request.incident_id).await?;
+        let ensured = dra::ensure_rule(&self.client, &wanted, &request.incident_id, exists).await?;
         let drained = match ensured {
             Ensured::Foreign => {
                 tracing::warn!(
@@ -466,7 +467,14 @@ impl Remediator {
     }
 
     /// Plans `request` on the node and carries the plan out (see [`Remediator::remediate`]).
-    async fn remediate_node(&self, request: &Remediation, gpu_nodes: usize) -> Result<Outcome, ApplyError> {
+    /// `read_already` is the node as just read, when the caller has it: the first attempt plans on it
+    /// (its resourceVersion guards the write as a fresh read would).
+    async fn remediate_node(
+        &self,
+        request: &Remediation,
+        gpu_nodes: usize,
+        mut read_already: Option<Node>,
+    ) -> Result<Outcome, ApplyError> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         let name = request.node.as_str();
         // A plan whose conditions were written before its object patch lost a race: its
@@ -474,7 +482,10 @@ impl Remediator {
         // left to do.
         let mut partly_written: Option<Box<Plan>> = None;
         for _ in 0..CONFLICT_ATTEMPTS {
-            let node = read(&nodes, name).await?;
+            let node = match read_already.take() {
+                Some(node) => node,
+                None => read(&nodes, name).await?,
+            };
             let view = crate::plan::NodeView::from_node(&node);
             let mut admitted = false;
             let policy = Policy { paused: self.paused(), ..self.settings.policy };

@@ -378,20 +378,34 @@ pub enum Ensured {
     Foreign,
 }
 
-/// Makes sure gpumedic's rule `wanted` exists and names `incident`.
-pub async fn ensure_rule(client: &kube::Client, wanted: &DeviceTaintRule, incident: &str) -> Result<Ensured, DraError> {
+/// Makes sure gpumedic's rule `wanted` exists and names `incident`; `exists` says whether the
+/// caller saw it already (then it is read first rather than created).
+pub async fn ensure_rule(
+    client: &kube::Client,
+    wanted: &DeviceTaintRule,
+    incident: &str,
+    exists: bool,
+) -> Result<Ensured, DraError> {
     let api: Api<DeviceTaintRule> = Api::all(client.clone());
     let name = wanted.metadata.name.clone().unwrap_or_default();
     let err = |source| DraError::Rule { rule: name.clone(), source };
+    // Create first: a new quarantine (the common case, and the one a mass failure is made of)
+    // costs one call; a rule already there answers 409 and is read.
+    let mut create = !exists;
     for _ in 0..5 {
-        let existing = match api.get_opt(&name).await.map_err(err)? {
-            Some(r) => r,
-            None => match api.create(&PostParams::default(), wanted).await {
+        if create {
+            match api.create(&PostParams::default(), wanted).await {
                 Ok(_) => return Ok(Ensured::Created),
-                Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => continue,
+                Err(kube::Error::Api(s)) if s.is_already_exists() => {}
                 Err(source) => return Err(err(source)),
-            },
+            }
+        }
+        let Some(existing) = api.get_opt(&name).await.map_err(err)? else {
+            // Deleted in between (a recovery): create it again.
+            create = true;
+            continue;
         };
+        create = false;
         if !owned(&existing) {
             return Ok(Ensured::Foreign);
         }
