@@ -332,3 +332,94 @@ async fn the_breaker_counts_gpus_with_their_own_limit() {
     cleanup_dra(&client, &[&slice], &node).await;
     cleanup(&client, &[&node], &[]).await;
 }
+
+/// Reads the remediator's shipped ClusterRole.
+fn cluster_role() -> k8s_openapi::api::rbac::v1::ClusterRole {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("rbac").join("clusterrole.yaml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn forbidden<T: std::fmt::Debug>(result: Result<T, kube::Error>, what: &str) {
+    match result {
+        Err(kube::Error::Api(s)) if s.code == 403 => {}
+        other => panic!("{what} should be refused with 403, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_cluster_role_is_enough_to_quarantine_a_gpu_and_refuses_writing_slices_and_claims() {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+
+    let admin = admin().await;
+    require_device_taint_rules(&admin).await;
+    let node = gpu_node(&admin).await;
+    let ns = namespace(&admin).await;
+    let slice = publish_gpus(&admin, &node, 4).await;
+    pod_on_gpu(&admin, &ns, "job-1", &node, 1).await;
+    pod_on_gpu(&admin, &ns, "job-2", &node, 2).await;
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), &ns);
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({ "metadata": { "name": "remediator" } })).unwrap(),
+    )
+    .await
+    .expect("service account");
+    let mut role = cluster_role();
+    let role_name = gpumedic_runtime::testbed::unique_name("gpumedic-remediator-dra");
+    role.metadata.name = Some(role_name.clone());
+    Api::<ClusterRole>::all(admin.clone()).create(&PostParams::default(), &role).await.expect("cluster role");
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": role_name },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name },
+        "subjects": [{ "kind": "ServiceAccount", "name": "remediator", "namespace": ns }]
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(admin.clone()).create(&PostParams::default(), &binding).await.expect("binding");
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec { expiration_seconds: Some(600), ..Default::default() }),
+        ..Default::default()
+    };
+    let token: TokenRequest =
+        sas.create_subresource("token", "remediator", &PostParams::default(), &request).await.expect("token");
+    let mut config = admin_config().await;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(secrecy::SecretString::from(token.status.and_then(|s| s.token).expect("token"))),
+        ..Default::default()
+    };
+    let restricted = kube::Client::try_from(config.clone()).expect("restricted client");
+
+    let r = gpumedic_remediator::apply::Remediator::new(config, settings(), roomy_gate()).expect("remediator");
+    let fault = gpu_fault(&node, 1, "i-rbac", Action::Drain);
+    let outcome = r.remediate(&fault, 10).await.expect("the role allows a GPU quarantine and its drain");
+    let Outcome::Applied { plan, drain: Some(report) } = outcome else { panic!("expected a drain, got {outcome:?}") };
+    assert!(plan.gpu_rule.is_some() && report.complete(), "{plan:?} {report:?}");
+    assert_eq!(pods_left(&admin, &ns).await, ["job-2"]);
+    r.remediate(&recovery(&fault), 10).await.expect("the role allows releasing the GPU");
+    assert!(rules(&admin, &node).await.is_empty());
+
+    // Read only: slices and claims are the driver's and the scheduler's.
+    forbidden(
+        Api::<ResourceSlice>::all(restricted.clone()).delete(&slice, &DeleteParams::default()).await,
+        "deleting a ResourceSlice",
+    );
+    let claims: Api<ResourceClaim> = Api::namespaced(restricted.clone(), &ns);
+    forbidden(
+        claims
+            .patch_status(
+                "job-2-gpu",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "reservedFor": [] } })),
+            )
+            .await,
+        "writing a claim's allocation",
+    );
+    forbidden(claims.delete("job-2-gpu", &DeleteParams::default()).await, "deleting a claim");
+
+    let _ = Api::<ClusterRoleBinding>::all(admin.clone()).delete(&role_name, &DeleteParams::default()).await;
+    let _ = Api::<ClusterRole>::all(admin.clone()).delete(&role_name, &DeleteParams::default()).await;
+    cleanup_dra(&admin, &[&slice], &node).await;
+    cleanup(&admin, &[&node], &[&ns]).await;
+}
