@@ -135,6 +135,13 @@ fn print_text(s: &GpuSample) {
         None => println!("  clock events     n/a"),
     }
     println!("  PCIe replays     {}", opt(s.pcie_replay));
+    println!(
+        "  PCIe link        gen {} of {}, x{} of x{}",
+        opt(s.pcie_link_gen),
+        opt(s.pcie_link_gen_max),
+        opt(s.pcie_link_width),
+        opt(s.pcie_link_width_max)
+    );
     if s.nvlinks.is_empty() {
         println!("  NVLink           none");
     }
@@ -183,6 +190,10 @@ fn to_json(s: &GpuSample) -> serde_json::Value {
         "throttle_mask": s.throttle_mask,
         "throttle_reasons": s.throttle_mask.map(throttle::names),
         "pcie_replay": s.pcie_replay,
+        "pcie_link_gen": s.pcie_link_gen,
+        "pcie_link_gen_max": s.pcie_link_gen_max,
+        "pcie_link_width": s.pcie_link_width,
+        "pcie_link_width_max": s.pcie_link_width_max,
         "nvlinks": s.nvlinks.iter().map(|l| serde_json::json!({
             "link": l.link, "active": l.active, "crc_flit": l.crc_flit, "crc_data": l.crc_data,
             "replay": l.replay, "recovery": l.recovery,
