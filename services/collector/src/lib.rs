@@ -16,6 +16,7 @@ pub mod kernel_log;
 pub mod network;
 pub mod node_token;
 pub mod nvml_xid;
+pub mod pod_resources;
 pub mod publisher;
 pub mod sampler;
 pub mod socket_claim;
