@@ -531,6 +531,16 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         );
         service.shutdown.spawn("dcgm-exporter", task);
     }
+    if let Some(health) = config.dcgm.health.clone() {
+        let task = dcgm::source::watch_health(
+            config.node_name.clone(),
+            health,
+            directory.clone(),
+            sink.clone(),
+            token.clone(),
+        );
+        service.shutdown.spawn("dcgm-health", task);
+    }
     if let Some(diag) = config.dcgm.diag.clone() {
         let task = dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
         service.shutdown.spawn("dcgm-diag", task);
