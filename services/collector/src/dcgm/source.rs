@@ -414,24 +414,11 @@ pub enum DiagOutcome {
 
 /// Runs the diagnostic command once.
 pub async fn run_diag_once(settings: &DiagSettings) -> DiagOutcome {
-    let Some((program, args)) = settings.command.split_first() else {
-        return DiagOutcome::Failed("the command is empty".into());
-    };
-    let child = tokio::process::Command::new(program)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
-    let child = match child {
-        Ok(c) => c,
-        Err(e) => return DiagOutcome::Failed(format!("cannot run {program}: {e}")),
-    };
-    let output = match tokio::time::timeout(settings.timeout, child.wait_with_output()).await {
-        Err(_) => return DiagOutcome::TimedOut,
-        Ok(Err(e)) => return DiagOutcome::Failed(format!("{program} failed: {e}")),
-        Ok(Ok(o)) => o,
+    let program = settings.command.first().map_or("", String::as_str);
+    let output = match run_command(&settings.command, settings.timeout).await {
+        CommandRun::Output(o) => o,
+        CommandRun::Failed(m) => return DiagOutcome::Failed(m),
+        CommandRun::TimedOut => return DiagOutcome::TimedOut,
     };
     // dcgmi exits non-zero when a test fails, with the report on stdout: read it regardless.
     match parse_diag(&String::from_utf8_lossy(&output.stdout)) {
