@@ -1,0 +1,96 @@
+//! `event-writes`: how fast the classifier's event rows go into PostgreSQL by each way of writing
+//! them, on the same rows, each into a fresh database, `--batch` events per statement on one
+//! connection (the classifier writes each part of a batch so):
+//!
+//! 1. `unnest`: the classifier's batch statement (`INSERT ... SELECT FROM UNNEST(arrays) ON
+//!    CONFLICT DO NOTHING`), events only;
+//! 2. `copy-staging`: binary `COPY` into a temporary table, then `INSERT ... SELECT ... ON
+//!    CONFLICT DO NOTHING` (idempotent, as the classifier's write must be);
+//! 3. `copy-unchecked`: binary `COPY` straight into `health_events`, not idempotent (a redelivered
+//!    event fails the batch): the ceiling of COPY, not a candidate.
+//!
+//! The events are the fleet mix of [`crate::classify`]. Each method writes the same batches twice
+//! (the second pass is a redelivery: nothing new) except `copy-unchecked`, which cannot.
+
+use std::time::Instant;
+
+use gpumedic_classifier::store::{self, Batch, EventRows};
+use gpumedic_runtime::testbed;
+
+/// Options of the scenario.
+#[derive(Debug, clap::Args)]
+pub struct Options {
+    /// How many events.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Events per statement.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+}
+
+/// One method's figures.
+#[derive(Debug, serde::Serialize)]
+pub struct Method {
+    method: &'static str,
+    /// Events per second on the first pass (all new).
+    new_per_sec: f64,
+    /// Events per second on the second pass (all already recorded); 0 when not run.
+    redelivered_per_sec: f64,
+}
+
+/// The JSON result.
+#[derive(Debug, serde::Serialize)]
+pub struct Result {
+    scenario: &'static str,
+    events: usize,
+    batch: usize,
+    methods: Vec<Method>,
+}
+
+/// Runs the scenario and prints one line per method.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let admin = testbed::require_postgres().await?;
+    let base = chrono::Utc::now() - chrono::Duration::minutes(30);
+    let mut batches: Vec<EventRows> = Vec::new();
+    for chunk in (0..o.events).collect::<Vec<_>>().chunks(o.batch.max(1)) {
+        let mut rows = EventRows::with_capacity(chunk.len());
+        for &i in chunk {
+            rows.push(&crate::classify::event(i, o.nodes, base))?;
+        }
+        batches.push(rows);
+    }
+    println!("event-writes: {} events, {} per statement", o.events, o.batch);
+    let mut methods = Vec::new();
+    for method in ["unnest", "copy-staging", "copy-unchecked"] {
+        let db = testbed::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
+        let url = testbed::fresh_database(&admin, &db).await?;
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+        gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
+        let mut rates = [0.0; 2];
+        let passes = if method == "copy-unchecked" { 1 } else { 2 };
+        for (pass, rate) in rates.iter_mut().enumerate().take(passes) {
+            let start = Instant::now();
+            let mut new = 0u64;
+            for rows in &batches {
+                new += match method {
+                    "unnest" => {
+                        let batch = Batch { events: rows.clone(), ..Default::default() };
+                        u64::try_from(store::write_batch(&pool, &batch).await?.new_events).unwrap_or(0)
+                    }
+                    "copy-staging" => store::copy_events(&pool, rows).await?,
+                    _ => store::copy_events_unchecked(&pool, rows).await?,
+                };
+            }
+            *rate = o.events as f64 / start.elapsed().as_secs_f64();
+            let expected = if pass == 0 { o.events as u64 } else { 0 };
+            anyhow::ensure!(new == expected, "{method}: {new} new rows on pass {pass}, {expected} expected");
+        }
+        println!("  {method:<15} {:>9.0} events/s new, {:>9.0} events/s redelivered", rates[0], rates[1]);
+        methods.push(Method { method, new_per_sec: rates[0], redelivered_per_sec: rates[1] });
+        pool.close().await;
+    }
+    Ok(Result { scenario: "event-writes", events: o.events, batch: o.batch, methods })
+}
