@@ -333,7 +333,8 @@ mod tests {
     fn counters_count_their_growth_across_minutes_and_resets() {
         let mut k = Keeper::new(Policy::Evidence);
         // First reading: a baseline, no growth. Then +2, +0, a reset to 1 (grew by 1), +4.
-        for (i, (at, v)) in [(0, 10), (20 * M / 60, 12), (M + 1, 12), (M + 2, 1), (2 * M + 1, 5)].into_iter().enumerate()
+        for (i, (at, v)) in
+            [(0, 10), (20 * M / 60, 12), (M + 1, 12), (M + 2, 1), (2 * M + 1, 5)].into_iter().enumerate()
         {
             k.keep(&ecc(&i.to_string(), at, v), Bearing::default());
         }

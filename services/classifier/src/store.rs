@@ -166,9 +166,7 @@ pub async fn copy_events(pool: &PgPool, events: &EventRows) -> Result<u64, Store
     let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
     copy.send(events.copy_binary()).await?;
     copy.finish().await?;
-    let new = sqlx::query(STAGING_TO_EVENTS).execute(&mut *tx)
-    .await?
-    .rows_affected();
+    let new = sqlx::query(STAGING_TO_EVENTS).execute(&mut *tx).await?.rows_affected();
     tx.commit().await?;
     Ok(new)
 }

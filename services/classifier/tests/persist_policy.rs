@@ -16,8 +16,8 @@ use gpumedic_classifier::{connect_and_migrate, observe};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::EnrichedHealthEvent;
 use gpumedic_schemas::health::{
-    Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, HealthEvent, MonitorHealthDetail, MonitorState,
-    PowerDetail, Source, TemperatureDetail, XidDetail,
+    Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, HealthEvent, MonitorHealthDetail,
+    MonitorState, PowerDetail, Source, TemperatureDetail, XidDetail,
 };
 
 const NODES: usize = 3;
@@ -73,16 +73,14 @@ fn stream(base: DateTime<Utc>) -> Vec<EnrichedHealthEvent> {
                 e.boot_id = Some(boot.into());
                 out.push(enriched(e));
             };
-            let heartbeat =
-                MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None };
+            let heartbeat = MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None };
             push(event(n, None, Source::Nvml, Detail::MonitorHealth(heartbeat), true, at));
             let g = (step as usize) % GPUS;
             // GPU 2 of node 0 runs hot from step 100 to 120 (over its slowdown threshold for
             // 200 s), and again from step 800 on (still hot at the end).
             let hot = n == 0 && g == 2 && ((100..120).contains(&step) || step >= 800);
             let celsius = if hot { 92 } else { 60 + ((step * 7 + n as i64) % 15) as i32 };
-            let temp =
-                TemperatureDetail { celsius, slowdown_celsius: Some(90), shutdown_celsius: Some(95) };
+            let temp = TemperatureDetail { celsius, slowdown_celsius: Some(90), shutdown_celsius: Some(95) };
             push(event(n, Some(g), Source::Nvml, Detail::Temperature(temp), !hot, at));
             let power = PowerDetail { watts: 400.0 + ((step * 13) % 200) as f64, limit_watts: Some(700.0) };
             push(event(n, Some(g), Source::Nvml, Detail::Power(power), true, at));
@@ -153,12 +151,7 @@ async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (
 /// An engine's state without what a replay of fewer events may set differently: each node's clock
 /// (the newest event time it saw) and its memory of recent event ids.
 fn state(engine: &Engine) -> Vec<(String, String)> {
-    engine
-        .snapshot()
-        .nodes
-        .into_iter()
-        .map(|n| (n.node, format!("{:?} {:?}", n.keys, n.facts)))
-        .collect()
+    engine.snapshot().nodes.into_iter().map(|n| (n.node, format!("{:?} {:?}", n.keys, n.facts))).collect()
 }
 
 async fn rebuilt(pool: &sqlx::PgPool, since: DateTime<Utc>) -> Engine {
@@ -213,6 +206,7 @@ async fn evidence_only_history_rebuilds_the_same_state_as_every_event() {
     .await
     .expect("counter growth");
     assert_eq!(grown, Some(17), "node 2's GPU 1 gained 17 corrected errors over the stream");
-    let (none,): (i64,) = sqlx::query_as("SELECT count(*) FROM telemetry_rollups").fetch_one(&all_pool).await.expect("rollups");
+    let (none,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM telemetry_rollups").fetch_one(&all_pool).await.expect("rollups");
     assert_eq!(none, 0, "--persist all writes no rollups");
 }
