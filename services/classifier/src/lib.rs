@@ -112,7 +112,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             rebuild_window: config.rebuild_window,
             clock_skew_allowance: config.clock_skew_allowance,
             lemons: config.lemons,
-            keeper: persist::Keeper::new(config.persist),
+            keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
         })
     };
     let classifier = match setup.await {

@@ -4,9 +4,10 @@
 //! Under [`Policy::Evidence`] an event is recorded in `health_events` when incident history or a
 //! rebuild needs it ([`Keeper::keep`]): it is unhealthy; the engine says it bore on its state
 //! ([`Bearing`]: evidence for or against an incident, a changed fact, a refusal); it is the
-//! first of its node, GPU and kind since the classifier started, or the first of that key in an
-//! event-time hour (so a rebuild window always holds a recent reading of each, whatever facts
-//! it carries); or it is a reading crossing back to healthy. Every other healthy event only
+//! first of its node, GPU and kind since the classifier started, or the first of that key in a
+//! keyframe period of event time (an eighth of `--rebuild-window`, from a minute to 6 hours: so a
+//! rebuild window always holds recent readings of each, whatever facts they carry); or it is a
+//! reading crossing back to healthy. Every other healthy event only
 //! feeds its GPU's rollup of the minute: the minimum, maximum and last value of each number it
 //! carries, and the increase of each counter. The raw stream stays in Kafka.
 //!
@@ -53,9 +54,11 @@ impl Policy {
     }
 }
 
-/// A minute and an hour, in microseconds.
+/// A minute, in microseconds.
 const MINUTE_MICROS: i64 = 60_000_000;
-const HOUR_MICROS: i64 = 3_600_000_000;
+
+/// The longest keyframe period ([`Keeper::for_rebuild_window`]), in microseconds: 6 hours.
+pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
 
 /// How long after its minute ends (by the newest event time seen) a rollup is written: events of
 /// a node arrive a little out of order across its sources.
@@ -91,8 +94,8 @@ fn key_digest(node: &str, gpu: &str, kind: &str) -> u64 {
 /// What is remembered per node, GPU and kind.
 #[derive(Debug, Clone, Default)]
 struct Track {
-    /// The event-time hour of the last recorded event.
-    hour: i64,
+    /// The keyframe period (event time) of the last recorded event.
+    period: i64,
     /// The last event was unhealthy.
     unhealthy: bool,
     /// The last value of each counter, by field.
@@ -181,12 +184,21 @@ pub struct Keeper {
     open: BTreeMap<i64, HashMap<(String, String, String), Rollup>>,
     /// The newest event time seen.
     watermark: i64,
+    /// Each node, GPU and kind has an event recorded in every period this long (microseconds).
+    keyframe: i64,
 }
 
 impl Keeper {
-    /// A keeper for `policy`.
+    /// A keeper for `policy`, with keyframes every [`MAX_KEYFRAME_MICROS`].
     pub fn new(policy: Policy) -> Keeper {
-        Keeper { policy, ..Default::default() }
+        Keeper { policy, keyframe: MAX_KEYFRAME_MICROS, ..Default::default() }
+    }
+
+    /// The same, with a keyframe of each node, GPU and kind in every `period` of event time: an
+    /// eighth of the rebuild window, from a minute to [`MAX_KEYFRAME_MICROS`].
+    pub fn for_rebuild_window(policy: Policy, window: std::time::Duration) -> Keeper {
+        let eighth = i64::try_from(window.as_micros() / 8).unwrap_or(i64::MAX);
+        Keeper { keyframe: eighth.clamp(MINUTE_MICROS, MAX_KEYFRAME_MICROS), ..Keeper::new(policy) }
     }
 
     /// The policy.
@@ -203,16 +215,16 @@ impl Keeper {
         let at = o.observed_at_micros;
         self.watermark = self.watermark.max(at);
         let gpu = o.gpu.as_deref().unwrap_or("");
-        let hour = at.div_euclid(HOUR_MICROS);
+        let period = at.div_euclid(self.keyframe);
         let digest = key_digest(&o.node, gpu, &o.kind);
         let first = !self.tracks.contains_key(&digest);
         let track = self.tracks.entry(digest).or_default();
         let crossing = o.healthy && track.unhealthy;
-        let keyframe = first || track.hour != hour;
+        let keyframe = first || track.period != period;
         let keep = !o.healthy || bearing.matters() || crossing || keyframe;
         track.unhealthy = !o.healthy;
         if keep {
-            track.hour = hour;
+            track.period = period;
         }
         if o.healthy {
             let minute = at.div_euclid(MINUTE_MICROS) * MINUTE_MICROS;
@@ -365,9 +377,11 @@ mod tests {
         assert!(!k.keep(&temp("e", 4, 60, true), none));
         let evidence = Bearing { evidence: true, ..Default::default() };
         assert!(k.keep(&temp("f", 5, 60, true), evidence), "evidence for an incident");
-        assert!(k.keep(&temp("g", HOUR_MICROS + 5, 60, true), none), "the first of the hour");
-        assert!(!k.keep(&temp("h", HOUR_MICROS + 6, 60, true), none));
-        let mut other = temp("i", HOUR_MICROS + 7, 60, true);
+        assert!(!k.keep(&temp("g", 3_600_000_000, 60, true), none), "an hour on: not yet a keyframe");
+        let later = MAX_KEYFRAME_MICROS + 5;
+        assert!(k.keep(&temp("g", later, 60, true), none), "the first of the next keyframe period");
+        assert!(!k.keep(&temp("h", later + 1, 60, true), none));
+        let mut other = temp("i", later + 2, 60, true);
         other.gpu = Some("GPU-b".into());
         assert!(k.keep(&other, none), "another GPU's first");
         assert!(Keeper::new(Policy::All).keep(&temp("j", 8, 60, true), none));
@@ -383,6 +397,18 @@ mod tests {
         let closed = k.closed();
         assert_eq!(closed.iter().map(|(k, _)| k.3).collect::<Vec<_>>(), vec![0]);
         assert_eq!(k.drain().len(), 2);
+    }
+
+    #[test]
+    fn the_keyframe_period_follows_the_rebuild_window() {
+        let hour = std::time::Duration::from_secs(3600);
+        let none = Bearing::default();
+        let mut k = Keeper::for_rebuild_window(Policy::Evidence, hour * 2);
+        assert!(k.keep(&temp("a", 0, 60, true), none));
+        assert!(!k.keep(&temp("b", 14 * MINUTE_MICROS, 60, true), none));
+        assert!(k.keep(&temp("c", 15 * MINUTE_MICROS, 60, true), none), "a quarter of an hour: 2h / 8");
+        assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour * 480).keyframe, MAX_KEYFRAME_MICROS);
+        assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour / 600).keyframe, MINUTE_MICROS);
     }
 
     #[test]
