@@ -2,11 +2,13 @@
 //! them, on the same rows, each into a fresh database, `--batch` events per statement on one
 //! connection (the classifier writes each part of a batch so):
 //!
-//! 1. `unnest`: the classifier's batch statement (`INSERT ... SELECT FROM UNNEST(arrays) ON
-//!    CONFLICT DO NOTHING`), events only;
+//! 1. `unnest`: the classifier's batch statement with the events bound as arrays (`INSERT ...
+//!    SELECT FROM UNNEST(arrays) ON CONFLICT DO NOTHING`), events only: how it wrote before;
 //! 2. `copy-staging`: binary `COPY` into a temporary table, then `INSERT ... SELECT ... ON
 //!    CONFLICT DO NOTHING` (idempotent, as the classifier's write must be);
-//! 3. `copy-unchecked`: binary `COPY` straight into `health_events`, not idempotent (a redelivered
+//! 3. `batch`: the classifier's batch write as it is ([`store::write_batch`]: `COPY` into the
+//!    staging table, then the batch statement reading it), events only;
+//! 4. `copy-unchecked`: binary `COPY` straight into `health_events`, not idempotent (a redelivered
 //!    event fails the batch): the ceiling of COPY, not a candidate.
 //!
 //! The events are the fleet mix of [`crate::classify`]. Each method writes the same batches twice
@@ -64,7 +66,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
     println!("event-writes: {} events, {} per statement", o.events, o.batch);
     let mut methods = Vec::new();
-    for method in ["unnest", "copy-staging", "copy-unchecked"] {
+    for method in ["unnest", "copy-staging", "batch", "copy-unchecked"] {
         let db = testbed::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
         let url = testbed::fresh_database(&admin, &db).await?;
         let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
@@ -77,6 +79,10 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             for rows in &batches {
                 new += match method {
                     "unnest" => {
+                        let batch = Batch { events: rows.clone(), ..Default::default() };
+                        u64::try_from(store::write_batch_arrays(&pool, &batch).await?.new_events).unwrap_or(0)
+                    }
+                    "batch" => {
                         let batch = Batch { events: rows.clone(), ..Default::default() };
                         u64::try_from(store::write_batch(&pool, &batch).await?.new_events).unwrap_or(0)
                     }
@@ -91,6 +97,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         println!("  {method:<15} {:>9.0} events/s new, {:>9.0} events/s redelivered", rates[0], rates[1]);
         methods.push(Method { method, new_per_sec: rates[0], redelivered_per_sec: rates[1] });
         pool.close().await;
+        // Each method's database is a few hundred MB: gone once measured.
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
     }
     Ok(Result { scenario: "event-writes", events: o.events, batch: o.batch, methods })
 }

@@ -2,8 +2,9 @@
 //! event id and time, incident id, verdict id, and verdict+action+status), so a redelivered batch
 //! or a replayed tick changes nothing; telemetry rollups ([`crate::persist`]) are merged instead.
 //!
-//! A batch of records becomes one statement, one round trip: column arrays bound once and
-//! expanded with `UNNEST` into multi-row inserts of events, incidents, verdicts and actions,
+//! A batch of records becomes one transaction: the events sent with binary `COPY` into a staging
+//! table, then one statement with column arrays bound once and expanded with `UNNEST` into
+//! multi-row inserts of events (from the staging table), incidents, verdicts and actions,
 //! combined with data-modifying CTEs so they commit (or fail) together.
 
 use std::collections::HashMap;
@@ -139,6 +140,11 @@ impl EventRows {
 pub const COPY_EVENT_COLUMNS: &str =
     "event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record";
 
+/// The staging table of [`copy_events`] and [`write_batch`]: one per connection, emptied at
+/// each commit.
+const CREATE_STAGING: &str = "CREATE TEMP TABLE IF NOT EXISTS health_events_staging
+     (LIKE health_events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS";
+
 const COPY_TO_STAGING: &str = "COPY health_events_staging (event_id, node, observed_at, source, component, kind, \
      gpu_uuid, pci_bus_id, xid, healthy, synthetic, record) FROM STDIN (FORMAT binary)";
 
@@ -157,12 +163,7 @@ const COPY_TO_EVENTS: &str = "COPY health_events (event_id, node, observed_at, s
 /// [`write_batch`]'s `UNNEST` insert measured by the `event-writes` load scenario.
 pub async fn copy_events(pool: &PgPool, events: &EventRows) -> Result<u64, StoreError> {
     let mut tx = pool.begin().await?;
-    sqlx::query(
-        "CREATE TEMP TABLE IF NOT EXISTS health_events_staging
-             (LIKE health_events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS",
-    )
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(CREATE_STAGING).execute(&mut *tx).await?;
     let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
     copy.send(events.copy_binary()).await?;
     copy.finish().await?;
@@ -467,10 +468,61 @@ WITH ev AS (
 )
 SELECT count(*) FROM ev";
 
-/// Writes a batch in one statement (one round trip, all or nothing).
+/// [`WRITE_BATCH`] with the events read from the staging table [`copy_events`] fills, not from
+/// the arrays `$1` to `$12` (bound empty).
+fn write_batch_staged() -> &'static str {
+    static STAGED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    STAGED.get_or_init(|| {
+        WRITE_BATCH.replacen(
+            "    SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::int4[], $10::bool[], $11::bool[], $12::text[]::json[])
+    ON CONFLICT",
+            "    SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::int4[], $10::bool[], $11::bool[], $12::text[]::json[])
+    UNION ALL
+    SELECT event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record
+      FROM health_events_staging
+    ON CONFLICT",
+            1,
+        )
+    })
+}
+
+/// Writes a batch, all or nothing: its events with binary `COPY` into a temporary staging table,
+/// then everything in one statement (the events from the staging table), in one transaction.
+/// `COPY` cannot skip the rows a redelivery already wrote, hence the staging table; the
+/// `event-writes` load scenario measured this faster than binding the events as arrays
+/// (docs/benchmarks.md). A batch without events is the one statement alone.
 pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
+    if b.events.is_empty() {
+        return write_statement(pool, b, WRITE_BATCH).await;
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query(CREATE_STAGING).execute(&mut *tx).await?;
+    let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
+    copy.send(b.events.copy_binary()).await?;
+    copy.finish().await?;
+    let staged = Batch { events: EventRows::default(), ..b.clone() };
+    let written = write_statement(&mut *tx, &staged, write_batch_staged()).await?;
+    tx.commit().await?;
+    Ok(written)
+}
+
+/// Writes a batch in one statement, its events bound as arrays like the rest: how every batch was
+/// written before [`write_batch`] sent the events with `COPY`; kept for the `event-writes` load
+/// scenario, which measures the two.
+pub async fn write_batch_arrays(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
+    write_statement(pool, b, WRITE_BATCH).await
+}
+
+/// Writes `b` with `statement` ([`WRITE_BATCH`] or [`write_batch_staged`]) on `db`.
+async fn write_statement<'e, E, Q>(db: E, b: &Batch, statement: Q) -> Result<Written, StoreError>
+where
+    E: sqlx::PgExecutor<'e>,
+    Q: sqlx::SqlSafeStr,
+{
     let (e, d, a, s) = (&b.events, &b.decisions, &b.actions, &b.sympathetic);
-    let new_events: i64 = sqlx::query_scalar(WRITE_BATCH)
+    let new_events: i64 = sqlx::query_scalar(statement)
         .bind(&e.ids)
         .bind(&e.nodes)
         .bind(&e.observed_at)
@@ -529,7 +581,7 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         .bind(&b.rollups.last_at)
         .bind(&b.rollups.readings)
         .bind(&b.rollups.counters)
-        .fetch_one(pool)
+        .fetch_one(db)
         .await?;
     Ok(Written { new_events })
 }
