@@ -12,7 +12,8 @@
 //!    event fails the batch): the ceiling of COPY, not a candidate.
 //!
 //! The events are the fleet mix of [`crate::classify`]. Each method writes the same batches twice
-//! (the second pass is a redelivery: nothing new) except `copy-unchecked`, which cannot.
+//! (the second pass is a redelivery: nothing new) except `copy-unchecked`, which cannot. The
+//! methods take turns batch by batch, each on its own connection to its own database.
 
 use std::time::Instant;
 
@@ -65,37 +66,54 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         batches.push(rows);
     }
     println!("event-writes: {} events, {} per statement", o.events, o.batch);
-    let mut methods = Vec::new();
-    for method in ["unnest", "copy-staging", "batch", "copy-unchecked"] {
+    const METHODS: [&str; 4] = ["unnest", "copy-staging", "batch", "copy-unchecked"];
+    let mut pools = Vec::new();
+    for method in METHODS {
         let db = testbed::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
         let url = testbed::fresh_database(&admin, &db).await?;
         let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
         gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
-        let mut rates = [0.0; 2];
-        let passes = if method == "copy-unchecked" { 1 } else { 2 };
-        for (pass, rate) in rates.iter_mut().enumerate().take(passes) {
-            let start = Instant::now();
-            let mut new = 0u64;
-            for rows in &batches {
-                new += match method {
-                    "unnest" => {
-                        let batch = Batch { events: rows.clone(), ..Default::default() };
-                        u64::try_from(store::write_batch_arrays(&pool, &batch).await?.new_events).unwrap_or(0)
-                    }
-                    "batch" => {
-                        let batch = Batch { events: rows.clone(), ..Default::default() };
-                        u64::try_from(store::write_batch(&pool, &batch).await?.new_events).unwrap_or(0)
-                    }
-                    "copy-staging" => store::copy_events(&pool, rows).await?,
-                    _ => store::copy_events_unchecked(&pool, rows).await?,
+        pools.push((db, pool));
+    }
+    // The methods take turns batch by batch, so a busy moment of the (shared) machine slows each
+    // of them alike rather than whichever ran then.
+    let mut seconds = [[0.0f64; 2]; METHODS.len()];
+    for pass in 0..2 {
+        let mut new = [0u64; METHODS.len()];
+        for rows in &batches {
+            for (m, method) in METHODS.iter().enumerate() {
+                if pass == 1 && *method == "copy-unchecked" {
+                    continue;
+                }
+                let pool = &pools[m].1;
+                let batch = Batch { events: rows.clone(), ..Default::default() };
+                let start = Instant::now();
+                new[m] += match *method {
+                    "unnest" => u64::try_from(store::write_batch_arrays(pool, &batch).await?.new_events).unwrap_or(0),
+                    "batch" => u64::try_from(store::write_batch(pool, &batch).await?.new_events).unwrap_or(0),
+                    "copy-staging" => store::copy_events(pool, rows).await?,
+                    _ => store::copy_events_unchecked(pool, rows).await?,
                 };
+                seconds[m][pass] += start.elapsed().as_secs_f64();
             }
-            *rate = o.events as f64 / start.elapsed().as_secs_f64();
-            let expected = if pass == 0 { o.events as u64 } else { 0 };
-            anyhow::ensure!(new == expected, "{method}: {new} new rows on pass {pass}, {expected} expected");
         }
-        println!("  {method:<15} {:>9.0} events/s new, {:>9.0} events/s redelivered", rates[0], rates[1]);
-        methods.push(Method { method, new_per_sec: rates[0], redelivered_per_sec: rates[1] });
+        for (m, method) in METHODS.iter().enumerate() {
+            let expected = match (pass, *method) {
+                (0, _) => o.events as u64,
+                (_, "copy-unchecked") => 0,
+                _ => 0,
+            };
+            anyhow::ensure!(new[m] == expected, "{method}: {} new rows on pass {pass}, {expected} expected", new[m]);
+        }
+    }
+    let mut methods = Vec::new();
+    for (m, method) in METHODS.iter().enumerate() {
+        let rate = |s: f64| if s > 0.0 { o.events as f64 / s } else { 0.0 };
+        let (new, redelivered) = (rate(seconds[m][0]), rate(seconds[m][1]));
+        println!("  {method:<15} {new:>9.0} events/s new, {redelivered:>9.0} events/s redelivered");
+        methods.push(Method { method, new_per_sec: new, redelivered_per_sec: redelivered });
+    }
+    for (db, pool) in pools {
         pool.close().await;
         // Each method's database is a few hundred MB: gone once measured.
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
