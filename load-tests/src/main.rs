@@ -10,6 +10,8 @@
 //!   passthrough (see [`pipeline`]); `--persist evidence|all` picks what the classifier records.
 //! - `event-writes`: the classifier's event rows into PostgreSQL by its `UNNEST` insert and by
 //!   binary `COPY`, on the same rows (see [`writes`]).
+//! - `persist-policies`: the fleet's stream through the classifier's engine and batch write under
+//!   `--persist all` and `evidence`: rows kept and bytes per row (see [`writes::run_policies`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
 //! - `fleet`: the simulated GPU fleet on its own: raw events for N nodes of 8 GPUs at a rate,
 //!   with a fault mix, into Kafka, and the fleet's Nodes and GPU pods in the apiserver (see
@@ -83,6 +85,8 @@ enum Scenario {
     PipelineThroughput(pipeline::Options),
     /// Event rows per second into PostgreSQL: the classifier's UNNEST insert against binary COPY.
     EventWrites(writes::Options),
+    /// What `--persist all` and `--persist evidence` record of the fleet's stream, and its size.
+    PersistPolicies(writes::PolicyOptions),
     /// The simulated GPU fleet on its own: raw events at a rate with a fault mix into Kafka, and
     /// optionally its Nodes and GPU pods in the apiserver.
     Fleet(fleet::Options),
@@ -136,6 +140,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::PipelineThroughput(options) => {
             let result = pipeline::run(options).await?;
             write_result(&cli.out_dir, "pipeline-throughput.json", &result)?;
+        }
+        Scenario::PersistPolicies(options) => {
+            let result = writes::run_policies(options).await?;
+            write_result(&cli.out_dir, "persist-policies.json", &result)?;
         }
         Scenario::EventWrites(options) => {
             let result = writes::run(options).await?;

@@ -120,3 +120,131 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
     Ok(Result { scenario: "event-writes", events: o.events, batch: o.batch, methods })
 }
+
+/// Options of `persist-policies`.
+#[derive(Debug, clap::Args)]
+pub struct PolicyOptions {
+    /// How many events.
+    #[arg(long, default_value_t = 200_000)]
+    events: usize,
+    /// Events per batch.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Events per node per second of event time: the fleet's rate decides how many events share a
+    /// GPU's minute, so how many rollups there are.
+    #[arg(long, default_value_t = 0.03)]
+    rate_per_node: f64,
+}
+
+/// One policy's figures.
+#[derive(Debug, serde::Serialize)]
+pub struct Policy {
+    persist: &'static str,
+    /// Events classified and written per second (the engine, the keeper and the batch writes on
+    /// one connection; no Kafka).
+    events_per_sec: f64,
+    event_rows: i64,
+    rollup_rows: i64,
+    /// `pg_total_relation_size` (table, indexes, TOAST) per row.
+    event_row_bytes: f64,
+    rollup_row_bytes: f64,
+}
+
+/// The JSON result of `persist-policies`.
+#[derive(Debug, serde::Serialize)]
+pub struct PolicyResult {
+    scenario: &'static str,
+    events: usize,
+    nodes: usize,
+    rate_per_node: f64,
+    policies: Vec<Policy>,
+}
+
+/// `persist-policies`: the fleet mix, spread in event time at `--rate-per-node`, through the
+/// classifier's engine and keeper and its batch write, once with `--persist all` and once with
+/// `evidence`, each into a fresh database (PostgreSQL only: no Kafka). Prints the rows each keeps
+/// and their size on disk, the figures docs/incident-history.md sizes a fleet from.
+pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
+    use gpumedic_classifier::persist::{Keeper, Policy as Persist};
+    use gpumedic_classifier::rules::{Engine, defaults};
+    let admin = testbed::require_postgres().await?;
+    let fleet_rate = o.rate_per_node * o.nodes as f64;
+    let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
+    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
+    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
+    let events: Vec<_> = (0..o.events)
+        .map(|i| {
+            let mut e = crate::classify::event(i, o.nodes, base);
+            e.event.observed_at = base + spacing * i32::try_from(i).unwrap_or(i32::MAX);
+            e
+        })
+        .collect();
+    println!(
+        "persist-policies: {} events of {} nodes at {} per node per second ({:.1} h of event time)",
+        o.events,
+        o.nodes,
+        o.rate_per_node,
+        span.num_seconds() as f64 / 3600.0
+    );
+    let mut policies = Vec::new();
+    for (name, persist) in [("all", Persist::All), ("evidence", Persist::Evidence)] {
+        let db = testbed::unique_name(&format!("bench_persist_{name}")).replace('-', "_");
+        let url = testbed::fresh_database(&admin, &db).await?;
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+        gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
+        let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
+        let mut keeper = Keeper::for_rebuild_window(persist, std::time::Duration::from_secs(48 * 3600));
+        let start = Instant::now();
+        for chunk in events.chunks(o.batch.max(1)) {
+            let mut batch = Batch::default();
+            for e in chunk {
+                let obs = gpumedic_classifier::observe::observation(e);
+                let (_, bearing) = engine.observe_bearing(&obs);
+                if keeper.keep(&obs, bearing) {
+                    batch.events.push(e)?;
+                }
+            }
+            for (k, r) in keeper.closed() {
+                batch.rollups.push(&k, &r);
+            }
+            store::write_batch(&pool, &batch).await?;
+        }
+        let events_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
+        sqlx::query("VACUUM ANALYZE health_events").execute(&pool).await?;
+        sqlx::query("VACUUM ANALYZE telemetry_rollups").execute(&pool).await?;
+        let (event_rows, rollup_rows, event_bytes, rollup_bytes): (i64, i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM health_events), (SELECT count(*) FROM telemetry_rollups),
+                    (SELECT coalesce(sum(pg_total_relation_size(inhrelid)), 0)::int8 FROM pg_inherits
+                      WHERE inhparent = 'health_events'::regclass),
+                    pg_total_relation_size('telemetry_rollups')",
+        )
+        .fetch_one(&pool)
+        .await?;
+        let per = |bytes: i64, rows: i64| if rows > 0 { bytes as f64 / rows as f64 } else { 0.0 };
+        let p = Policy {
+            persist: name,
+            events_per_sec,
+            event_rows,
+            rollup_rows,
+            event_row_bytes: per(event_bytes, event_rows),
+            rollup_row_bytes: per(rollup_bytes, rollup_rows),
+        };
+        println!(
+            "  --persist {name:<9} {events_per_sec:>9.0} events/s; {event_rows} event rows of {:.0} B, {rollup_rows} rollups of {:.0} B",
+            p.event_row_bytes, p.rollup_row_bytes
+        );
+        policies.push(p);
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
+    }
+    Ok(PolicyResult {
+        scenario: "persist-policies",
+        events: o.events,
+        nodes: o.nodes,
+        rate_per_node: o.rate_per_node,
+        policies,
+    })
+}
