@@ -1251,6 +1251,40 @@ rules:
     }
 
     #[test]
+    fn the_bearing_of_an_observation_says_what_a_replay_needs() {
+        const HOT: &str = r#"
+rules:
+  - id: hot
+    version: 1
+    description: hot for 30 s
+    match: {kind: temperature, healthy: any}
+    condition: {threshold: {field: value, ge: 90, for: 30s}}
+    severity: warning
+    action: monitor
+    clear: {evidence: {kind: temperature, healthy: any, fields: {value: {lt: 90}}}, quiet: 1m}
+"#;
+        let mut e = Engine::new(rules(HOT));
+        let temp = |id: &str, t: i64, v: i64| {
+            let mut o = Observation::new(id, "n1", t, "temperature").gpu("g0").field("value", v).boot("b1");
+            o.healthy = v < 90;
+            o
+        };
+        let (_, first) = e.observe_bearing(&temp("a", 0, 60));
+        assert!(first.facts && !first.evidence, "the node's first event (its boot id)");
+        assert_eq!(e.observe_bearing(&temp("b", S, 61)).1, Bearing::default(), "a plain reading bears on nothing");
+        assert!(e.observe_bearing(&temp("c", 2 * S, 95)).1.evidence, "a threshold starts being held");
+        assert!(e.observe_bearing(&temp("d", 3 * S, 96)).1.evidence, "the run goes on");
+        let (opened, held) = e.observe_bearing(&temp("e", 40 * S, 96));
+        assert!(held.evidence && opened.len() == 1, "the incident opens");
+        assert!(e.observe_bearing(&temp("f", 41 * S, 70)).1.evidence, "the healthy evidence it waits for");
+        assert_eq!(e.observe_bearing(&temp("g", 42 * S, 70)).1, Bearing::default(), "the quiet period runs already");
+        let (recovered, at) = e.observe_bearing(&temp("h", 120 * S, 70));
+        assert!(at.evidence && recovered.len() == 1, "a decision at its time");
+        assert!(e.observe_bearing(&temp("i", 121 * S, 70).boot("b2")).1.facts, "a reboot");
+        assert_eq!(e.observe_bearing(&temp("i", 122 * S, 70)).1, Bearing::default(), "a redelivery");
+    }
+
+    #[test]
     fn flap_damping_escalates_only_when_the_action_rises() {
         let mut e = Engine::new(rules(RULES));
         let open = e.observe(&xid("a", 0, "g0", 62));
