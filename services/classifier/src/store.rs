@@ -141,8 +141,10 @@ pub const COPY_EVENT_COLUMNS: &str =
     "event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record";
 
 /// The staging table of [`copy_events`] and [`write_batch`]: one per connection, emptied at
-/// each commit.
-const CREATE_STAGING: &str = "CREATE TEMP TABLE IF NOT EXISTS health_events_staging
+/// each commit. Postgres says NOTICE each time it already exists, which sqlx would log at INFO
+/// for every batch: the transaction asks for warnings only.
+const CREATE_STAGING: &str = "SET LOCAL client_min_messages = warning;
+     CREATE TEMP TABLE IF NOT EXISTS health_events_staging
      (LIKE health_events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS";
 
 const COPY_TO_STAGING: &str = "COPY health_events_staging (event_id, node, observed_at, source, component, kind, \
@@ -163,7 +165,7 @@ const COPY_TO_EVENTS: &str = "COPY health_events (event_id, node, observed_at, s
 /// [`write_batch`]'s `UNNEST` insert measured by the `event-writes` load scenario.
 pub async fn copy_events(pool: &PgPool, events: &EventRows) -> Result<u64, StoreError> {
     let mut tx = pool.begin().await?;
-    sqlx::query(CREATE_STAGING).execute(&mut *tx).await?;
+    sqlx::raw_sql(CREATE_STAGING).execute(&mut *tx).await?;
     let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
     copy.send(events.copy_binary()).await?;
     copy.finish().await?;
@@ -498,7 +500,7 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         return write_statement(pool, b, WRITE_BATCH).await;
     }
     let mut tx = pool.begin().await?;
-    sqlx::query(CREATE_STAGING).execute(&mut *tx).await?;
+    sqlx::raw_sql(CREATE_STAGING).execute(&mut *tx).await?;
     let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
     copy.send(b.events.copy_binary()).await?;
     copy.finish().await?;
