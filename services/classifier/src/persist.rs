@@ -16,9 +16,9 @@
 //!
 //! Rollups are written once their minute is over by the newest event time seen (plus
 //! [`ROLLUP_GRACE_MICROS`]); an event later than that adds a row merged into the written one.
-//! They are kept in memory until then, so a restart or a crash loses the open minutes' rollups
-//! (the events are in Kafka), and a batch replayed after a crash adds its events' counts a second
-//! time.
+//! They are kept in memory until then, and written when the classifier stops: a crash loses the
+//! open minutes' rollups (the events are in Kafka), and a batch replayed after a crash adds its
+//! events' counts a second time.
 
 use std::collections::{BTreeMap, HashMap};
 

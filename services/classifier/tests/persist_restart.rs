@@ -198,8 +198,16 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
         assert!(tokio::time::Instant::now() < deadline, "the classifier took in {consumed} of 41 events");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    pool.close().await;
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    // The healthy events' minute was still open: written at shutdown under `evidence`.
+    let rolled: Option<i64> = sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1")
+        .bind(node)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let healthy = (stream.before.len() + stream.after.len()) as i64;
+    assert_eq!(rolled, (persist == "evidence").then_some(healthy), "{persist}: the rollups written at shutdown");
+    pool.close().await;
 
     let mut c = bed.start(&rules, "48h", persist).await;
     bed.send(node, stream.reboot.clone()).await;
