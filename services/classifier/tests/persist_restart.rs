@@ -212,6 +212,11 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
     let mut c = bed.start(&rules, "48h", persist).await;
     bed.send(node, stream.reboot.clone()).await;
     let recovery = bed.verdict(node, |v| v.recovery, "the recovery after the reboot").await;
+    // The verdict is published before its batch is written: the row follows within moments.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while bed.incidents(node).await != (1, 1) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert_eq!(bed.incidents(node).await, (1, 1), "{persist}: one incident, and it is closed");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     std::fs::remove_dir_all(&rules).ok();
