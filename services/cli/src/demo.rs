@@ -55,8 +55,13 @@ const CONSOLE_PORT: u16 = 9405;
 /// The quiet period every rule is capped at (`GPUMEDIC_MAX_QUIET`), so recovery fits in a demo.
 const QUIET: Duration = Duration::from_secs(20);
 
+/// When the demo started, for the time shown with each step.
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Announces a step, with the time since the demo started.
 fn say(text: &str) {
-    println!("\n==> {text}");
+    let secs = STARTED.get_or_init(std::time::Instant::now).elapsed().as_secs();
+    println!("\n==> [{}:{:02}] {text}", secs / 60, secs % 60);
 }
 
 fn tell(text: &str) {
@@ -389,6 +394,7 @@ async fn interrupted() -> &'static str {
 
 /// Runs the demo; `Err` carries what failed, with the services' last log lines.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    STARTED.get_or_init(std::time::Instant::now);
     let repo = find_repo(args.repo.as_deref())?;
     say("Starting the testbed (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1)");
     let env = testbed(&repo)?;

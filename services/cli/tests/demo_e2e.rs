@@ -189,6 +189,9 @@ async fn the_demo_tells_the_story_and_leaves_nothing_behind() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_interrupted_demo_cleans_up_too() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // The console's usual port held (by this test, or by whoever holds it already): the demo
+    // takes another and says so.
+    let _held = std::net::TcpListener::bind("127.0.0.1:9405");
     let mut demo = Demo::start();
     // Interrupted once the fleet, the groups and the services exist, in the middle of the story.
     tokio::task::block_in_place(|| demo.wait_for_line("all services report ready", Duration::from_secs(180)));
@@ -197,6 +200,10 @@ async fn an_interrupted_demo_cleans_up_too() {
     let out = demo.output();
     assert!(!status.success(), "an interrupted demo must not report success:\n{out}");
     let run_id = demo.run_id();
+    assert!(
+        out.contains("port 9405 on 127.0.0.1 is taken (another process listens there): the console uses"),
+        "the demo did not say that the console's port is taken:\n{out}"
+    );
     assert_in_order(&out, &[format!("Removing what run {run_id} created"), "removed;".to_owned()]);
     // On standard error, so not ordered with the lines above in `out`.
     assert!(out.contains("demo failed: interrupted by Ctrl-C"), "the demo did not say it was interrupted:\n{out}");
