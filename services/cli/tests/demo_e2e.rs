@@ -21,7 +21,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 
 /// The two runs one after the other: each starts ten processes, and the machine running the
 /// tests may have two cores.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A running `gpumedic demo`, its output collected line by line (and echoed for the test log).
 struct Demo {
@@ -159,7 +159,7 @@ fn assert_in_order(out: &str, needles: &[String]) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_demo_tells_the_story_and_leaves_nothing_behind() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut demo = Demo::start();
     let status = tokio::task::block_in_place(|| demo.wait(Duration::from_secs(300)));
     let out = demo.output();
@@ -188,7 +188,7 @@ async fn the_demo_tells_the_story_and_leaves_nothing_behind() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_interrupted_demo_cleans_up_too() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one = ONE_AT_A_TIME.lock().await;
     // The console's usual port held (by this test, or by whoever holds it already): the demo
     // takes another and says so.
     let _held = std::net::TcpListener::bind("127.0.0.1:9405");
