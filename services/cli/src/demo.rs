@@ -1,15 +1,21 @@
 //! `gpumedic demo`: the whole pipeline on this machine, with no GPU and no cluster.
 //!
-//! Brings the testbed up (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1) unless it is
-//! up already. Creates a simulated GPU fleet as real Nodes and Pods in the apiserver, and starts the
-//! four services: one collector per node with simulated GPUs, plus the enricher, classifier and
-//! remediator; and the console, whose URL it prints (its fleet page shows the story as it
-//! happens). One simulated GPU falls off the bus (it goes silent and the driver's Xid 79 line
-//! names it), then the demo narrates what happens, live: detected, classified, cordoned, drained,
-//! recorded; the other GPUs' heartbeats for longer than the quiet period do not release the node;
-//! a simulated reboot (a new boot id, the GPU answering again, a complete inventory) does, once,
-//! after the quiet period. Prints the incident history from PostgreSQL and stops the services.
-//! `--keep` leaves them running until Ctrl-C.
+//! Brings the testbed up (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1) unless
+//! `compose/status` says it is up already. Creates a simulated GPU fleet as real Nodes and Pods in
+//! the apiserver, and starts the four services: one collector per node with simulated GPUs, plus
+//! the enricher, classifier and remediator; and the console, whose URL it prints (its fleet page
+//! shows the story as it happens). One simulated GPU falls off the bus (it goes silent and the
+//! driver's Xid 79 line names it), then the demo narrates what happens, live: detected,
+//! classified, cordoned, drained, recorded; the other GPUs' heartbeats for longer than the quiet
+//! period do not release the node; a simulated reboot (a new boot id, the GPU answering again, a
+//! complete inventory) does, once, after the quiet period. Prints the incident history from
+//! PostgreSQL and stops the services. `--keep` leaves them running until Ctrl-C.
+//!
+//! Every run has its own id (UTC date and time plus random digits), which names its Nodes,
+//! namespace and consumer groups; at the end, on failure and on Ctrl-C or SIGTERM it stops the
+//! services and removes them (the incident history stays in PostgreSQL, the logs under
+//! `.testbed/logs/demo/<run id>/`). The services listen on their usual admin ports when free, and
+//! on free ports the demo names otherwise.
 //!
 //! The rules are the default ones, unchanged; the classifier runs with `GPUMEDIC_MAX_QUIET=20s`,
 //! which caps every rule's quiet period so that the recovery happens while you watch.
@@ -25,7 +31,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Args;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
 /// Flags of `gpumedic demo`.
@@ -43,16 +49,19 @@ pub struct DemoArgs {
     repo: Option<PathBuf>,
 }
 
-/// The console's port on this machine.
+/// The console's port on this machine, when free.
 const CONSOLE_PORT: u16 = 9405;
-/// Where the console is reached.
-const CONSOLE_URL: &str = "http://127.0.0.1:9405";
 
 /// The quiet period every rule is capped at (`GPUMEDIC_MAX_QUIET`), so recovery fits in a demo.
 const QUIET: Duration = Duration::from_secs(20);
 
+/// When the demo started, for the time shown with each step.
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Announces a step, with the time since the demo started.
 fn say(text: &str) {
-    println!("\n==> {text}");
+    let secs = STARTED.get_or_init(std::time::Instant::now).elapsed().as_secs();
+    println!("\n==> [{}:{:02}] {text}", secs / 60, secs % 60);
 }
 
 fn tell(text: &str) {
@@ -83,6 +92,14 @@ impl Services {
             .with_context(|| format!("starting {}", binary.display()))?;
         self.0.push(Service { name: name.to_owned(), child, log });
         Ok(())
+    }
+
+    /// The first service that has exited, with its status, if any did.
+    fn exited(&mut self) -> Option<String> {
+        self.0.iter_mut().find_map(|svc| match svc.child.try_wait() {
+            Ok(Some(st)) => Some(format!("{} exited ({st}); its log: {}", svc.name, svc.log.display())),
+            _ => None,
+        })
     }
 
     /// The last lines of every service's log, for a failure report.
@@ -139,18 +156,34 @@ fn find_repo(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         .context("cannot find the gpumedic checkout (compose/up): run this from the repository or pass --repo")
 }
 
-/// Runs `compose/up` (idempotent) and reads `compose/env`'s `export K=V` lines.
+/// The testbed servers the demo needs, as `compose/status` names them.
+const NEEDED: [&str; 4] = ["postgres", "kafka", "etcd", "kube-apiserver"];
+
+/// Runs `compose/up` unless `compose/status` says the servers the demo needs are up already, then
+/// reads `compose/env`'s `export K=V` lines. `compose/up` shows its progress on the terminal.
 fn testbed(repo: &Path) -> anyhow::Result<BTreeMap<String, String>> {
-    let up = Command::new(repo.join("compose/up"))
-        .current_dir(repo)
-        .stdout(Stdio::null())
-        .output()
-        .context("running compose/up")?;
-    for line in String::from_utf8_lossy(&up.stderr).lines() {
-        tell(line);
-    }
-    if !up.status.success() {
-        bail!("compose/up failed ({}); see the lines above", up.status);
+    let status =
+        Command::new(repo.join("compose/status")).current_dir(repo).output().context("running compose/status")?;
+    let text = String::from_utf8_lossy(&status.stdout);
+    let up = |name: &str| {
+        text.lines().any(|l| {
+            let mut w = l.split_whitespace();
+            w.next() == Some(name) && w.next() == Some("up")
+        })
+    };
+    if NEEDED.iter().all(|n| up(n)) {
+        tell("the testbed is up already (compose/status): Kafka, PostgreSQL, etcd and kube-apiserver answer");
+    } else {
+        tell("compose/up starts what is missing (the first run downloads and builds it: many minutes)");
+        let up = Command::new(repo.join("compose/up"))
+            .current_dir(repo)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()
+            .context("running compose/up")?;
+        if !up.success() {
+            bail!("compose/up failed ({up}); see its lines above");
+        }
     }
     let env = Command::new(repo.join("compose/env")).current_dir(repo).output().context("running compose/env")?;
     if !env.status.success() {
@@ -173,6 +206,11 @@ fn testbed(repo: &Path) -> anyhow::Result<BTreeMap<String, String>> {
     Ok(vars)
 }
 
+/// A service of the demo has exited while the demo waited on it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Stopped(String);
+
 /// Polls `check` every 250 ms until it gives a value, or fails after `secs` naming `what`.
 async fn wait_for<T>(
     secs: u64,
@@ -181,9 +219,12 @@ async fn wait_for<T>(
 ) -> anyhow::Result<T> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
     loop {
-        // A transient error (a service still starting) counts as "not yet".
-        if let Ok(Some(v)) = check().await {
-            return Ok(v);
+        // A transient error (a service still starting) counts as "not yet"; a stopped service
+        // does not.
+        match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Err(e) if e.is::<Stopped>() => return Err(e),
+            _ => {}
         }
         if tokio::time::Instant::now() >= deadline {
             bail!("timed out after {secs} s waiting for: {what}");
@@ -192,8 +233,168 @@ async fn wait_for<T>(
     }
 }
 
-/// Runs the demo; `Err` carries what failed (the caller adds the services' last log lines).
+/// A name for this run, unique across days and machines sharing a testbed: the UTC date and time
+/// and six random hex digits (`261201-205512-3fa9c1`). DNS-safe, so it names Nodes and namespaces.
+fn run_id() -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{}-{}", chrono::Utc::now().format("%y%m%d-%H%M%S"), &random[..6])
+}
+
+/// A port for a service on 127.0.0.1: `preferred` when nothing listens there, else one the
+/// system has free (and the demo says which port was taken). `used` holds the ports handed out.
+fn pick_port(preferred: u16, what: &str, used: &mut Vec<u16>) -> anyhow::Result<u16> {
+    let free = |p: u16| !used.contains(&p) && std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let port = if free(preferred) {
+        preferred
+    } else {
+        let mut port = 0;
+        for _ in 0..20 {
+            let p = std::net::TcpListener::bind(("127.0.0.1", 0)).context("finding a free port")?.local_addr()?.port();
+            if !used.contains(&p) {
+                port = p;
+                break;
+            }
+        }
+        if port == 0 {
+            bail!("no free port on 127.0.0.1 for the {what}");
+        }
+        tell(&format!(
+            "port {preferred} on 127.0.0.1 is taken (another process listens there): the {what} uses {port}"
+        ));
+        port
+    };
+    used.push(port);
+    Ok(port)
+}
+
+/// What the demo created, removed at its end, on failure and on Ctrl-C: its Nodes, its namespace
+/// (with the pods, Leases, ConfigMaps and Events in it), its consumer groups and the collectors'
+/// state folders. The pipeline's topics are the shared, fixed ones: they stay.
+#[derive(Default)]
+struct Created {
+    nodes: Vec<String>,
+    namespace: Option<String>,
+    groups: Vec<String>,
+    state_dirs: Vec<PathBuf>,
+}
+
+impl Created {
+    /// Removes everything; returns what could not be removed (the rest is still tried).
+    async fn clean_up(&mut self, client: &kube::Client, kafka: &gpumedic_runtime::kafka::KafkaSettings) -> Vec<String> {
+        use k8s_openapi::api::coordination::v1::Lease;
+        use k8s_openapi::api::core::v1::{ConfigMap, Event};
+        let mut problems = Vec::new();
+        let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+        let nodes: Api<Node> = Api::all(client.clone());
+        // The remediator's Events about a Node go to the `default` namespace, as Kubernetes' own do.
+        let node_events: Api<Event> = Api::namespaced(client.clone(), "default");
+        for n in self.nodes.drain(..) {
+            match nodes.delete(&n, &now).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => problems.push(format!("deleting node {n}: {e}")),
+            }
+            let about = ListParams::default().fields(&format!("involvedObject.name={n}"));
+            if let Err(e) = node_events.delete_collection(&now, &about).await {
+                problems.push(format!("deleting the events about node {n}: {e}"));
+            }
+        }
+        if let Some(ns) = self.namespace.take() {
+            let all = ListParams::default();
+            // The testbed runs no controller-manager to empty a deleted namespace: the demo
+            // deletes what it and the services put there itself, then the namespace.
+            let emptied = async {
+                Api::<Pod>::namespaced(client.clone(), &ns).delete_collection(&now, &all).await?;
+                Api::<Lease>::namespaced(client.clone(), &ns).delete_collection(&now, &all).await?;
+                Api::<ConfigMap>::namespaced(client.clone(), &ns).delete_collection(&now, &all).await?;
+                Api::<Event>::namespaced(client.clone(), &ns).delete_collection(&now, &all).await?;
+                Ok::<_, kube::Error>(())
+            };
+            if let Err(e) = emptied.await {
+                problems.push(format!("emptying namespace {ns}: {e}"));
+            }
+            if let Err(e) = delete_namespace(client, &ns).await {
+                problems.push(format!("deleting namespace {ns}: {e}"));
+            }
+        }
+        if !self.groups.is_empty() {
+            let groups: Vec<String> = std::mem::take(&mut self.groups);
+            if let Err(e) = delete_groups(kafka, &groups).await {
+                problems.push(format!("deleting consumer groups {}: {e}", groups.join(", ")));
+            }
+        }
+        for dir in self.state_dirs.drain(..) {
+            if let Err(e) = std::fs::remove_dir_all(&dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                problems.push(format!("removing {}: {e}", dir.display()));
+            }
+        }
+        problems
+    }
+}
+
+/// Deletes namespace `ns` and waits until it is gone. Where no namespace controller finishes the
+/// deletion within 5 s (the testbed runs none), the demo, having emptied it, finalizes it itself.
+async fn delete_namespace(client: &kube::Client, ns: &str) -> Result<(), kube::Error> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    match api.delete(ns, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    for _ in 0..20 {
+        if api.get_opt(ns).await?.is_none() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let Some(mut namespace) = api.get_opt(ns).await? else { return Ok(()) };
+    if let Some(spec) = namespace.spec.as_mut() {
+        spec.finalizers = Some(Vec::new());
+    }
+    api.replace_subresource("finalize", ns, &PostParams::default(), &namespace).await?;
+    Ok(())
+}
+
+/// Deletes the (stopped, so empty) consumer groups `groups`; one already gone is no error.
+async fn delete_groups(kafka: &gpumedic_runtime::kafka::KafkaSettings, groups: &[String]) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+    let admin: AdminClient<DefaultClientContext> =
+        kafka.client_config_with("gpumedic-demo-cleanup", &[]).create().context("creating a Kafka admin client")?;
+    let names: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for r in admin.delete_groups(&names, &opts).await? {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::GroupIdNotFound)) => {}
+            Err((group, code)) => bail!("{group}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+/// Waits for Ctrl-C or SIGTERM; gives the signal's name.
+async fn interrupted() -> &'static str {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let term = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "Ctrl-C",
+        () = term => "SIGTERM",
+    }
+}
+
+/// Runs the demo; `Err` carries what failed, with the services' last log lines.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    STARTED.get_or_init(std::time::Instant::now);
     let repo = find_repo(args.repo.as_deref())?;
     say("Starting the testbed (Kafka, PostgreSQL, etcd and kube-apiserver on 127.0.0.1)");
     let env = testbed(&repo)?;
@@ -227,18 +428,97 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .connect(&database_url)
         .await
         .context("connecting to PostgreSQL")?;
+    let kafka = gpumedic_runtime::kafka::KafkaSettings {
+        bootstrap: bootstrap.clone(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    };
 
-    let run_id = chrono::Utc::now().format("%H%M%S").to_string();
+    let run_id = run_id();
     let ns = format!("demo-{run_id}");
     let nodes: Vec<String> = (0..args.nodes).map(|i| format!("demo-{run_id}-gpu-{i}")).collect();
     let faulty = nodes[2.min(nodes.len() - 1)].clone();
+    let logs = repo.join(".testbed/logs/demo").join(&run_id);
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    tell(&format!("run {run_id}: its Nodes, namespace and consumer groups are named after it"));
+    tell(&format!("the services' logs: {}", logs.display()));
 
+    let me = std::env::current_exe()?;
+    let mut created = Created::default();
+    let mut services = Services::default();
+    let story = async {
+        create_fleet(&client, &run_id, &nodes, &ns, &mut created).await?;
+        let out = Command::new(&me).args(["topics", "create", "--kafka-bootstrap", &bootstrap]).output()?;
+        if !out.status.success() {
+            bail!("creating the topics: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        story(
+            &env,
+            &logs,
+            &mut services,
+            &mut created,
+            &kafka,
+            StoryContext {
+                me: &me,
+                bins: [&collector, &enricher, &classifier, &remediator, &console],
+                nodes: &nodes,
+                faulty: &faulty,
+                ns: &ns,
+                run_id: &run_id,
+                rules: &repo.join("services/classifier/rules"),
+                client: &client,
+                db: &db,
+            },
+        )
+        .await
+    };
+    let mut outcome = tokio::select! {
+        r = story => r.map_err(|e| anyhow::anyhow!("{e:#}\n{}", services.tails())),
+        signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
+    };
+    if outcome.is_ok() && args.keep {
+        say(&format!("The services keep running (logs in {}); press Ctrl-C to stop them", logs.display()));
+        interrupted().await;
+    }
+    say("Stopping the services");
+    let failed = services.stop();
+    if !failed.is_empty() && outcome.is_ok() {
+        outcome = Err(anyhow::anyhow!("services did not stop cleanly: {}", failed.join("; ")));
+    }
+    say(&format!("Removing what run {run_id} created: its Nodes, namespace, consumer groups and state folders"));
+    let problems = created.clean_up(&client, &kafka).await;
+    if problems.is_empty() {
+        tell(&format!("removed; the incident history stays in PostgreSQL and the logs in {}", logs.display()));
+    } else {
+        for p in &problems {
+            tell(&format!("not removed: {p}"));
+        }
+        if outcome.is_ok() {
+            outcome = Err(anyhow::anyhow!("the clean-up failed: {}", problems.join("; ")));
+        }
+    }
+    outcome?;
+    say("Done: a GPU fell off the bus and was detected, classified, quarantined, drained and recorded; \
+         the node came back only after a reboot proved the repair.");
+    Ok(())
+}
+
+/// Creates the simulated fleet: `nodes` as Nodes labelled with the run id, and two training pods
+/// on each in namespace `ns`; records each in `created` as it goes.
+async fn create_fleet(
+    client: &kube::Client,
+    run_id: &str,
+    nodes: &[String],
+    ns: &str,
+    created: &mut Created,
+) -> anyhow::Result<()> {
     say(&format!(
         "Creating a simulated fleet: {} GPU nodes (8 simulated H100s each) and their training pods",
         nodes.len()
     ));
     let node_api: Api<Node> = Api::all(client.clone());
-    for n in &nodes {
+    for n in nodes {
         let node: Node = serde_json::from_value(json!({
             "metadata": { "name": n, "labels": {
                 "nvidia.com/gpu.present": "true",
@@ -252,11 +532,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             }},
         }))?;
         node_api.create(&PostParams::default(), &node).await.with_context(|| format!("creating node {n}"))?;
+        created.nodes.push(n.clone());
     }
     let ns_api: Api<Namespace> = Api::all(client.clone());
     ns_api.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } }))?).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    for n in &nodes {
+    created.namespace = Some(ns.to_owned());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for n in nodes {
         for j in 0..2 {
             let pod: Pod = serde_json::from_value(json!({
                 "metadata": { "name": format!("trainer-{}-{j}", n.rsplit('-').next().unwrap_or("x")) },
@@ -268,52 +550,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     tell(&format!("nodes: {}", nodes.join(" ")));
     tell(&format!("pods: {} training pods in namespace {ns}", pods.list(&ListParams::default()).await?.items.len()));
-
-    // The default rules as shipped; the classifier's --max-quiet shortens their quiet periods.
-    let rules = repo.join("services/classifier/rules");
-
-    let me = std::env::current_exe()?;
-    let created = Command::new(&me).args(["topics", "create", "--kafka-bootstrap", &bootstrap]).output()?;
-    if !created.status.success() {
-        bail!("creating the topics: {}", String::from_utf8_lossy(&created.stderr));
-    }
-
-    let logs = repo.join(".testbed/logs/demo");
-    std::fs::create_dir_all(&logs)?;
-    let mut services = Services::default();
-    let result = story(
-        &env,
-        &logs,
-        &mut services,
-        StoryContext {
-            me: &me,
-            bins: [&collector, &enricher, &classifier, &remediator, &console],
-            nodes: &nodes,
-            faulty: &faulty,
-            ns: &ns,
-            run_id: &run_id,
-            rules: &rules,
-            client: &client,
-            db: &db,
-        },
-    )
-    .await;
-    if let Err(e) = result {
-        let tails = services.tails();
-        drop(services);
-        bail!("{e:#}\n{tails}");
-    }
-    if args.keep {
-        say(&format!("The services keep running (logs in {}); press Ctrl-C to stop them", logs.display()));
-        tokio::signal::ctrl_c().await?;
-    }
-    say("Stopping the services");
-    let failed = services.stop();
-    if !failed.is_empty() {
-        bail!("services did not stop cleanly: {}", failed.join("; "));
-    }
-    say("Done: a GPU fell off the bus and was detected, classified, quarantined, drained and recorded; \
-         the node came back only after a reboot proved the repair.");
     Ok(())
 }
 
@@ -333,6 +569,8 @@ async fn story(
     env: &BTreeMap<String, String>,
     logs: &Path,
     services: &mut Services,
+    created: &mut Created,
+    kafka: &gpumedic_runtime::kafka::KafkaSettings,
     cx: StoryContext<'_>,
 ) -> anyhow::Result<()> {
     let [collector, enricher, classifier, remediator, console] = cx.bins;
@@ -346,17 +584,20 @@ async fn story(
         ]
     };
     say("Starting the four services and the console");
+    // The usual ports when free; another demo, a test or any other process may hold them.
+    let mut used = Vec::new();
     let mut ports = Vec::new();
     let mut injection = BTreeMap::new();
     for (i, n) in cx.nodes.iter().enumerate() {
-        let port = 9410 + u16::try_from(i)?;
+        let i16 = u16::try_from(i)?;
+        let port = pick_port(9410 + i16, &format!("collector of {n}"), &mut used)?;
         // Each collector's fault-injection endpoint: the fault and the reboot act on its
         // simulated GPUs.
-        let synthetic = format!("127.0.0.1:{}", 9450 + u16::try_from(i)?);
+        let synthetic = format!("127.0.0.1:{}", pick_port(9450 + i16, &format!("fault injection of {n}"), &mut used)?);
         injection.insert(n.clone(), synthetic.clone());
+        // A state folder of this run: the GPU count of an earlier run's boot must not carry over.
         let state = logs.join(format!("state-{i}"));
-        // A fresh state folder: the GPU count of an earlier run's boot must not carry over.
-        let _ = std::fs::remove_dir_all(&state);
+        created.state_dirs.push(state.clone());
         let mut e = common(port);
         e.extend([
             ("GPUMEDIC_NODE_NAME", n.clone()),
@@ -372,21 +613,22 @@ async fn story(
     }
     // Each run uses new consumer groups, committed at the end of the topics before the services
     // start: this run's story does not queue behind every record earlier runs and tests left, and
-    // no record of this run is skipped (production groups start at the beginning).
+    // no record of this run is skipped (production groups start at the beginning). They are
+    // deleted at the end.
     let group = |s: &str| format!("demo-{}-{s}", cx.run_id);
-    let kafka = gpumedic_runtime::kafka::KafkaSettings {
-        bootstrap: bootstrap.clone(),
-        options: vec![],
-        schema_registry: None,
-        topic_replication: None,
-    };
     for s in ["enricher", "classifier", "remediator"] {
+        created.groups.push(group(s));
         kafka.start_group_at_end(&group(s), &gpumedic_schemas::topics::ALL).await?;
     }
-    let mut e = common(9402);
+    let enricher_port = pick_port(9402, "enricher", &mut used)?;
+    let classifier_port = pick_port(9403, "classifier", &mut used)?;
+    let remediator_port = pick_port(9404, "remediator", &mut used)?;
+    let console_port = pick_port(CONSOLE_PORT, "console", &mut used)?;
+    let console_url = format!("http://127.0.0.1:{console_port}");
+    let mut e = common(enricher_port);
     e.extend([("GPUMEDIC_GROUP", group("enricher")), ("GPUMEDIC_CLUSTER_NAME", "demo".into())]);
     services.start("enricher", enricher, &e, logs)?;
-    let mut e = common(9403);
+    let mut e = common(classifier_port);
     e.extend([
         ("GPUMEDIC_GROUP", group("classifier")),
         ("GPUMEDIC_DATABASE_URL", env["DATABASE_URL"].clone()),
@@ -400,7 +642,7 @@ async fn story(
         ("GPUMEDIC_API_AUTH", "none".into()),
     ]);
     services.start("classifier", classifier, &e, logs)?;
-    let mut e = common(9404);
+    let mut e = common(remediator_port);
     e.extend([
         ("GPUMEDIC_GROUP", group("remediator")),
         ("GPUMEDIC_MODE", "cordon-drain".into()),
@@ -415,7 +657,7 @@ async fn story(
         ("GPUMEDIC_RESYNC_INTERVAL", "10s".into()),
     ]);
     services.start("remediator", remediator, &e, logs)?;
-    let mut e = common(CONSOLE_PORT);
+    let mut e = common(console_port);
     e.extend([
         ("GPUMEDIC_DATABASE_URL", env["DATABASE_URL"].clone()),
         // This run's fleet only, and the remediator's status object in the run's namespace.
@@ -425,22 +667,26 @@ async fn story(
         ("GPUMEDIC_API_AUTH", "none".into()),
     ]);
     services.start("console", console, &e, logs)?;
-    ports.extend([9402, 9403, 9404, CONSOLE_PORT]);
+    let collector_ports: Vec<String> = ports.iter().map(u16::to_string).collect();
     tell(&format!(
-        "collectors on {}-{}, enricher 9402, classifier 9403, remediator 9404, console {CONSOLE_PORT} (/healthz /readyz /metrics)",
-        ports[0],
-        ports[cx.nodes.len() - 1]
+        "admin ports (/healthz /readyz /metrics): collectors {}, enricher {enricher_port}, classifier {classifier_port}, \
+         remediator {remediator_port}, console {console_port}",
+        collector_ports.join(" ")
     ));
+    ports.extend([enricher_port, classifier_port, remediator_port, console_port]);
     let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
     for port in &ports {
         let url = format!("http://127.0.0.1:{port}/readyz");
         wait_for(120, &format!("the service on port {port} to be ready"), async || {
+            if let Some(exited) = services.exited() {
+                return Err(Stopped(exited).into());
+            }
             Ok(http.get(&url).send().await?.status().is_success().then_some(()))
         })
         .await?;
     }
     tell("all services report ready; each simulated GPU sends a heartbeat every 2 s");
-    say(&format!("Open the console to watch the story on the fleet page: {CONSOLE_URL}/"));
+    say(&format!("Open the console to watch the story on the fleet page: {console_url}/"));
 
     let faulty = cx.faulty;
     let collector_addr = injection.get(faulty).context("the faulty node's collector")?.clone();
@@ -519,12 +765,12 @@ async fn story(
     tell(&format!("cordoned: {faulty} is unschedulable; taint {taint}"));
     let total = cx.nodes.len() * 8;
     let fleet: serde_json::Value = wait_for(30, "the console to show the node out of service", async || {
-        let f: serde_json::Value = http.get(format!("{CONSOLE_URL}/api/v1/fleet")).send().await?.json().await?;
+        let f: serde_json::Value = http.get(format!("{console_url}/api/v1/fleet")).send().await?.json().await?;
         Ok((f["gpus"]["out_of_service"] == 8).then_some(f))
     })
     .await?;
     tell(&format!(
-        "the console shows it: {:.1}% of the fleet's {total} GPUs in service, {faulty} quarantined ({CONSOLE_URL}/nodes/{faulty})",
+        "the console shows it: {:.1}% of the fleet's {total} GPUs in service, {faulty} quarantined ({console_url}/nodes/{faulty})",
         fleet["gpus"]["in_service_ratio"].as_f64().unwrap_or_default() * 100.0
     ));
     if let Some((status, reason)) = condition(&node, "GpuUnhealthy") {
