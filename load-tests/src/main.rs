@@ -7,7 +7,7 @@
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
 //! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
-//!   passthrough (see [`pipeline`]).
+//!   passthrough, with node authentication off and enforced (see [`pipeline`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
 //! - `fleet`: the simulated GPU fleet on its own: raw events for N nodes of 8 GPUs at a rate,
 //!   with a fault mix, into Kafka, and the fleet's Nodes and GPU pods in the apiserver (see
@@ -25,6 +25,7 @@
 mod backtest;
 mod chaos;
 mod classify;
+mod collectors;
 mod console;
 mod fleet;
 mod latency;
@@ -76,7 +77,8 @@ enum Scenario {
     Backtest(backtest::Options),
     /// Fault to cordon through the enricher, classifier and remediator, under background load.
     Latency(latency::Options),
-    /// Raw events per second through the enricher and classifier, beside the Kafka passthrough.
+    /// Raw events per second through the enricher and classifier, beside the Kafka passthrough,
+    /// with node authentication off and enforced (`--node-auth`).
     PipelineThroughput(pipeline::Options),
     /// The simulated GPU fleet on its own: raw events at a rate with a fault mix into Kafka, and
     /// optionally its Nodes and GPU pods in the apiserver.

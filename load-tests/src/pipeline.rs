@@ -3,25 +3,40 @@
 //! record size, no processing) measured in the same run. The issue's goals: at least 50,000
 //! events per second end to end on 2 cores, and at least half of the Kafka passthrough rate.
 //!
-//! 1. Kafka ceiling: `kafka-ceiling` on records of the raw events' size.
-//! 2. The release enricher and classifier start on the pipeline's topics with new consumer groups
-//!    that begin at the end of the topics, the classifier on a fresh database.
+//! 1. Kafka ceiling: `kafka-ceiling` on records of the raw events' size, once.
+//! 2. For each node authentication mode asked (`--node-auth`: `off`, `enforce`, or `both`, off
+//!    then enforce on the same events): the release enricher and classifier start on fresh
+//!    topics of their own, with new consumer groups and a fresh database. With `enforce`, a
+//!    namespace holds the collector's ServiceAccount and one Pod per simulated node, each node's
+//!    records carry that Pod's token in header `gpumedic.node-token` (see [`crate::collectors`]),
+//!    and the enricher reviews every token as in production (`GPUMEDIC_NODE_AUTH=enforce`).
 //! 3. N raw events (the fleet mix of [`crate::classify`], as raw records) are produced as fast as
 //!    Kafka takes them; the clock runs from the first produce until the classifier's
-//!    `gpumedic_classifier_events_total` reaches N, then the rows are counted.
+//!    `gpumedic_classifier_events_total` reaches N, then the rows are counted. A run fails unless
+//!    exactly N events were classified and persisted and the raw topic's dead-letter topic is
+//!    empty.
 //!
 //! The producing runs on a thread of its own so that the same 100 ms polls of the classifier's
 //! metrics can also sample the events Kafka has acknowledged: the JSON result's `timeline`, for
 //! the plots of `load-tests/plot/`.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use gpumedic_runtime::kafka::{self, KafkaSettings, record_headers};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
+
+use crate::collectors::Collectors;
+
+/// Collector Pods created and tokens minted at once with `--node-auth enforce`.
+const POD_CONCURRENCY: usize = 32;
 
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
@@ -32,19 +47,55 @@ pub struct Options {
     /// Nodes in the simulated fleet (8 GPUs each).
     #[arg(long, default_value_t = 1000)]
     nodes: usize,
+    /// Node authentication in the enricher: `off`, `enforce` (every record carries its node's
+    /// Pod-bound token, reviewed by the enricher), or `both` (off, then enforce, on the same
+    /// events, and the ratio).
+    #[arg(long, value_enum, default_value_t = NodeAuth::Both)]
+    node_auth: NodeAuth,
 }
 
-/// The JSON result.
+/// Which node authentication modes a run measures (`--node-auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NodeAuth {
+    /// The enricher checks no token; the records carry none.
+    Off,
+    /// Every record carries its node's token; the enricher reviews it and enriches only a record
+    /// whose token is bound to the node it claims.
+    Enforce,
+    /// Off, then enforce, on the same events, each with fresh topics, groups and database.
+    Both,
+}
+
+/// The JSON result. The top-level run is the first one measured (`off` with `--node-auth both`),
+/// so the plots read it as before.
 #[derive(Debug, serde::Serialize)]
 pub struct Result {
     scenario: &'static str,
     events: usize,
+    nodes: usize,
     raw_bytes_per_event: usize,
     kafka_produce_per_sec: f64,
     kafka_consume_per_sec: f64,
+    #[serde(flatten)]
+    first: Run,
+    /// With `--node-auth both`: the run with node authentication enforced.
+    enforce: Option<Run>,
+    /// With `--node-auth both`: the enforced run's events per second over the first run's.
+    enforce_over_off: Option<f64>,
+}
+
+/// The figures of one pass of the events through the pipeline.
+#[derive(Debug, serde::Serialize)]
+pub struct Run {
+    /// `off` or `enforce`.
+    node_auth: &'static str,
     pipeline_per_sec: f64,
     pipeline_seconds: f64,
     rows: i64,
+    /// Records in the raw topic's dead-letter topic after the run (the run fails unless 0).
+    dead_lettered: u64,
+    /// The enricher's `gpumedic_enricher_token_reviews_total` after the run.
+    token_reviews: f64,
     /// `[seconds since the first produce, events acknowledged by Kafka, events classified]` at
     /// each 100 ms poll of the classifier's `gpumedic_classifier_events_total`.
     timeline: Vec<[f64; 3]>,
@@ -53,7 +104,7 @@ pub struct Result {
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
-    testbed::require_kubernetes().await?;
+    let client = testbed::require_kubernetes().await?;
     let admin_db = testbed::require_postgres().await?;
     let base = chrono::Utc::now() - chrono::Duration::minutes(30);
     let raw: Vec<(String, Vec<u8>)> = (0..o.events)
@@ -62,6 +113,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             Ok((e.node.clone(), gpumedic_schemas::encode(&e)?))
         })
         .collect::<anyhow::Result<_>>()?;
+    let raw = Arc::new(raw);
     let bytes = raw.iter().map(|(_, b)| b.len()).sum::<usize>() / raw.len().max(1);
     println!("pipeline-throughput: {} raw events of {bytes} B", o.events);
 
@@ -71,17 +123,108 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ceiling.produce_per_sec, ceiling.consume_per_sec
     );
 
+    let modes: &[NodeAuth] = match o.node_auth {
+        NodeAuth::Off => &[NodeAuth::Off],
+        NodeAuth::Enforce => &[NodeAuth::Enforce],
+        NodeAuth::Both => &[NodeAuth::Off, NodeAuth::Enforce],
+    };
+    let mut runs = Vec::new();
+    for &mode in modes {
+        let run = match mode {
+            NodeAuth::Enforce => {
+                let nodes: Vec<String> =
+                    raw.iter().map(|(node, _)| node.clone()).collect::<BTreeSet<_>>().into_iter().collect();
+                let collectors = Collectors::create(&client, &nodes, POD_CONCURRENCY).await?;
+                let run = pass(&bootstrap, &admin_db, &raw, Some(&collectors)).await;
+                collectors.delete(&client).await;
+                run?
+            }
+            NodeAuth::Off | NodeAuth::Both => pass(&bootstrap, &admin_db, &raw, None).await?,
+        };
+        println!(
+            "  enricher + classifier, node auth {:<7} {:>9.0} events/s persisted ({} in {:.1} s; goal 50,000/s and \
+             half the passthrough)",
+            format!("{}:", run.node_auth),
+            run.pipeline_per_sec,
+            o.events,
+            run.pipeline_seconds
+        );
+        runs.push(run);
+    }
+    let mut runs = runs.into_iter();
+    let first = runs.next().context("no run was measured")?;
+    let enforce = runs.next();
+    let enforce_over_off = enforce.as_ref().map(|e| e.pipeline_per_sec / first.pipeline_per_sec);
+    if let Some(ratio) = enforce_over_off {
+        println!(
+            "  node auth enforce / off:     {:>9.3} ({:+.1}%; the issue allows -10%)",
+            ratio,
+            (ratio - 1.0) * 100.0
+        );
+    }
+    Ok(Result {
+        scenario: "pipeline-throughput",
+        events: o.events,
+        nodes: o.nodes,
+        raw_bytes_per_event: bytes,
+        kafka_produce_per_sec: ceiling.produce_per_sec,
+        kafka_consume_per_sec: ceiling.consume_per_sec,
+        first,
+        enforce,
+        enforce_over_off,
+    })
+}
+
+/// One pass of `raw` through a release enricher and classifier started for it, on topics, groups
+/// and a database of its own. With `collectors`, each record carries its node's token and the
+/// enricher enforces node authentication.
+async fn pass(
+    bootstrap: &str,
+    admin_db: &sqlx::PgPool,
+    raw: &Arc<Vec<(String, Vec<u8>)>>,
+    collectors: Option<&Collectors>,
+) -> anyhow::Result<Run> {
+    let events = raw.len();
+    let raw_topic = testbed::unique_name("bench-pipeline-raw");
+    let enriched_topic = testbed::unique_name("bench-pipeline-enriched");
+    let settings = KafkaSettings {
+        bootstrap: bootstrap.to_owned(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    };
+    settings
+        .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
+        .await?;
+    // Built before the clock starts, as the collector holds its token before it sends.
+    let headers: Vec<Option<OwnedHeaders>> = match collectors {
+        None => vec![None; events],
+        Some(c) => raw
+            .iter()
+            .map(|(node, _)| {
+                let token = c.token(node).with_context(|| format!("no collector token for {node}"))?;
+                Ok(Some(OwnedHeaders::new().insert(Header { key: record_headers::NODE_TOKEN, value: Some(token) })))
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+
     let db = testbed::unique_name("bench_pipeline").replace('-', "_");
-    let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = async |group: &str| crate::service_env(&bootstrap, group).await;
-    let mut enricher = testbed::ServiceProcess::start(
-        &crate::release_binary("gpumedic-enricher")?,
-        &[],
-        &common("bench-pipeline-enricher").await?,
-    )?;
+    let url = testbed::fresh_database(admin_db, &db).await?;
+    let common = async |group: &str| crate::service_env(bootstrap, group).await;
+    let mut env = common("bench-pipeline-enricher").await?;
+    env.extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
+    match collectors {
+        None => env.push(("GPUMEDIC_NODE_AUTH", "off".to_owned())),
+        Some(c) => env.extend([
+            ("GPUMEDIC_NODE_AUTH", "enforce".to_owned()),
+            ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", c.service_account()),
+        ]),
+    }
+    let mut enricher = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
     let mut env = common("bench-pipeline-classifier").await?;
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
+        ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", testbed::unique_name("bench-pipeline-verdicts")),
         ("GPUMEDIC_ACTIONS_TOPIC", testbed::unique_name("bench-pipeline-actions")),
     ]);
@@ -90,17 +233,18 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
 
-    let producer = Arc::new(crate::scratch_producer(&bootstrap)?);
+    let producer = Arc::new(crate::scratch_producer(bootstrap)?);
     let queued = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let producing = {
-        let (producer, queued) = (producer.clone(), queued.clone());
+        let (producer, queued, raw, topic) = (producer.clone(), queued.clone(), raw.clone(), raw_topic.clone());
         std::thread::spawn(move || -> anyhow::Result<()> {
-            for (key, payload) in &raw {
-                crate::send(
-                    &producer,
-                    BaseRecord::to(topics::HEALTH_RAW).key(key.as_str()).payload(payload.as_slice()),
-                )?;
+            for ((key, payload), headers) in raw.iter().zip(headers) {
+                let record = BaseRecord::to(&topic).key(key.as_str()).payload(payload.as_slice());
+                crate::send(&producer, match headers {
+                    Some(h) => record.headers(h),
+                    None => record,
+                })?;
                 queued.fetch_add(1, Ordering::Relaxed);
             }
             producer.flush(Duration::from_secs(120)).context("flush")
@@ -109,20 +253,27 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let deadline = start + Duration::from_secs(900);
     let mut timeline: Vec<[f64; 3]> = Vec::new();
     let mut producing = Some(producing);
-    loop {
+    let mut classified = 0.0;
+    for poll in 0u64.. {
         let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
-        let classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
+        classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
         // Queued minus still in librdkafka's queue or awaiting acknowledgement: what Kafka has
         // taken. Read in this order, a record queued between the two reads can only lower it.
         let acknowledged = queued.load(Ordering::Relaxed).saturating_sub(producer.in_flight_count().max(0) as u64);
         timeline.push([start.elapsed().as_secs_f64(), acknowledged as f64, classified]);
-        if classified >= o.events as f64 {
+        if classified >= events as f64 {
             break;
         }
         if producing.as_ref().is_some_and(|p| p.is_finished())
             && let Some(p) = producing.take()
         {
             p.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
+        }
+        // Once a second: a record the enricher dead-lettered is never classified, so stop early.
+        if poll % 10 == 9 {
+            let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+            let refused = dead_lettered(&text);
+            anyhow::ensure!(refused == 0.0, "the enricher dead-lettered {refused} records: {}", refusals(&text));
         }
         anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish within 900 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -134,25 +285,75 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
     pool.close().await;
+    let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+    let token_reviews = crate::classify::metric(&text, "gpumedic_enricher_token_reviews_total");
     for s in [&mut enricher, &mut classifier] {
         let _ = s.terminate(Duration::from_secs(20)).await;
     }
-    anyhow::ensure!(rows == o.events as i64, "{rows} rows in health_events, {} events produced", o.events);
-    let result = Result {
-        scenario: "pipeline-throughput",
-        events: o.events,
-        raw_bytes_per_event: bytes,
-        kafka_produce_per_sec: ceiling.produce_per_sec,
-        kafka_consume_per_sec: ceiling.consume_per_sec,
-        pipeline_per_sec: o.events as f64 / seconds,
+    let dlq = kafka::dead_letter_topic(&raw_topic);
+    let dead = records_in(bootstrap, &dlq).await?;
+    anyhow::ensure!(dead == 0, "{dead} records in {dlq}: the enricher refused them ({})", refusals(&text));
+    anyhow::ensure!(classified == events as f64, "{classified} events classified, {events} produced");
+    anyhow::ensure!(rows == events as i64, "{rows} rows in health_events, {events} events produced");
+    Ok(Run {
+        node_auth: if collectors.is_some() { "enforce" } else { "off" },
+        pipeline_per_sec: events as f64 / seconds,
         pipeline_seconds: seconds,
         rows,
+        dead_lettered: dead,
+        token_reviews,
         timeline,
-    };
-    println!(
-        "  enricher + classifier:       {:>9.0} events/s persisted ({} in {:.1} s; goal 50,000/s and half the \
-         passthrough)",
-        result.pipeline_per_sec, o.events, seconds
-    );
-    Ok(result)
+    })
+}
+
+/// The records the enricher's `/metrics` counts as dead-lettered, on any topic.
+fn dead_lettered(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("gpumedic_enricher_records_total{") && l.contains("outcome=\"dead_lettered\""))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The enricher's refusals of node authentication, per claimed node and reason, for an error.
+fn refusals(metrics: &str) -> String {
+    let lines: Vec<&str> =
+        metrics.lines().filter(|l| l.starts_with("gpumedic_enricher_records_unauthenticated_total")).take(5).collect();
+    if lines.is_empty() { "no node authentication refusals counted".to_owned() } else { lines.join("; ") }
+}
+
+/// The records in `topic` (the sum of its partitions' high watermarks: a topic of this run, never
+/// truncated).
+async fn records_in(bootstrap: &str, topic: &str) -> anyhow::Result<u64> {
+    let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
+        let timeout = Duration::from_secs(10);
+        let metadata = consumer.fetch_metadata(Some(&topic), timeout)?;
+        let partitions: Vec<i32> =
+            metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+        anyhow::ensure!(!partitions.is_empty(), "{topic} has no partitions");
+        let mut total = 0u64;
+        for p in partitions {
+            let (low, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
+            total += u64::try_from(high - low).unwrap_or(0);
+        }
+        Ok(total)
+    })
+    .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_lettered_sums_the_enrichers_dead_letter_outcomes_only() {
+        let text = "gpumedic_enricher_records_total{topic=\"raw\",outcome=\"ok\"} 90\n\
+                    gpumedic_enricher_records_total{topic=\"raw\",outcome=\"dead_lettered\"} 3\n\
+                    gpumedic_enricher_records_total{outcome=\"dead_lettered\",topic=\"other\"} 2\n\
+                    gpumedic_classifier_records_total{topic=\"raw\",outcome=\"dead_lettered\"} 7\n";
+        assert_eq!(dead_lettered(text), 5.0);
+        assert_eq!(dead_lettered("gpumedic_enricher_records_total{topic=\"raw\",outcome=\"ok\"} 90\n"), 0.0);
+    }
 }
