@@ -60,9 +60,12 @@ impl Collectors {
 
     async fn populate(&mut self, client: &kube::Client, nodes: &[String], concurrency: usize) -> anyhow::Result<()> {
         let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &self.namespace);
-        sas.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": SERVICE_ACCOUNT } }))?)
-            .await
-            .context("create the collector's ServiceAccount")?;
+        sas.create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({ "metadata": { "name": SERVICE_ACCOUNT } }))?,
+        )
+        .await
+        .context("create the collector's ServiceAccount")?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &self.namespace);
         self.tokens = futures::stream::iter(nodes.iter().enumerate().map(|(i, node)| {
             let (pods, sas) = (pods.clone(), sas.clone());
@@ -73,7 +76,10 @@ impl Collectors {
                         "automountServiceAccountToken": false,
                         "containers": [{ "name": "collector", "image": "gpumedic-collector" }] }
                 }))?;
-                let pod = pods.create(&PostParams::default(), &pod).await.with_context(|| format!("create the collector Pod on {node}"))?;
+                let pod = pods
+                    .create(&PostParams::default(), &pod)
+                    .await
+                    .with_context(|| format!("create the collector Pod on {node}"))?;
                 let request: TokenRequest = serde_json::from_value(json!({ "spec": {
                     "audiences": [AUDIENCE], "expirationSeconds": TOKEN_SECONDS,
                     "boundObjectRef": { "kind": "Pod", "apiVersion": "v1",
