@@ -250,6 +250,8 @@ start_apiserver() {
   local pki="$STATE_DIR/pki"
   # No controller-manager runs, so nothing would create the default ServiceAccount a pod refers
   # to: the ServiceAccount admission plugin is off, as in controller-runtime's envtest.
+  # GPU quarantine writes DeviceTaintRules (resource.k8s.io/v1beta2): the gate is beta but off by
+  # default in 1.36, and the beta API version is not served unless asked for.
   start_daemon kube-apiserver "$LOG_DIR/kube-apiserver.log" "$(k8s_bin)/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
@@ -261,7 +263,9 @@ start_apiserver() {
     --service-cluster-ip-range 10.96.0.0/16 \
     --disable-admission-plugins ServiceAccount \
     --max-requests-inflight 2000 --max-mutating-requests-inflight 1000 \
-    --enable-priority-and-fairness=false
+    --enable-priority-and-fairness=false \
+    --feature-gates DRADeviceTaintRules=true \
+    --runtime-config resource.k8s.io/v1beta2=true
   wait_for "kube-apiserver" 120 apiserver_ready ||
     die "kube-apiserver did not become ready; see $LOG_DIR/kube-apiserver.log"
 }

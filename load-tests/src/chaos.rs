@@ -532,6 +532,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         let mut env = common.clone();
         env.extend([
             ("GPUMEDIC_DATABASE_URL", bed.database_url()),
+            // Every event recorded: the suite proves none is lost or recorded twice.
+            ("GPUMEDIC_PERSIST", "all".to_owned()),
             ("GPUMEDIC_MAX_QUIET", format!("{}s", o.max_quiet.as_secs())),
         ]);
         env

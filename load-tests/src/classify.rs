@@ -221,6 +221,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
             ("GPUMEDIC_GROUP", testbed::unique_name("bench-classifier")),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
+            // Every event recorded, as the Postgres ceiling beside it writes every event.
+            ("GPUMEDIC_PERSIST", "all".into()),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),

@@ -7,7 +7,12 @@
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
 //! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
-//!   passthrough, with node authentication off and enforced (see [`pipeline`]).
+//!   passthrough, with node authentication off and enforced (see [`pipeline`]); `--persist
+//!   evidence|all` picks what the classifier records.
+//! - `event-writes`: the classifier's event rows into PostgreSQL by its `UNNEST` insert and by
+//!   binary `COPY`, on the same rows (see [`writes`]).
+//! - `persist-policies`: the fleet's stream through the classifier's engine and batch write under
+//!   `--persist all` and `evidence`: rows kept and bytes per row (see [`writes::run_policies`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
 //! - `fleet`: the simulated GPU fleet on its own: raw events for N nodes of 8 GPUs at a rate,
 //!   with a fault mix, into Kafka, and the fleet's Nodes and GPU pods in the apiserver (see
@@ -34,6 +39,7 @@ mod pipeline;
 mod remediation;
 mod restart;
 mod soak;
+mod writes;
 
 use std::time::{Duration, Instant};
 
@@ -80,6 +86,10 @@ enum Scenario {
     /// Raw events per second through the enricher and classifier, beside the Kafka passthrough,
     /// with node authentication off and enforced (`--node-auth`).
     PipelineThroughput(pipeline::Options),
+    /// Event rows per second into PostgreSQL: the classifier's UNNEST insert against binary COPY.
+    EventWrites(writes::Options),
+    /// What `--persist all` and `--persist evidence` record of the fleet's stream, and its size.
+    PersistPolicies(writes::PolicyOptions),
     /// The simulated GPU fleet on its own: raw events at a rate with a fault mix into Kafka, and
     /// optionally its Nodes and GPU pods in the apiserver.
     Fleet(fleet::Options),
@@ -133,6 +143,14 @@ async fn main() -> anyhow::Result<()> {
         Scenario::PipelineThroughput(options) => {
             let result = pipeline::run(options).await?;
             write_result(&cli.out_dir, "pipeline-throughput.json", &result)?;
+        }
+        Scenario::PersistPolicies(options) => {
+            let result = writes::run_policies(options).await?;
+            write_result(&cli.out_dir, "persist-policies.json", &result)?;
+        }
+        Scenario::EventWrites(options) => {
+            let result = writes::run(options).await?;
+            write_result(&cli.out_dir, "event-writes.json", &result)?;
         }
         Scenario::Latency(options) => {
             let result = latency::run(options).await?;

@@ -6,6 +6,11 @@
 //!   no remediation can beat it.
 //! - **mass quarantine**: N GPU nodes, one critical `cordon` verdict each on a fresh topic; the
 //!   time from the first verdict produced to the last node cordoned, as seen by a watch.
+//! - **GPU quarantine**: G single-GPU quarantines in a DRA cluster: G/4 nodes publishing 8 GPUs
+//!   each in a ResourceSlice shaped like the NVIDIA DRA driver's, four critical GPU-scoped `cordon`
+//!   verdicts per node (half its GPUs, the escalation share not passed); the time from the first
+//!   verdict produced to the last DeviceTaintRule seen by a watch. Needs an apiserver serving
+//!   `resource.k8s.io/v1beta2` (compose/lib/servers.sh).
 //! - **mass drain**: M GPU nodes with P pods each (bound with `spec.nodeName`; no kubelet runs
 //!   them, so grace 0 makes an eviction final), one critical `drain` verdict each; the time from
 //!   the first verdict produced to the last pod gone, as seen by a watch.
@@ -43,7 +48,10 @@ pub struct Args {
     /// Requests in flight while building fixtures and measuring the floor.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
-    /// Which scenarios to run beside the floor: `all`, `quarantine` or `drain`.
+    /// Single-GPU quarantines (DeviceTaintRules) in the GPU-quarantine scenario, four per node.
+    #[arg(long, default_value_t = 1000)]
+    gpu_quarantines: usize,
+    /// Which scenarios to run beside the floor: `all`, `quarantine`, `gpu-quarantine` or `drain`.
     #[arg(long, default_value = "all")]
     only: String,
     /// The remediator binary (default: the one beside this program, i.e. the same profile).
@@ -131,6 +139,21 @@ pub async fn run(args: Args, out_dir: &Path) -> anyhow::Result<()> {
         scenarios.push(s);
     } else {
         world.delete_nodes(&names, args.concurrency).await;
+    }
+    if args.only == "all" || args.only == "gpu-quarantine" {
+        let s = world.gpu_quarantine(args.gpu_quarantines, args.concurrency).await?;
+        println!(
+            "gpu-quarantine: {} GPUs tainted by DeviceTaintRules on {} nodes in {:.2} s ({:.0} GPUs/s; goal < {:.0} s: \
+             {}) beside the floor of {:.0} patches/s",
+            s.pods,
+            s.nodes,
+            s.seconds,
+            s.per_sec,
+            s.goal_seconds,
+            verdict_on_goal(s.met),
+            floor.patches_per_sec
+        );
+        scenarios.push(s);
     }
     if args.only == "all" || args.only == "drain" {
         let s = world.mass_drain(args.drain_nodes, args.pods_per_node, args.concurrency).await?;
@@ -231,6 +254,19 @@ impl World {
         mode: &str,
         log: &str,
     ) -> anyhow::Result<Remediator> {
+        self.start_remediator_with(ns, fleet, verdicts, mode, log, &[]).await
+    }
+
+    /// [`World::start_remediator`] with `env` set on the remediator besides.
+    async fn start_remediator_with(
+        &self,
+        ns: &str,
+        fleet: &str,
+        verdicts: &str,
+        mode: &str,
+        log: &str,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Remediator> {
         let admin = testbed::free_local_addr()?;
         let logfile = std::fs::File::create(self.out_dir.join(log))?;
         let mut cmd = std::process::Command::new(&self.binary);
@@ -252,6 +288,9 @@ impl World {
             .stdin(std::process::Stdio::null())
             .stdout(logfile.try_clone()?)
             .stderr(logfile);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         for kv in &self.extra_env {
             let (k, v) = kv.split_once('=').context("--remediator-env takes KEY=VALUE")?;
             cmd.env(k, v);
@@ -285,6 +324,13 @@ impl World {
 
     /// Produces one verdict per node as fast as Kafka takes them; returns when the first was sent.
     async fn produce(&self, topic: &str, names: &[String], action: RecommendedAction) -> anyhow::Result<Instant> {
+        let verdicts: Vec<Verdict> = names.iter().map(|n| verdict(n, action)).collect();
+        self.produce_verdicts(topic, &verdicts).await
+    }
+
+    /// Produces `verdicts`, keyed by node, as fast as Kafka takes them; returns when the first was
+    /// sent.
+    async fn produce_verdicts(&self, topic: &str, verdicts: &[Verdict]) -> anyhow::Result<Instant> {
         let producer = KafkaSettings {
             bootstrap: self.bootstrap.clone(),
             options: vec![],
@@ -292,9 +338,9 @@ impl World {
             topic_replication: None,
         }
         .producer("bench")?;
-        let records: Vec<(String, Vec<u8>)> = names
+        let records: Vec<(String, Vec<u8>)> = verdicts
             .iter()
-            .map(|n| Ok((n.clone(), gpumedic_schemas::encode(&verdict(n, action))?)))
+            .map(|v| Ok((v.node.clone(), gpumedic_schemas::encode(v)?)))
             .collect::<anyhow::Result<_>>()?;
         let first = Instant::now();
         futures::stream::iter(records.iter().map(|(key, bytes)| {
@@ -354,6 +400,120 @@ impl World {
             unit: "nodes cordoned per second",
             goal_seconds: 10.0,
             met: (names.len() >= 1000).then_some(seconds < 10.0),
+        })
+    }
+
+    /// `quarantines` single-GPU quarantines, four per node, on nodes that publish 8 GPUs through DRA.
+    async fn gpu_quarantine(&self, quarantines: usize, concurrency: usize) -> anyhow::Result<Scenario> {
+        use gpumedic_remediator::dra;
+        use k8s_openapi::api::resource::v1::ResourceSlice;
+        use k8s_openapi::api::resource::v1beta2::DeviceTaintRule;
+        const GPUS: usize = 8;
+        const PER_NODE: usize = 4;
+        let fleet = testbed::unique_name("bench-dra");
+        let names = self.make_nodes(&fleet, quarantines.div_ceil(PER_NODE), concurrency).await?;
+        let uuid = |node: usize, gpu: usize| format!("GPU-{node:08x}-0000-4000-8000-{gpu:012x}");
+        let slices: Api<ResourceSlice> = Api::all(self.client.clone());
+        let slice_names: Vec<String> = names.iter().map(|n| format!("{n}-gpu.nvidia.com")).collect();
+        futures::stream::iter(names.iter().enumerate().map(|(i, node)| {
+            let slices = slices.clone();
+            let devices: Vec<_> = (0..GPUS)
+                .map(|g| {
+                    json!({ "name": format!("gpu-{g}"), "attributes": {
+                    "type": { "string": "gpu" }, "uuid": { "string": uuid(i, g) }, "index": { "int": g } } })
+                })
+                .collect();
+            let slice = json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                "metadata": { "name": format!("{node}-gpu.nvidia.com") },
+                "spec": { "driver": dra::DRIVER, "nodeName": node,
+                          "pool": { "name": node, "generation": 1, "resourceSliceCount": 1 }, "devices": devices },
+            });
+            async move {
+                let slice: ResourceSlice = serde_json::from_value(slice)?;
+                slices.create(&PostParams::default(), &slice).await?;
+                Ok::<_, anyhow::Error>(())
+            }
+        }))
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+        let wanted: HashSet<String> = names
+            .iter()
+            .enumerate()
+            .flat_map(|(i, n)| (0..PER_NODE).map(move |g| (i, n, g)))
+            .take(quarantines)
+            .map(|(i, n, g)| dra::rule_name(n, &uuid(i, g)))
+            .collect();
+        let ns = self.namespace().await?;
+        let topic = testbed::unique_name("bench-verdicts");
+        KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
+        .await?;
+        let mut remediator = self
+            .start_remediator_with(
+                &ns,
+                &fleet,
+                &topic,
+                "cordon-drain",
+                "gpu-quarantine.log",
+                &[("GPUMEDIC_BREAKER_MAX_GPUS", "100000")],
+            )
+            .await?;
+        let rules: Api<DeviceTaintRule> = Api::all(self.client.clone());
+        let selector = format!("{}={}", dra::MANAGED_BY_LABEL, dra::MANAGED_BY);
+        let mut stream = watcher(rules.clone(), watcher::Config::default().labels(&selector)).boxed();
+        while !matches!(stream.try_next().await?, Some(watcher::Event::InitDone)) {}
+        let verdicts: Vec<Verdict> = names
+            .iter()
+            .enumerate()
+            .flat_map(|(i, n)| (0..PER_NODE).map(move |g| (i, n, g)))
+            .take(quarantines)
+            .map(|(i, n, g)| Verdict {
+                entity: gpumedic_schemas::health::Entity { gpu_uuid: Some(uuid(i, g)), ..Default::default() },
+                rule_id: "xid-48-with-row-remap".into(),
+                reason: "double-bit ECC error (benchmark)".into(),
+                ..verdict(n, RecommendedAction::Cordon)
+            })
+            .collect();
+        let first = self.produce_verdicts(&topic, &verdicts).await?;
+        let mut seen = HashSet::new();
+        let timeout = Duration::from_secs(600);
+        while seen.len() < wanted.len() {
+            let event = tokio::time::timeout(timeout.saturating_sub(first.elapsed()), stream.try_next())
+                .await
+                .context("not every GPU was tainted within 10 minutes")??;
+            if let Some(watcher::Event::Apply(r) | watcher::Event::InitApply(r)) = event
+                && let Some(name) = r.metadata.name
+                && wanted.contains(&name)
+            {
+                seen.insert(name);
+            }
+        }
+        let seconds = first.elapsed().as_secs_f64();
+        remediator.stop();
+        for name in &wanted {
+            let _ = rules.delete(name, &DeleteParams::default()).await;
+        }
+        for name in &slice_names {
+            let _ = slices.delete(name, &DeleteParams::default()).await;
+        }
+        self.delete_nodes(&names, concurrency).await;
+        let _ = Api::<Namespace>::all(self.client.clone()).delete(&ns, &DeleteParams::default()).await;
+        Ok(Scenario {
+            scenario: "gpu-quarantine",
+            nodes: names.len(),
+            pods: wanted.len(),
+            seconds,
+            per_sec: wanted.len() as f64 / seconds,
+            unit: "GPUs tainted per second",
+            goal_seconds: 10.0,
+            met: (wanted.len() >= 1000).then_some(seconds < 10.0),
         })
     }
 

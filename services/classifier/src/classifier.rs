@@ -11,7 +11,7 @@ use gpumedic_schemas::{Codec, Record as _, Verdict};
 
 use crate::rules::RuleSet;
 use crate::rules::engine::{Decision, Engine};
-use crate::{lemons, observe, store, workload};
+use crate::{lemons, observe, persist, store, workload};
 
 /// What stops the classifier.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +62,8 @@ pub struct Classifier {
     pub(crate) clock_skew_allowance: Duration,
     /// When a node or GPU is a lemon.
     pub(crate) lemons: lemons::Settings,
+    /// Which events are recorded, and the rollups of the rest.
+    pub(crate) keeper: persist::Keeper,
 }
 
 impl Classifier {
@@ -75,6 +77,7 @@ impl Classifier {
         let count = partition_count(&self.producer, &self.enriched_topic).await?;
         let owns = |node: &str| owned.contains(&kafka::partition_for(node.as_bytes(), count));
         let forgotten = self.engine.retain_nodes(owns);
+        self.keeper.retain_nodes(owns);
         let gained: std::collections::BTreeSet<i32> = owned.difference(&self.owned.partitions).copied().collect();
         if !gained.is_empty() {
             let started = std::time::Instant::now();

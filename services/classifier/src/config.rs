@@ -79,6 +79,11 @@ pub struct Args {
     /// the database (docs/profiles.md). At most --database-pool.
     #[arg(long, env = "GPUMEDIC_WRITE_PARALLELISM", default_value_t = 2)]
     write_parallelism: usize,
+    /// Which health events are recorded in Postgres: `evidence` (what incident history and a
+    /// rebuild need, plus per-minute rollups of the healthy telemetry; docs/incident-history.md)
+    /// or `all` (every event).
+    #[arg(long, env = "GPUMEDIC_PERSIST", default_value = "evidence")]
+    persist: String,
     /// How long recorded health events are kept; older daily partitions are dropped hourly.
     /// Incidents, verdicts and actions are kept.
     #[arg(long, env = "GPUMEDIC_EVENT_RETENTION", default_value = "30d")]
@@ -155,6 +160,8 @@ pub struct Config {
     pub api_auth: auth::Settings,
     /// Statements a batch is written as, at once.
     pub write_parallelism: usize,
+    /// Which health events are recorded.
+    pub persist: crate::persist::Policy,
     /// The rules.
     pub rules: RuleSet,
     /// How far back to rebuild.
@@ -264,6 +271,7 @@ impl Validate for Args {
                 "must be at most 1d (it bounds how far one event can move a node's clock)",
             );
         }
+        let persist = p.check("--persist", crate::persist::Policy::parse(&self.persist));
         let rules_poll = p.check("--rules-poll", parse_duration(&self.rules_poll));
         if rules_poll.is_some_and(|d| d.is_zero()) {
             p.push("--rules-poll", "must be more than 0");
@@ -307,6 +315,7 @@ impl Validate for Args {
                     cache_size: self.api_auth_cache_size,
                 },
                 write_parallelism: self.write_parallelism,
+                persist: persist.expect("checked"),
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),

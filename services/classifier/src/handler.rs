@@ -10,7 +10,7 @@ use tokio::sync::Mutex;
 
 use crate::classifier::{Classifier, ClassifierError};
 use crate::rules::engine::{Absorbed, Decision, Engine};
-use crate::{nvlink, observe, store, workload};
+use crate::{nvlink, observe, persist, store, workload};
 
 /// Where a batch's time goes: `decode` (Avro and the JSON kept in Postgres), `classify` (the
 /// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
@@ -36,9 +36,17 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
     ))
 }
 
-/// A failed batch's key, its decisions with the index of the record behind each, and the
-/// sympathetic events it absorbed.
-type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>);
+/// A failed batch's key, its decisions with the index of the record behind each, the
+/// sympathetic events it absorbed, and what of it is recorded.
+type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>, Kept);
+
+/// What of a batch is recorded ([`persist`]): per decoded event, whether it is; and the rollups
+/// its events closed. Kept for a retry, as the engine and the keeper took the events in already.
+#[derive(Debug)]
+struct Kept {
+    events: Vec<bool>,
+    rollups: Vec<(persist::RollupKey, persist::Rollup)>,
+}
 
 /// The consumer's batch handler: enriched events into the engine and all of the batch into
 /// Postgres at once; action outcomes into the record.
@@ -63,13 +71,16 @@ impl BatchHandler for Handler {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
         let mut dispositions = vec![Disposition::Done; records.len()];
-        let (codec, parts, workload_faults, skew) = {
+        let (codec, parts, workload_faults, skew, policy) = {
             let c = self.classifier.lock().await;
-            (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance)
+            (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance, c.keeper.policy())
         };
         // One batch per concurrent write; a node's rows all go to the same one.
         let mut batch = store::Batch::parts(parts, records.len());
         let mut observations = Vec::with_capacity(records.len());
+        // Under `--persist evidence`, the decoded events wait for the engine's word on which to
+        // record; under `all` each is recorded as it is decoded.
+        let mut pending: Vec<Option<EnrichedHealthEvent>> = Vec::new();
         let mut sightings = Vec::new();
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
@@ -94,11 +105,18 @@ impl BatchHandler for Handler {
                         clock_skew_clamped(&event, at);
                         event.event.observed_at = at;
                     }
-                    match batch[store::part_of(&event.event.node, parts)].events.push(&event) {
+                    let recorded = match policy {
+                        persist::Policy::All => batch[store::part_of(&event.event.node, parts)].events.push(&event),
+                        persist::Policy::Evidence => Ok(()),
+                    };
+                    match recorded {
                         Ok(()) => {
                             sightings.extend(workload::sighting(&event, &workload_faults));
                             let key = (event.event.event_id, event.event.observed_at);
                             observations.push((i, key, observe::observation(&event)));
+                            if policy == persist::Policy::Evidence {
+                                pending.push(Some(event));
+                            }
                         }
                         Err(e) => dispositions[i] = Disposition::DeadLetter(format!("cannot record the event: {e}")),
                     }
@@ -113,30 +131,46 @@ impl BatchHandler for Handler {
         c.reconcile().await?;
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
-        let (decisions, absorbed) = match self.retrying.take() {
-            Some((k, decisions, absorbed)) if Some(&k) == key.as_ref() => (decisions, absorbed),
+        let (decisions, absorbed, kept) = match self.retrying.take() {
+            Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
             _ => {
                 // Only events new to Postgres are observed: one recorded there had its verdicts
                 // published before it was written, however long ago (the engine's own memory of
                 // ids is short). The insert skips them too; they count as duplicates below.
                 let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
                 let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
-                let fresh: Vec<_> = observations.iter().filter(|(_, key, _)| !recorded.contains(key)).collect();
+                let fresh: Vec<_> =
+                    observations.iter().enumerate().filter(|(_, (_, key, _))| !recorded.contains(key)).collect();
                 // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
                 let mut roots = nvlink::Roots::new(c.engine.rules());
-                roots.load(&c.pool, fresh.iter().map(|(_, _, o)| o)).await.map_err(ClassifierError::from)?;
+                roots.load(&c.pool, fresh.iter().map(|(_, (_, _, o))| o)).await.map_err(ClassifierError::from)?;
                 let mut decisions = Vec::new();
-                for (i, _, o) in fresh {
-                    let made = c.engine.observe(&roots.attach(o));
+                // Which observations are recorded: every one already recorded (the insert skips
+                // it), and of the fresh ones what the persistence policy keeps.
+                let mut keep = vec![true; observations.len()];
+                for (j, (i, _, o)) in fresh {
+                    let (made, bearing) = c.engine.observe_bearing(&roots.attach(o));
+                    keep[j] = c.keeper.keep(o, bearing);
                     roots.learn(&made);
                     decisions.extend(made.into_iter().map(|d| (d, *i)));
                 }
                 count_refused(&mut c.engine);
                 let absorbed = c.engine.take_absorbed();
                 nvlink::absorbed(&absorbed);
-                (decisions, absorbed)
+                (decisions, absorbed, Kept { events: keep, rollups: c.keeper.closed() })
             }
         };
+        if policy == persist::Policy::Evidence {
+            for ((j, event), (i, _, _)) in pending.iter_mut().enumerate().zip(&observations) {
+                let Some(event) = event.take().filter(|_| kept.events[j]) else { continue };
+                if let Err(e) = batch[store::part_of(&event.event.node, parts)].events.push(&event) {
+                    dispositions[*i] = Disposition::DeadLetter(format!("cannot record the event: {e}"));
+                }
+            }
+            for (k, r) in &kept.rollups {
+                batch[store::part_of(&k.0, parts)].rollups.push(k, r);
+            }
+        }
         for a in &absorbed {
             batch[store::part_of(&a.node, parts)].sympathetic.push(a);
         }
@@ -172,15 +206,18 @@ impl BatchHandler for Handler {
         .await;
         match outcome {
             Ok(written) => {
-                let events = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
-                metrics::counter!("gpumedic_classifier_events_total").increment(events);
+                let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
+                let rollups = batch.iter().map(|b| b.rollups.len() as u64).sum::<u64>();
+                metrics::counter!("gpumedic_classifier_events_total").increment(observations.len() as u64);
+                metrics::counter!("gpumedic_classifier_recorded_events_total").increment(rows);
+                metrics::counter!("gpumedic_classifier_rollups_total").increment(rollups);
                 metrics::counter!("gpumedic_classifier_duplicate_events_total")
-                    .increment(events.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
+                    .increment(rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
                 Ok(dispositions)
             }
             Err(e) => {
                 if let Some(key) = key {
-                    self.retrying = Some((key, decisions, absorbed));
+                    self.retrying = Some((key, decisions, absorbed, kept));
                 }
                 Err(Box::new(e))
             }

@@ -1,6 +1,7 @@
-//! The classifier: applies runbook rules to enriched health events per node and GPU, records every
-//! event, incident, verdict and action in Postgres (its sole writer), and publishes verdicts on
-//! `gpumedic.verdicts.v1`, keyed by node.
+//! The classifier: applies runbook rules to enriched health events per node and GPU, records
+//! incidents, verdicts, actions and the events they need in Postgres (its sole writer; every
+//! event with `--persist all`, see [`persist`]), and publishes verdicts on `gpumedic.verdicts.v1`,
+//! keyed by node.
 //!
 //! Records are handled a batch at a time ([`kafka::run_batch_consumer`]): decode each record
 //! (undecodable ones go to the dead-letter topic), observe the events through the engine in
@@ -28,6 +29,7 @@ pub mod auth;
 pub mod lemons;
 pub mod nvlink;
 pub mod observe;
+pub mod persist;
 pub mod quality;
 pub mod reload;
 pub mod retention;
@@ -110,6 +112,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
             rebuild_window: config.rebuild_window,
             clock_skew_allowance: config.clock_skew_allowance,
             lemons: config.lemons,
+            keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
         })
     };
     let classifier = match setup.await {

@@ -3,8 +3,9 @@
 //! them). A job runs at start and hourly: it creates the partitions of today and the next
 //! [`DAYS_AHEAD`] days, drops the daily partitions wholly older than the retention, and deletes
 //! expired rows that landed in the default partition. Dropping a partition is instant and leaves
-//! no bloat, unlike deleting rows. Workload-fault sightings (one per application Xid line) expire
-//! with the events; incidents, verdicts, actions and workload faults are small and kept.
+//! no bloat, unlike deleting rows. Telemetry rollups and workload-fault sightings (one per
+//! application Xid line) expire with the events; incidents, verdicts, actions and workload faults
+//! are small and kept.
 //!
 //! Replicas serialise on a transaction-scoped advisory lock, so they never race on DDL.
 
@@ -35,6 +36,8 @@ pub struct Report {
     pub default_rows_deleted: u64,
     /// Expired workload-fault sightings deleted.
     pub sightings_deleted: u64,
+    /// Expired telemetry rollups deleted (see [`crate::persist`]).
+    pub rollups_deleted: u64,
 }
 
 /// The partition name for `day`.
@@ -126,6 +129,11 @@ pub async fn maintain(pool: &PgPool, retention: Duration, now: DateTime<Utc>) ->
         .execute(&mut *tx)
         .await?
         .rows_affected();
+    report.rollups_deleted = sqlx::query("DELETE FROM telemetry_rollups WHERE minute < $1")
+        .bind(cutoff)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
     tx.commit().await?;
     Ok(report)
 }
@@ -145,7 +153,8 @@ pub async fn maintain_logged(pool: &PgPool, retention: Duration) {
             metrics::counter!("gpumedic_classifier_expired_events_deleted_total").increment(r.default_rows_deleted);
             let days = |v: &[NaiveDate]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
             tracing::info!(created = %days(&r.created), dropped = %days(&r.dropped),
-                default_rows_deleted = r.default_rows_deleted, sightings_deleted = r.sightings_deleted, retention_days = retention.as_secs() / 86_400,
+                default_rows_deleted = r.default_rows_deleted, sightings_deleted = r.sightings_deleted,
+                rollups_deleted = r.rollups_deleted, retention_days = retention.as_secs() / 86_400,
                 "Event partitions maintained.");
         }
         Err(e) => {

@@ -1,9 +1,10 @@
 //! Postgres writes. The classifier is the only writer, and every write is idempotent (keyed by
 //! event id and time, incident id, verdict id, and verdict+action+status), so a redelivered batch
-//! or a replayed tick changes nothing.
+//! or a replayed tick changes nothing; telemetry rollups ([`crate::persist`]) are merged instead.
 //!
-//! A batch of records becomes one statement, one round trip: column arrays bound once and
-//! expanded with `UNNEST` into multi-row inserts of events, incidents, verdicts and actions,
+//! A batch of records becomes one transaction: the events sent with binary `COPY` into a staging
+//! table, then one statement with column arrays bound once and expanded with `UNNEST` into
+//! multi-row inserts of events (from the staging table), incidents, verdicts and actions,
 //! combined with data-modifying CTEs so they commit (or fail) together.
 
 use std::collections::HashMap;
@@ -89,6 +90,97 @@ impl EventRows {
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
+}
+
+impl EventRows {
+    /// The events in PostgreSQL's binary `COPY` format, in `health_events`' column order from
+    /// `event_id` to `record` ([`COPY_EVENT_COLUMNS`]).
+    pub fn copy_binary(&self) -> Vec<u8> {
+        // Microseconds between the Unix epoch and PostgreSQL's (2000-01-01 UTC).
+        const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+        let mut out = Vec::with_capacity(19 + self.records.iter().map(|r| r.len() + 220).sum::<usize>());
+        out.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+        out.extend_from_slice(&0i32.to_be_bytes());
+        out.extend_from_slice(&0i32.to_be_bytes());
+        fn field(out: &mut Vec<u8>, bytes: &[u8]) {
+            out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
+            out.extend_from_slice(bytes);
+        }
+        fn text(out: &mut Vec<u8>, t: Option<&str>) {
+            match t {
+                Some(t) => field(out, t.as_bytes()),
+                None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+            }
+        }
+        for i in 0..self.ids.len() {
+            out.extend_from_slice(&12i16.to_be_bytes());
+            field(&mut out, self.ids[i].as_bytes());
+            text(&mut out, Some(&self.nodes[i]));
+            field(&mut out, &(self.observed_at[i].timestamp_micros() - PG_EPOCH_MICROS).to_be_bytes());
+            text(&mut out, Some(&self.sources[i]));
+            text(&mut out, Some(&self.components[i]));
+            text(&mut out, Some(&self.kinds[i]));
+            text(&mut out, self.gpu_uuids[i].as_deref());
+            text(&mut out, self.pci_bus_ids[i].as_deref());
+            match self.xids[i] {
+                Some(x) => field(&mut out, &x.to_be_bytes()),
+                None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+            }
+            field(&mut out, &[u8::from(self.healthy[i])]);
+            field(&mut out, &[u8::from(self.synthetic[i])]);
+            // `json`'s binary form is its text.
+            text(&mut out, Some(&self.records[i]));
+        }
+        out.extend_from_slice(&(-1i16).to_be_bytes());
+        out
+    }
+}
+
+/// The columns [`EventRows::copy_binary`] writes, in order.
+pub const COPY_EVENT_COLUMNS: &str =
+    "event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record";
+
+/// The staging table of [`copy_events`] and [`write_batch`]: one per connection, emptied at
+/// each commit. Postgres says NOTICE each time it already exists, which sqlx would log at INFO
+/// for every batch: the transaction asks for warnings only.
+const CREATE_STAGING: &str = "SET LOCAL client_min_messages = warning;
+     CREATE TEMP TABLE IF NOT EXISTS health_events_staging
+     (LIKE health_events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS";
+
+const COPY_TO_STAGING: &str = "COPY health_events_staging (event_id, node, observed_at, source, component, kind, \
+     gpu_uuid, pci_bus_id, xid, healthy, synthetic, record) FROM STDIN (FORMAT binary)";
+
+const STAGING_TO_EVENTS: &str = "INSERT INTO health_events (event_id, node, observed_at, source, component, kind, \
+     gpu_uuid, pci_bus_id, xid, healthy, synthetic, record)
+     SELECT event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record
+       FROM health_events_staging
+     ON CONFLICT (event_id, observed_at) DO NOTHING";
+
+const COPY_TO_EVENTS: &str = "COPY health_events (event_id, node, observed_at, source, component, kind, gpu_uuid, \
+     pci_bus_id, xid, healthy, synthetic, record) FROM STDIN (FORMAT binary)";
+
+/// Writes `events` with binary `COPY` into a temporary staging table, then into `health_events`
+/// with `INSERT ... SELECT ... ON CONFLICT DO NOTHING` (COPY itself cannot skip the rows a
+/// redelivery already wrote), in one transaction; returns how many were new. The alternative to
+/// [`write_batch`]'s `UNNEST` insert measured by the `event-writes` load scenario.
+pub async fn copy_events(pool: &PgPool, events: &EventRows) -> Result<u64, StoreError> {
+    let mut tx = pool.begin().await?;
+    sqlx::raw_sql(CREATE_STAGING).execute(&mut *tx).await?;
+    let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
+    copy.send(events.copy_binary()).await?;
+    copy.finish().await?;
+    let new = sqlx::query(STAGING_TO_EVENTS).execute(&mut *tx).await?.rows_affected();
+    tx.commit().await?;
+    Ok(new)
+}
+
+/// Writes `events` with binary `COPY` straight into `health_events`: no conflict handling, so a
+/// redelivered event fails the whole statement. Only for measuring the ceiling of COPY.
+pub async fn copy_events_unchecked(pool: &PgPool, events: &EventRows) -> Result<u64, StoreError> {
+    let mut conn = pool.acquire().await?;
+    let mut copy = conn.copy_in_raw(COPY_TO_EVENTS).await?;
+    copy.send(events.copy_binary()).await?;
+    copy.finish().await
 }
 
 /// Incidents and verdicts from decisions, as column arrays.
@@ -261,12 +353,18 @@ pub struct Batch {
     pub actions: ActionRows,
     /// Sympathetic events recorded as evidence on root incidents.
     pub sympathetic: SympatheticRows,
+    /// Per-minute rollups of healthy telemetry not recorded event by event ([`crate::persist`]).
+    pub rollups: crate::persist::RollupRows,
 }
 
 impl Batch {
     /// Nothing to write.
     pub fn is_empty(&self) -> bool {
-        self.events.is_empty() && self.decisions.is_empty() && self.actions.is_empty() && self.sympathetic.is_empty()
+        self.events.is_empty()
+            && self.decisions.is_empty()
+            && self.actions.is_empty()
+            && self.sympathetic.is_empty()
+            && self.rollups.is_empty()
     }
 
     /// `parts` empty batches with room for `events` events between them, for [`write_parts`].
@@ -358,13 +456,75 @@ WITH ev AS (
     SELECT * FROM UNNEST($40::uuid[], $41::uuid[], $42::text[], $43::text[], $44::timestamptz[], $45::text[],
                          $46::text[], $47::text[], $48::timestamptz[])
     ON CONFLICT (event_id) DO NOTHING
+), roll AS (
+    INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, events, last_at, readings, counters)
+    SELECT node, gpu_uuid, kind, minute, events, last_at, readings::jsonb, counters::jsonb
+      FROM UNNEST($51::text[], $52::text[], $53::text[], $54::timestamptz[], $55::int4[], $56::timestamptz[],
+                  $57::text[], $58::text[])
+        AS r(node, gpu_uuid, kind, minute, events, last_at, readings, counters)
+    ON CONFLICT (node, gpu_uuid, kind, minute) DO UPDATE
+       SET events = t.events + EXCLUDED.events,
+           last_at = greatest(t.last_at, EXCLUDED.last_at),
+           readings = merge_rollup_readings(t.readings, EXCLUDED.readings, EXCLUDED.last_at >= t.last_at),
+           counters = merge_rollup_counters(t.counters, EXCLUDED.counters)
 )
 SELECT count(*) FROM ev";
 
-/// Writes a batch in one statement (one round trip, all or nothing).
+/// [`WRITE_BATCH`] with the events read from the staging table [`copy_events`] fills, not from
+/// the arrays `$1` to `$12` (bound empty).
+fn write_batch_staged() -> &'static str {
+    static STAGED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    STAGED.get_or_init(|| {
+        WRITE_BATCH.replacen(
+            "    SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::int4[], $10::bool[], $11::bool[], $12::text[]::json[])
+    ON CONFLICT",
+            "    SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::int4[], $10::bool[], $11::bool[], $12::text[]::json[])
+    UNION ALL
+    SELECT event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid, healthy, synthetic, record
+      FROM health_events_staging
+    ON CONFLICT",
+            1,
+        )
+    })
+}
+
+/// Writes a batch, all or nothing: its events with binary `COPY` into a temporary staging table,
+/// then everything in one statement (the events from the staging table), in one transaction.
+/// `COPY` cannot skip the rows a redelivery already wrote, hence the staging table; the
+/// `event-writes` load scenario measured this faster than binding the events as arrays
+/// (docs/benchmarks.md). A batch without events is the one statement alone.
 pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
+    if b.events.is_empty() {
+        return write_statement(pool, b, WRITE_BATCH).await;
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::raw_sql(CREATE_STAGING).execute(&mut *tx).await?;
+    let mut copy = tx.copy_in_raw(COPY_TO_STAGING).await?;
+    copy.send(b.events.copy_binary()).await?;
+    copy.finish().await?;
+    let staged = Batch { events: EventRows::default(), ..b.clone() };
+    let written = write_statement(&mut *tx, &staged, write_batch_staged()).await?;
+    tx.commit().await?;
+    Ok(written)
+}
+
+/// Writes a batch in one statement, its events bound as arrays like the rest: how every batch was
+/// written before [`write_batch`] sent the events with `COPY`; kept for the `event-writes` load
+/// scenario, which measures the two.
+pub async fn write_batch_arrays(pool: &PgPool, b: &Batch) -> Result<Written, StoreError> {
+    write_statement(pool, b, WRITE_BATCH).await
+}
+
+/// Writes `b` with `statement` ([`WRITE_BATCH`] or [`write_batch_staged`]) on `db`.
+async fn write_statement<'e, E, Q>(db: E, b: &Batch, statement: Q) -> Result<Written, StoreError>
+where
+    E: sqlx::PgExecutor<'e>,
+    Q: sqlx::SqlSafeStr,
+{
     let (e, d, a, s) = (&b.events, &b.decisions, &b.actions, &b.sympathetic);
-    let new_events: i64 = sqlx::query_scalar(WRITE_BATCH)
+    let new_events: i64 = sqlx::query_scalar(statement)
         .bind(&e.ids)
         .bind(&e.nodes)
         .bind(&e.observed_at)
@@ -415,7 +575,15 @@ pub async fn write_batch(pool: &PgPool, b: &Batch) -> Result<Written, StoreError
         .bind(&s.root_opened_at)
         .bind(&d.verdict_records)
         .bind(&d.incident_hardware)
-        .fetch_one(pool)
+        .bind(&b.rollups.nodes)
+        .bind(&b.rollups.gpus)
+        .bind(&b.rollups.kinds)
+        .bind(&b.rollups.minutes)
+        .bind(&b.rollups.events)
+        .bind(&b.rollups.last_at)
+        .bind(&b.rollups.readings)
+        .bind(&b.rollups.counters)
+        .fetch_one(db)
         .await?;
     Ok(Written { new_events })
 }

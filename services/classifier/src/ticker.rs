@@ -17,7 +17,10 @@ pub(crate) async fn ticker(
 ) -> Result<(), ClassifierError> {
     loop {
         tokio::select! {
-            () = token.cancelled() => return Ok(()),
+            () = token.cancelled() => {
+                flush_rollups(&classifier).await;
+                return Ok(());
+            }
             () = tokio::time::sleep(every) => {}
         }
         let mut c = classifier.lock().await;
@@ -58,5 +61,25 @@ pub(crate) async fn ticker(
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
+    }
+}
+
+/// Writes the rollups of the minutes still open ([`crate::persist`]), at shutdown: they are held
+/// in memory until their minute is over, and the next run starts afresh. A failure loses them
+/// (the events are still in Kafka).
+async fn flush_rollups(classifier: &Mutex<Classifier>) {
+    let mut c = classifier.lock().await;
+    let open = c.keeper.drain();
+    if open.is_empty() {
+        return;
+    }
+    let mut batch = store::Batch::default();
+    for (key, rollup) in &open {
+        batch.rollups.push(key, rollup);
+    }
+    match store::write_batch(&c.pool, &batch).await {
+        Ok(_) => tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown."),
+        Err(e) => tracing::warn!(error = %e, rollups = open.len(),
+            "Cannot write the rollups of the minutes still open at shutdown; they are lost."),
     }
 }

@@ -133,6 +133,8 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
         ("GPUMEDIC_GROUP", testbed::unique_name("crash-classifier")),
         ("GPUMEDIC_DATABASE_URL", url.clone()),
+        // Every event recorded, so each one's exactly-once recording can be checked.
+        ("GPUMEDIC_PERSIST", "all".into()),
         ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
         ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),

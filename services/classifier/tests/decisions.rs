@@ -213,6 +213,12 @@ struct EventSpec {
     /// gpu_inventory: the GPUs present.
     #[serde(default)]
     present: Option<GpuSel>,
+    /// custom: the values, each a field of the observation (text, as observe.rs maps them).
+    #[serde(default)]
+    values: Option<BTreeMap<String, String>>,
+    /// custom: the component (`node` by default, `gpu`, `pcie`).
+    #[serde(default)]
+    component: Option<String>,
 }
 
 /// The kinds a scenario may use; `reboot` is not an observation but gives the node a new boot id.
@@ -235,6 +241,7 @@ const SCENARIO_KINDS: &[&str] = &[
     "cloud_maintenance",
     "monitor_health",
     "gpu_inventory",
+    "custom",
     "reboot",
 ];
 
@@ -628,13 +635,29 @@ fn observation(
             o = o.field("count", count).field("expected", expected).field("missing", (expected - count).max(0));
             ("nvml", "node", present.len() as u32 == gpu_count)
         }
+        "custom" => {
+            // As observe.rs maps a custom event: every value a text field. The collector's own
+            // custom events (InfiniBand ports, NIC driver errors, PCIe links, clock slowdowns)
+            // say what they are in `check`.
+            for (k, v) in need(&ev.values, "values")? {
+                o = o.field(&k, v.as_str());
+            }
+            let component = ev.component.as_deref().unwrap_or(if gpu.is_some() { "gpu" } else { "node" });
+            // Only `healthy` says whether a custom observation is evidence of health.
+            return Ok(finish(o, ev, "kernel_log", component, false));
+        }
         other => return Err(format!("kind `{other}` cannot be observed")),
     };
+    Ok(finish(o, ev, source, component, healthy))
+}
+
+/// The source, component and health of `o`, as the event gives them or the kind implies.
+fn finish(mut o: Observation, ev: &EventSpec, source: &str, component: &str, healthy: bool) -> Observation {
     o.source = ev.source.clone().unwrap_or_else(|| source.to_owned());
     o.component = component.to_owned();
     o.healthy = ev.healthy.unwrap_or(healthy);
     o.synthetic = o.source == "synthetic";
-    Ok(o)
+    o
 }
 
 /// The recovery action as `observe.rs` spells it (`XidRecoveryAction` in snake case).

@@ -77,3 +77,29 @@ async fn partitions_are_created_ahead_and_expired_days_dropped() {
     pool.close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db}\" WITH (FORCE)"))).execute(&admin).await.ok();
 }
+
+#[tokio::test]
+async fn telemetry_rollups_expire_with_the_events() {
+    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testbed::unique_name("retention-rollups").replace('-', "_");
+    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrated");
+    let now = Utc::now();
+    for days in [0, 31] {
+        sqlx::query(
+            "INSERT INTO telemetry_rollups (node, gpu_uuid, kind, minute, events, last_at)
+             VALUES ('node-1', 'GPU-a', 'temperature', date_trunc('minute', $1::timestamptz), 1, $1)",
+        )
+        .bind(now - chrono::Duration::days(days))
+        .execute(&pool)
+        .await
+        .expect("rollup");
+    }
+    let report = retention::maintain(&pool, Duration::from_secs(30 * 86_400), now).await.expect("maintained");
+    assert_eq!(report.rollups_deleted, 1);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM telemetry_rollups").fetch_one(&pool).await.expect("count");
+    assert_eq!(left, 1, "the recent minute stays");
+
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{db}\" WITH (FORCE)"))).execute(&admin).await.ok();
+}

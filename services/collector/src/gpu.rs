@@ -61,6 +61,15 @@ pub struct GpuSample {
     pub remap_failure: Option<bool>,
     /// The clock-event (throttle) reasons as NVML's bit mask (`nvmlClocksEventReason*`).
     pub throttle_mask: Option<u64>,
+    /// The PCIe link generation now (`nvmlDeviceGetCurrPcieLinkGeneration`).
+    pub pcie_link_gen: Option<u32>,
+    /// The highest PCIe link generation the GPU and its slot allow
+    /// (`nvmlDeviceGetMaxPcieLinkGeneration`).
+    pub pcie_link_gen_max: Option<u32>,
+    /// The PCIe link width now, in lanes (`nvmlDeviceGetCurrPcieLinkWidth`).
+    pub pcie_link_width: Option<u32>,
+    /// The widest PCIe link the GPU and its slot allow (`nvmlDeviceGetMaxPcieLinkWidth`).
+    pub pcie_link_width_max: Option<u32>,
     /// NVLink links that answer, by link number; empty on a GPU without NVLink.
     pub nvlinks: Vec<NvlinkSample>,
 }
@@ -190,6 +199,11 @@ fn fresh_gpu(node: &str, index: u32) -> GpuSample {
         remap_pending: Some(false),
         remap_failure: Some(false),
         throttle_mask: Some(throttle::GPU_IDLE),
+        // An H100 SXM in a Gen5 x16 slot, at its maximum (tests script a downtrained link).
+        pcie_link_gen: Some(5),
+        pcie_link_gen_max: Some(5),
+        pcie_link_width: Some(16),
+        pcie_link_width_max: Some(16),
         nvlinks: (0..SIMULATED_NVLINKS)
             .map(|link| NvlinkSample {
                 link,
@@ -385,6 +399,11 @@ pub mod throttle {
     /// normal operation and change too often to publish.
     pub const CONCERNING: u64 = HW_SLOWDOWN | HW_THERMAL_SLOWDOWN | HW_POWER_BRAKE_SLOWDOWN | SW_THERMAL_SLOWDOWN;
 
+    /// Reasons that explain a hardware slowdown: the GPU's own temperature or an external power
+    /// brake. [`HW_SLOWDOWN`] without any of them (and without a temperature or power reading
+    /// that explains it) is a gray failure: a board, sensor or power-supply fault.
+    pub const EXPLAINS_SLOWDOWN: u64 = HW_THERMAL_SLOWDOWN | HW_POWER_BRAKE_SLOWDOWN | SW_THERMAL_SLOWDOWN;
+
     /// The names of the reasons set in `mask`, most serious first.
     pub fn names(mask: u64) -> Vec<String> {
         NAMES.iter().filter(|(bit, _)| mask & bit != 0).map(|(_, n)| (*n).to_owned()).collect()
@@ -490,6 +509,10 @@ impl NvmlBackend {
             remap_pending: remap[2].map(|v| v != 0),
             remap_failure: remap[3].map(|v| v != 0),
             throttle_mask: device.current_throttle_reasons().ok().map(|r| r.bits()),
+            pcie_link_gen: device.current_pcie_link_gen().ok(),
+            pcie_link_gen_max: device.max_pcie_link_gen().ok(),
+            pcie_link_width: device.current_pcie_link_width().ok(),
+            pcie_link_width_max: device.max_pcie_link_width().ok(),
             nvlinks: nvlinks(&device),
         })
     }

@@ -13,8 +13,10 @@ pub mod identity;
 pub mod ingest;
 pub mod inventory;
 pub mod kernel_log;
+pub mod network;
 pub mod node_token;
 pub mod nvml_xid;
+pub mod pod_resources;
 pub mod publisher;
 pub mod sampler;
 pub mod socket_claim;
@@ -116,6 +118,19 @@ pub struct Args {
     /// authentication dead-letters records without a token). Off: a missing token is a warning.
     #[arg(long, env = "GPUMEDIC_REQUIRE_NODE_TOKEN")]
     require_node_token: bool,
+    /// How often the InfiniBand/RoCE ports are read from sysfs (`off` to disable).
+    #[arg(long, env = "GPUMEDIC_IB_INTERVAL", default_value = "30s")]
+    ib_interval: String,
+    /// The sysfs root the ports are read under (`<root>/class/infiniband/<hca>/ports/<n>/`).
+    #[arg(long, env = "GPUMEDIC_SYSFS_ROOT", default_value = "/sys")]
+    sysfs_root: PathBuf,
+    /// How many HCAs the node should have; fewer is a missing-HCA event. Unset: not checked.
+    #[arg(long, env = "GPUMEDIC_IB_EXPECTED_HCAS")]
+    ib_expected_hcas: Option<u32>,
+    /// HCAs (`mlx5_3`) or ports (`mlx5_3/2`) not to watch, comma-separated: ports that are
+    /// unused and down for good.
+    #[arg(long, env = "GPUMEDIC_IB_IGNORE", default_value = "")]
+    ib_ignore: String,
     #[command(flatten)]
     dcgm: dcgm::source::DcgmArgs,
     #[command(flatten)]
@@ -181,6 +196,8 @@ pub struct Config {
     pub dcgm: dcgm::source::DcgmSettings,
     /// The cloud maintenance source.
     pub cloud: cloud::CloudSettings,
+    /// The InfiniBand/RoCE port source, when on (`node` is filled in by `run`).
+    pub network: Option<network::NetworkSettings>,
 }
 
 impl Validate for Args {
@@ -279,6 +296,33 @@ impl Validate for Args {
                 Err(_) => None,
             },
         };
+        let network = match self.ib_interval.trim() {
+            "off" | "" => None,
+            raw => p
+                .check(
+                    "--ib-interval",
+                    parse_duration(raw).and_then(|d| {
+                        if d.is_zero() {
+                            Err("the ports need an interval above zero (or off)".to_owned())
+                        } else {
+                            Ok(d)
+                        }
+                    }),
+                )
+                .map(|interval| network::NetworkSettings {
+                    node: self.node_name.clone(),
+                    sysfs_root: self.sysfs_root.clone(),
+                    interval,
+                    expected_hcas: self.ib_expected_hcas,
+                    ignore: self
+                        .ib_ignore
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_owned)
+                        .collect(),
+                }),
+        };
         let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
         let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
@@ -304,6 +348,7 @@ impl Validate for Args {
             node_token: node_token::NodeToken::new(node_token),
             dcgm: dcgm.expect("checked"),
             cloud: cloud.expect("checked"),
+            network,
         })
     }
 }
@@ -486,9 +531,22 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         );
         service.shutdown.spawn("dcgm-exporter", task);
     }
+    if let Some(health) = config.dcgm.health.clone() {
+        let task = dcgm::source::watch_health(
+            config.node_name.clone(),
+            health,
+            directory.clone(),
+            sink.clone(),
+            token.clone(),
+        );
+        service.shutdown.spawn("dcgm-health", task);
+    }
     if let Some(diag) = config.dcgm.diag.clone() {
         let task = dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
         service.shutdown.spawn("dcgm-diag", task);
+    }
+    if let Some(settings) = config.network.clone() {
+        service.shutdown.spawn("infiniband", network::watch_fabric(settings, sink.clone(), token.clone()));
     }
     let cloud = cloud::watch_maintenance(config.node_name.clone(), config.cloud.clone(), sink.clone(), token.clone());
     service.shutdown.spawn("cloud-maintenance", cloud);

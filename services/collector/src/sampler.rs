@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{
-    Component, Detail, EccDetail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, NvlinkDetail,
+    Component, CustomDetail, Detail, EccDetail, Entity, GpuLostDetail, MonitorHealthDetail, MonitorState, NvlinkDetail,
     PcieReplayDetail, PowerDetail, RetiredPagesDetail, RowRemapDetail, Source, TemperatureDetail, ThrottleDetail,
 };
 
@@ -150,6 +150,13 @@ impl Sampler {
             if let Some((detail, healthy)) = throttle_event(prev, s) {
                 emit(detail, healthy);
             }
+            let mut gray = Vec::new();
+            if let Some((values, healthy)) = pcie_link_event(prev, s) {
+                gray.push((Component::Pcie, values, healthy));
+            }
+            if let Some((values, healthy)) = slowdown_event(prev, s) {
+                gray.push((Component::Gpu, values, healthy));
+            }
             let links = nvlink_events(prev, s);
             let last_beat = self.last.get(&s.index).map(|(_, hb)| *hb);
             let recovered = prev.is_some_and(|p| p.lost) || was_failing;
@@ -168,6 +175,13 @@ impl Sampler {
             } else {
                 last_beat.unwrap_or(now)
             };
+            for (component, values, healthy) in gray {
+                let detail = Detail::Custom(CustomDetail { monitor: self.source_name().into(), values });
+                let mut e = HealthEvent::new(&self.node, self.source, component, entity.clone(), detail);
+                e.observed_at = now;
+                e.healthy = healthy;
+                out.push(e);
+            }
             for (link, detail, healthy) in links {
                 let mut e = HealthEvent::new(
                     &self.node,
@@ -199,8 +213,11 @@ impl Sampler {
         if first.is_empty() {
             return out;
         }
+        // Heartbeats and the gray-failure events (`custom`: a PCIe link below its maximum, an
+        // unexplained slowdown) stay: the snapshot has no form of its own for those.
         let is_first = |e: &HealthEvent| {
             e.kind != gpumedic_schemas::Kind::MonitorHealth
+                && e.kind != gpumedic_schemas::Kind::Custom
                 && first.iter().any(|s| e.entity.gpu_index == i32::try_from(s.index).ok())
         };
         out.retain(|e| !is_first(e));
@@ -426,6 +443,109 @@ fn throttle_event(prev: Option<&GpuSample>, s: &GpuSample) -> Option<(Detail, bo
     })
 }
 
+/// How a GPU's PCIe link falls short of its maximum: `width` (fewer lanes than the slot and GPU
+/// allow: a seating, riser or lane fault, never power management), `gen` (a lower generation
+/// while the GPU is busy; an idle GPU trains its link down to save power, so an idle GPU's
+/// generation is not judged), both (`gen,width`), or `None` when the link is at its maximum.
+/// Unknown when NVML does not tell the readings.
+fn pcie_shortfall(s: &GpuSample) -> Option<Option<&'static str>> {
+    let width = match (s.pcie_link_width, s.pcie_link_width_max) {
+        (Some(w), Some(max)) => w < max,
+        _ => false,
+    };
+    let busy = s.throttle_mask.is_some_and(|m| m & throttle::GPU_IDLE == 0);
+    let gen_low = match (s.pcie_link_gen, s.pcie_link_gen_max) {
+        (Some(g), Some(max)) => busy && g < max,
+        _ => false,
+    };
+    if s.pcie_link_width.is_none() && s.pcie_link_gen.is_none() {
+        return None;
+    }
+    Some(match (gen_low, width) {
+        (true, true) => Some("gen,width"),
+        (false, true) => Some("width"),
+        (true, false) => Some("gen"),
+        (false, false) => None,
+    })
+}
+
+fn opt_text(v: Option<u32>) -> String {
+    v.map_or_else(String::new, |v| v.to_string())
+}
+
+/// PCIe link downtraining: an event when the shortfall ([`pcie_shortfall`]) changes, and at first
+/// sight when there is one; healthy when the link is back at its maximum. `custom` values:
+/// `check: pcie_link`, `degraded` (`width`, `gen`, `gen,width` or `none`), the four readings.
+fn pcie_link_event(
+    prev: Option<&GpuSample>,
+    s: &GpuSample,
+) -> Option<(std::collections::BTreeMap<String, String>, bool)> {
+    let now = pcie_shortfall(s)?;
+    let report = match prev.and_then(pcie_shortfall) {
+        Some(before) => before != now,
+        None => now.is_some(),
+    };
+    report.then(|| {
+        let values = [
+            ("check", "pcie_link".to_owned()),
+            ("degraded", now.unwrap_or("none").to_owned()),
+            ("link_gen", opt_text(s.pcie_link_gen)),
+            ("max_link_gen", opt_text(s.pcie_link_gen_max)),
+            ("link_width", opt_text(s.pcie_link_width)),
+            ("max_link_width", opt_text(s.pcie_link_width_max)),
+        ]
+        .into_iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        (values, now.is_none())
+    })
+}
+
+/// A hardware slowdown nothing explains: `HW_SLOWDOWN` set while no thermal or power-brake reason
+/// is, the temperature is below the slowdown threshold and the draw within the limit. NVML sets
+/// `HW_SLOWDOWN` with the thermal or power-brake bit when those are the cause; alone it points at
+/// the board, a sensor or the power supply. Unknown without a throttle reading.
+fn unexplained_slowdown(s: &GpuSample) -> Option<bool> {
+    let mask = s.throttle_mask?;
+    let hot = band(s).is_some_and(|b| b != Band::Normal);
+    let over = matches!((s.power_w, s.power_limit_w), (Some(w), Some(l)) if w > l);
+    Some(mask & throttle::HW_SLOWDOWN != 0 && mask & throttle::EXPLAINS_SLOWDOWN == 0 && !hot && !over)
+}
+
+/// An unexplained slowdown ([`unexplained_slowdown`]) starting (also at first sight) or ending
+/// (healthy). `custom` values: `check: clock_slowdown`, `explained: false`, the mask, the
+/// temperature and the draw.
+fn slowdown_event(
+    prev: Option<&GpuSample>,
+    s: &GpuSample,
+) -> Option<(std::collections::BTreeMap<String, String>, bool)> {
+    let now = unexplained_slowdown(s)?;
+    let report = match prev.and_then(unexplained_slowdown) {
+        Some(before) => before != now,
+        None => now,
+    };
+    report.then(|| {
+        let mut values = std::collections::BTreeMap::new();
+        values.insert("check".to_owned(), "clock_slowdown".to_owned());
+        values.insert("slowing".to_owned(), now.to_string());
+        values.insert(
+            "reasons".to_owned(),
+            throttle::names(s.throttle_mask.unwrap_or(0) & throttle::CONCERNING).join(","),
+        );
+        if let Some(mask) = s.throttle_mask {
+            values.insert("mask".to_owned(), format!("{mask:#x}"));
+        }
+        if let Some(t) = s.temperature_c {
+            values.insert("temperature".to_owned(), t.to_string());
+        }
+        if let Some(w) = s.power_w {
+            values.insert("power".to_owned(), format!("{w:.0}"));
+        }
+        (values, !now)
+    })
+}
+
 /// NVLink: an event per link that goes down or comes back up, and one per GPU when its error
 /// counters grow. Counters in every NVLink event are summed over the GPU's links, so the
 /// classifier sees one counter series per GPU (its rules judge growth per GPU); `link` names
@@ -582,6 +702,83 @@ mod field_tests {
         // A driver reload resets the volatile counters: not a fault.
         control.update(0, |g| g.ecc_sbe_volatile = Some(0));
         assert!(step(&mut sim, &mut s, 3).is_empty());
+    }
+
+    fn values(e: &HealthEvent) -> &std::collections::BTreeMap<String, String> {
+        match &e.detail {
+            Detail::Custom(c) => &c.values,
+            other => panic!("custom expected, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn pcie_link_below_its_maximum_width_always_generation_only_when_busy() {
+        let (mut sim, control, mut s) = started();
+        // Idle: the link trains down to save power; not a fault.
+        control.update(0, |g| g.pcie_link_gen = Some(1));
+        assert!(step(&mut sim, &mut s, 1).is_empty(), "an idle GPU's generation is not judged");
+        // Busy at Gen1: downtrained.
+        control.update(0, |g| g.throttle_mask = Some(throttle::SW_POWER_CAP));
+        let e = step(&mut sim, &mut s, 2);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!((e[0].kind, e[0].component, e[0].healthy), (Kind::Custom, Component::Pcie, false));
+        let v = values(&e[0]);
+        assert_eq!(v.get("check").map(String::as_str), Some("pcie_link"));
+        assert_eq!(v.get("degraded").map(String::as_str), Some("gen"));
+        assert_eq!((v["link_gen"].as_str(), v["max_link_gen"].as_str()), ("1", "5"));
+        assert_eq!(e[0].entity.gpu_index, Some(0));
+        // Fewer lanes too: a new shortfall.
+        control.update(0, |g| g.pcie_link_width = Some(8));
+        assert_eq!(values(&step(&mut sim, &mut s, 3)[0]).get("degraded").map(String::as_str), Some("gen,width"));
+        assert!(step(&mut sim, &mut s, 4).is_empty(), "unchanged: no event");
+        // Back at the maximum: healthy.
+        control.update(0, |g| {
+            g.pcie_link_gen = Some(5);
+            g.pcie_link_width = Some(16);
+        });
+        let e = step(&mut sim, &mut s, 5);
+        assert_eq!((e.len(), e[0].healthy), (1, true));
+        assert_eq!(values(&e[0]).get("degraded").map(String::as_str), Some("none"));
+    }
+
+    #[test]
+    fn a_narrow_link_at_first_sight_is_reported_even_through_the_snapshot() {
+        let (mut sim, control) = Simulated::new("n", 1);
+        control.update(0, |g| g.pcie_link_width = Some(4));
+        let mut s = Sampler::new("n", Source::Nvml, Duration::from_secs(3600));
+        let first = s.observe_with_snapshot(&sim.sample().unwrap(), at(0));
+        let pcie: Vec<_> = first.iter().filter(|e| e.kind == Kind::Custom).collect();
+        assert_eq!(pcie.len(), 1, "{first:#?}");
+        assert_eq!(values(pcie[0]).get("degraded").map(String::as_str), Some("width"));
+        assert!(!pcie[0].healthy);
+    }
+
+    #[test]
+    fn a_hardware_slowdown_without_a_thermal_or_power_reason_is_a_gray_failure() {
+        let (mut sim, control, mut s) = started();
+        // Explained: the thermal bit is set with it. Only the throttle event.
+        control.update(0, |g| g.throttle_mask = Some(throttle::HW_SLOWDOWN | throttle::HW_THERMAL_SLOWDOWN));
+        let e = step(&mut sim, &mut s, 1);
+        assert!(e.iter().all(|e| e.kind == Kind::Throttle), "{e:?}");
+        // Explained by the draw over the limit (fast-trigger protection).
+        control.update(0, |g| {
+            g.throttle_mask = Some(throttle::HW_SLOWDOWN);
+            g.power_w = Some(750.0);
+        });
+        assert!(step(&mut sim, &mut s, 2).iter().all(|e| e.kind != Kind::Custom));
+        // Nothing explains it: the gray failure.
+        control.update(0, |g| g.power_w = Some(400.0));
+        let e = step(&mut sim, &mut s, 3);
+        let slow: Vec<_> = e.iter().filter(|e| e.kind == Kind::Custom).collect();
+        assert_eq!(slow.len(), 1, "{e:?}");
+        assert_eq!(values(slow[0]).get("check").map(String::as_str), Some("clock_slowdown"));
+        assert_eq!(values(slow[0]).get("reasons").map(String::as_str), Some("hw_slowdown"));
+        assert!(!slow[0].healthy);
+        assert!(step(&mut sim, &mut s, 4).is_empty());
+        control.update(0, |g| g.throttle_mask = Some(0));
+        let e = step(&mut sim, &mut s, 5);
+        let slow: Vec<_> = e.iter().filter(|e| e.kind == Kind::Custom).collect();
+        assert_eq!((slow.len(), slow[0].healthy), (1, true));
     }
 
     #[test]

@@ -76,3 +76,30 @@ fn the_kernel_log_mode_runs_a_log_through_the_collectors_parser() {
     assert_eq!(event["nvlink5"]["action"], "gpu_reset");
     assert_eq!(lines[1], "kernel log: 2 line(s) read, 1 GPU health event(s) recognised");
 }
+
+#[test]
+fn the_dcgm_health_and_infiniband_modes_use_the_collectors_readers() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dcgm/health-check-warn.json");
+    let out = std::process::Command::new(BIN).args(["--dcgm-health", fixture]).output().expect("gpu-check runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("overall Failure, 3 incident(s)"), "{stdout}");
+    assert!(stdout.contains("GPU 1 health:memory Fail"), "{stdout}");
+
+    let root = std::env::temp_dir().join(format!("gpu-check-ib-{}", std::process::id()));
+    let port = root.join("class/infiniband/mlx5_0/ports/1");
+    std::fs::create_dir_all(port.join("counters")).unwrap();
+    std::fs::write(port.join("state"), "1: DOWN\n").unwrap();
+    std::fs::write(port.join("phys_state"), "2: Polling\n").unwrap();
+    std::fs::write(port.join("counters/link_downed"), "4\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["--infiniband", root.to_str().unwrap()])
+        .output()
+        .expect("gpu-check runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("1 HCA(s) [mlx5_0], 1 port(s)"), "{stdout}");
+    assert!(stdout.contains("mlx5_0/1 DOWN DOWN/Polling"), "{stdout}");
+    assert!(stdout.contains("link_downed 4"), "{stdout}");
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -18,11 +18,15 @@ use k8s_openapi::api::core::v1::{Event, Node};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Map, Value, json};
 
-use crate::drain::{DrainError, DrainPolicy, DrainReport, drain};
+use crate::dra::{self, DraError, Ensured};
+use crate::drain::{DrainError, DrainPolicy, DrainReport, drain, drain_holders};
 use crate::ladder::{Ladder, StepSpec};
 use crate::lease::Validity;
-use crate::plan::{APPLIED_ANNOTATION, Admission, Decision, Note, Plan, Policy, Skip, State, advance, plan};
-use crate::request::Remediation;
+use crate::plan::{
+    APPLIED_ANNOTATION, Admission, Decision, DrainScope, Intent, Mode, NodeView, Note, OPT_OUT_LABEL, Plan, Policy,
+    Skip, State, advance, plan,
+};
+use crate::request::{Action, Remediation};
 use crate::safety::Gate;
 
 /// How many times a write that lost a race (409) is re-planned before giving up.
@@ -78,6 +82,9 @@ pub enum ApplyError {
     /// The drain could not start.
     #[error(transparent)]
     Drain(#[from] DrainError),
+    /// A DRA object (ResourceSlice, ResourceClaim, DeviceTaintRule) could not be read or written.
+    #[error(transparent)]
+    Dra(#[from] DraError),
     /// An outcome owed before going on (a repair ladder's end) could not be published.
     #[error("cannot publish an action outcome: {0}")]
     Publish(String),
@@ -111,6 +118,8 @@ pub struct Settings {
     /// How a repaired node is validated before it returns (`--validation job`); `None`: it
     /// returns on its recovery verdict.
     pub validation: Option<crate::validate::Settings>,
+    /// GPU-level quarantine in DRA clusters.
+    pub gpu_quarantine: dra::GpuQuarantine,
 }
 
 impl Default for Settings {
@@ -124,6 +133,7 @@ impl Default for Settings {
                 .expect("the default ladder parses"),
             custom_timeout: std::time::Duration::from_secs(7200),
             validation: None,
+            gpu_quarantine: dra::GpuQuarantine::default(),
         }
     }
 }
@@ -234,7 +244,237 @@ impl Remediator {
     /// Plans `request` against the node as it is now and carries the plan out: node changes,
     /// Events, and the drain when the plan has one. `gpu_nodes` is the fleet size the breaker's
     /// share is measured against.
+    ///
+    /// A GPU-scoped fault on a node that publishes its GPUs through DRA quarantines only that GPU
+    /// (see [`crate::dra`]); everything else is planned on the node. A request that names a GPU
+    /// names it in the node condition's message too.
     pub async fn remediate(&self, request: &Remediation, gpu_nodes: usize) -> Result<Outcome, ApplyError> {
+        let request = request.naming_gpu();
+        match self.route(&request, gpu_nodes).await? {
+            Route::Done(outcome) => Ok(outcome),
+            Route::Node(request) => self.remediate_node(&request, gpu_nodes, None).await,
+        }
+    }
+
+    /// Whether `request` is carried out on one GPU (done here) or on the node (the request to
+    /// plan there: the same, or escalated to the whole node).
+    async fn route(&self, request: &Remediation, gpu_nodes: usize) -> Result<Route, ApplyError> {
+        let on_node = || Ok(Route::Node(request.clone()));
+        let settings = &self.settings;
+        if !settings.gpu_quarantine.enabled || self.paused() || settings.policy.mode == Mode::MonitorOnly {
+            return on_node();
+        }
+        let name = request.node.as_str();
+        if request.recovery {
+            self.release_gpus(request).await?;
+            return on_node();
+        }
+        let Some(gpu) = request.gpu.as_ref() else { return on_node() };
+        if !dra::gpu_scoped(request.action, settings.policy.mode == Mode::FullRemediation) {
+            return on_node();
+        }
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node = read(&nodes, name).await?;
+        let view = NodeView::from_node(&node);
+        // An opted-out node is the planner's to refuse; on a node gpumedic holds already the new
+        // incident joins the node's quarantine.
+        if view.labels.get(OPT_OUT_LABEL).is_some_and(|v| v == "true")
+            || view.applied().ok().flatten().is_some_and(|a| a.quarantines())
+        {
+            return on_node();
+        }
+        let slices = match dra::slices_on(&self.client, name).await {
+            Ok(slices) => slices,
+            Err(e) => {
+                tracing::warn!(node = name, error = %e, "Could not read the node's ResourceSlices; quarantining the node instead of the GPU.");
+                return on_node();
+            }
+        };
+        if slices.is_empty() {
+            return on_node();
+        }
+        let Some(device) = dra::find_device(&slices, &gpu.uuid) else {
+            tracing::warn!(node = name, gpu = %gpu.uuid, "The node publishes its GPUs through DRA but none with the verdict's UUID; quarantining the node instead.");
+            return on_node();
+        };
+        let rules = match dra::rules_on(&self.client, name).await {
+            Ok(rules) => rules,
+            Err(e) if dra::unserved(&e) => {
+                tracing::warn!(
+                    node = name,
+                    "The cluster serves no DeviceTaintRules (resource.k8s.io/v1beta2, feature gate DRADeviceTaintRules); quarantining the node instead of the GPU."
+                );
+                return on_node();
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let rule_name = dra::rule_name(name, &gpu.uuid);
+        let fresh = !rules.iter().any(|r| r.metadata.name.as_deref() == Some(rule_name.as_str()));
+        let (quarantined, total) = (rules.len() + usize::from(fresh), dra::gpu_count(&slices));
+        let max_share = settings.gpu_quarantine.max_share;
+        if fresh && dra::escalates(quarantined, total, max_share) {
+            let why = format!(
+                "Quarantining GPU {} would take {quarantined} of the node's {total} GPUs out one by one, more than \
+                 {:.0}%; the node is quarantined instead",
+                gpu.uuid,
+                max_share * 100.0
+            );
+            tracing::info!(node = name, gpu = %gpu.uuid, quarantined, total, "Escalated a GPU quarantine to the node: too many of its GPUs are out.");
+            metrics::counter!("gpumedic_remediator_gpu_quarantine_escalations_total").increment(1);
+            self.record(&node, &[note("GpuQuarantineEscalated", why, true)]).await;
+            return Ok(Route::Node(Remediation { gpu: None, ..request.clone() }));
+        }
+        if fresh {
+            let admission = lock(&self.gate).admit_gpu(&rule_name, Instant::now());
+            match admission {
+                Admission::Allowed => {}
+                Admission::BreakerOpen(why) => {
+                    self.note_skip(&node, &Skip::BreakerOpen(why.clone())).await;
+                    return Ok(Route::Done(Outcome::Skipped { reason: Skip::BreakerOpen(why), would: None }));
+                }
+                Admission::RateLimited(why) => {
+                    return Ok(Route::Done(Outcome::Skipped { reason: Skip::RateLimited(why), would: None }));
+                }
+            }
+        }
+        let result = self.quarantine_gpu(request, &node, &device, &rule_name, !fresh, gpu_nodes).await;
+        if fresh && !matches!(result, Ok(Route::Done(Outcome::Applied { .. }))) {
+            lock(&self.gate).breaker.cancel_gpu(&rule_name);
+        }
+        result
+    }
+
+    /// Quarantines GPU `device` of `node` for `request`: marks the node (its condition, the
+    /// incident recorded as one that leaves the node in service), creates or joins gpumedic's
+    /// DeviceTaintRule `rule_name`, and evicts the pods whose claims are allocated the device.
+    async fn quarantine_gpu(
+        &self,
+        request: &Remediation,
+        node: &Node,
+        device: &dra::DeviceRef,
+        rule_name: &str,
+        exists: bool,
+        gpu_nodes: usize,
+    ) -> Result<Route, ApplyError> {
+        let name = request.node.as_str();
+        let uuid = request.gpu.as_ref().map(|g| g.uuid.as_str()).unwrap_or_default();
+        let mark = Remediation { action: Action::Monitor, ..request.clone() };
+        let mut plan = match self.remediate_node(&mark, gpu_nodes, Some(node.clone())).await? {
+            Outcome::Applied { plan, .. } => plan,
+            Outcome::AlreadyDone => Box::new(Plan::new(name, Intent::Quarantine)),
+            skipped @ Outcome::Skipped { .. } => return Ok(Route::Done(skipped)),
+        };
+        plan.intent = Intent::Quarantine;
+        self.leading(name)?;
+        let wanted = dra::rule(name, uuid, device, request);
+        let ensured = dra::ensure_rule(&self.client, &wanted, &request.incident_id, exists).await?;
+        let drained = match ensured {
+            Ensured::Foreign => {
+                tracing::warn!(
+                    node = name,
+                    rule = rule_name,
+                    "A DeviceTaintRule with gpumedic's name exists that gpumedic did not create; quarantining the node instead."
+                );
+                return Ok(Route::Node(Remediation { gpu: None, ..request.clone() }));
+            }
+            Ensured::Created => {
+                tracing::info!(node = name, gpu = uuid, device = %device, rule = rule_name, incident = %request.incident_id, "Quarantined one GPU with a DeviceTaintRule.");
+                metrics::counter!("gpumedic_remediator_gpu_quarantines_total").increment(1);
+                let message = format!(
+                    "GPU {uuid} (device {device}) tainted NoSchedule by DeviceTaintRule {rule_name} for incident {}; \
+                     the node stays schedulable for its other GPUs",
+                    request.incident_id
+                );
+                self.record(node, &[note("GpuQuarantined", message, true)]).await;
+                false
+            }
+            Ensured::Joined => false,
+            Ensured::Present { drained } => drained,
+        };
+        let report = if request.action.drains() && !drained {
+            self.leading(name)?;
+            Some(self.drain_gpu(node, device, rule_name).await?)
+        } else {
+            None
+        };
+        if matches!(ensured, Ensured::Present { .. }) && report.is_none() && plan.is_empty() {
+            return Ok(Route::Done(Outcome::AlreadyDone));
+        }
+        plan.gpu_rule = Some(rule_name.to_owned());
+        if report.is_some() {
+            plan.drain = Some(DrainScope { gpu: request.gpu.clone() });
+        }
+        Ok(Route::Done(Outcome::Applied { plan, drain: report }))
+    }
+
+    /// Evicts the pods holding `device` (by their ResourceClaims' allocations) and marks gpumedic's
+    /// rule drained once they are all gone.
+    async fn drain_gpu(
+        &self,
+        node: &Node,
+        device: &dra::DeviceRef,
+        rule_name: &str,
+    ) -> Result<DrainReport, ApplyError> {
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        let holders = dra::holders(&self.client, device).await?;
+        let message = format!("Draining the pods whose ResourceClaims hold device {device} through the Eviction API");
+        self.record(node, &[note("DrainStarted", message, false)]).await;
+        let started = Instant::now();
+        let report = drain_holders(&self.evictions, name, &holders, &self.settings.drain).await?;
+        let result = if report.complete() { "complete" } else { "incomplete" };
+        metrics::histogram!("gpumedic_remediator_drain_seconds", "result" => result)
+            .record(started.elapsed().as_secs_f64());
+        if report.complete() {
+            dra::mark_drained(&self.client, rule_name).await?;
+            self.record(node, &[note("Drained", report.summary(), false)]).await;
+        } else {
+            let mut detail = report.summary();
+            if let Some((pod, why)) = report.blocked.first() {
+                detail.push_str(&format!("; {pod}: {why}"));
+            }
+            tracing::warn!(node = name, device = %device, report = %detail, "The GPU's drain did not finish by its deadline; the resync drains again.");
+            metrics::counter!("gpumedic_remediator_drains_incomplete_total").increment(1);
+            self.record(node, &[note("DrainIncomplete", detail, true)]).await;
+        }
+        Ok(report)
+    }
+
+    /// On a recovery, takes the incident off gpumedic's DeviceTaintRules on the node and deletes
+    /// those no open incident holds any more. A cluster that serves no DeviceTaintRules has none.
+    async fn release_gpus(&self, request: &Remediation) -> Result<(), ApplyError> {
+        let name = request.node.as_str();
+        self.leading(name)?;
+        let deleted = match dra::release(&self.client, name, &request.incident_id).await {
+            Ok(deleted) => deleted,
+            Err(e) if dra::unserved(&e) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if deleted.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(node = name, rules = ?deleted, incident = %request.incident_id, "Released GPUs: deleted gpumedic's DeviceTaintRules.");
+        metrics::counter!("gpumedic_remediator_gpu_releases_total").increment(deleted.len() as u64);
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        if let Ok(Some(node)) = nodes.get_opt(name).await {
+            let message = format!(
+                "Incident {} recovered; deleted DeviceTaintRule(s) {}",
+                request.incident_id,
+                deleted.join(", ")
+            );
+            self.record(&node, &[note("GpuReleased", message, false)]).await;
+        }
+        Ok(())
+    }
+
+    /// Plans `request` on the node and carries the plan out (see [`Remediator::remediate`]).
+    /// `read_already` is the node as just read, when the caller has it: the first attempt plans on it
+    /// (its resourceVersion guards the write as a fresh read would).
+    async fn remediate_node(
+        &self,
+        request: &Remediation,
+        gpu_nodes: usize,
+        mut read_already: Option<Node>,
+    ) -> Result<Outcome, ApplyError> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         let name = request.node.as_str();
         // A plan whose conditions were written before its object patch lost a race: its
@@ -242,7 +482,10 @@ impl Remediator {
         // left to do.
         let mut partly_written: Option<Box<Plan>> = None;
         for _ in 0..CONFLICT_ATTEMPTS {
-            let node = read(&nodes, name).await?;
+            let node = match read_already.take() {
+                Some(node) => node,
+                None => read(&nodes, name).await?,
+            };
             let view = crate::plan::NodeView::from_node(&node);
             let mut admitted = false;
             let policy = Policy { paused: self.paused(), ..self.settings.policy };
@@ -264,6 +507,8 @@ impl Remediator {
                 }
                 Decision::Apply(plan) => plan,
             };
+            let mut plan = plan;
+            label_gpu(&view, request, &mut plan);
             self.leading(name)?;
             match write(&nodes, &node, &plan).await {
                 Ok(()) => {}
@@ -295,7 +540,6 @@ impl Remediator {
                 }
                 None => None,
             };
-            let mut plan = plan;
             // The repair follows a finished drain only (the planner asks for one only once the
             // node is drained or being drained); an incomplete drain leaves the ladder unstarted.
             if plan.repair.is_some() {
@@ -492,6 +736,32 @@ pub async fn managed_nodes(
         .into_iter()
         .filter_map(|n| n.metadata.name)
         .collect())
+}
+
+/// Where [`Remediator::route`] sends a request.
+enum Route {
+    /// Plan this request on the node.
+    Node(Remediation),
+    /// Carried out on one GPU.
+    Done(Outcome),
+}
+
+/// Names the faulty GPU in the node's [`dra::GPU_LABEL`] while gpumedic has an incident open on
+/// the node, for schedulers that read labels where no DeviceTaintRule can keep work off the GPU;
+/// the label goes with gpumedic's record. The label is gpumedic's own by its key.
+fn label_gpu(view: &NodeView, request: &Remediation, plan: &mut Plan) {
+    let current = view.labels.get(dra::GPU_LABEL);
+    if request.recovery {
+        if plan.applied.is_none() && current.is_some() {
+            plan.remove_labels.push(dra::GPU_LABEL.to_owned());
+        }
+    } else if let Some(gpu) = &request.gpu
+        && plan.applied.is_some()
+        && current != Some(&gpu.uuid)
+        && gpu.uuid.len() <= 63
+    {
+        plan.set_labels.insert(dra::GPU_LABEL.to_owned(), gpu.uuid.clone());
+    }
 }
 
 fn lock(gate: &Mutex<Gate>) -> std::sync::MutexGuard<'_, Gate> {

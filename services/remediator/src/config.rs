@@ -55,6 +55,19 @@ pub struct Args {
     /// Circuit breaker window.
     #[arg(long, env = "GPUMEDIC_BREAKER_WINDOW", default_value = "1h")]
     breaker_window: String,
+    /// Circuit breaker: the largest number of single GPUs quarantined (DRA device taints) within
+    /// the window; one more trips the breaker.
+    #[arg(long, env = "GPUMEDIC_BREAKER_MAX_GPUS", default_value_t = 100)]
+    breaker_max_gpus: usize,
+    /// Quarantine only the faulty GPU (a DeviceTaintRule) where the node publishes its GPUs through
+    /// DRA (ResourceSlices of driver gpu.nvidia.com) and the fault is GPU-scoped; `false`: always
+    /// the node.
+    #[arg(long, env = "GPUMEDIC_GPU_QUARANTINE", default_value_t = true, action = clap::ArgAction::Set)]
+    gpu_quarantine: bool,
+    /// The share (0..1) of a node's GPUs that may be quarantined one by one; a node with more
+    /// quarantined goes out whole.
+    #[arg(long, env = "GPUMEDIC_GPU_QUARANTINE_MAX_SHARE", default_value_t = 0.5)]
+    gpu_quarantine_max_share: f64,
     /// New quarantines allowed per minute.
     #[arg(long, env = "GPUMEDIC_QUARANTINES_PER_MINUTE", default_value_t = 20)]
     quarantines_per_minute: usize,
@@ -233,6 +246,8 @@ pub struct Config {
     pub settings: Settings,
     /// Breaker limits.
     pub breaker: BreakerLimits,
+    /// The breaker's limit on single GPUs quarantined within its window.
+    pub breaker_max_gpus: usize,
     /// New quarantines per minute.
     pub quarantines_per_minute: usize,
     /// GPU node selector.
@@ -303,6 +318,12 @@ impl Validate for Args {
         );
         if !(0.0..=1.0).contains(&self.breaker_max_share) {
             p.push("--breaker-max-share", "must be between 0 and 1");
+        }
+        if self.breaker_max_gpus == 0 {
+            p.push("--breaker-max-gpus", "must be at least 1 (turn GPU quarantine off with --gpu-quarantine=false)");
+        }
+        if !(0.0..=1.0).contains(&self.gpu_quarantine_max_share) {
+            p.push("--gpu-quarantine-max-share", "must be between 0 and 1");
         }
         let window = p.check("--breaker-window", parse_duration(&self.breaker_window));
         let deadline = p.check("--drain-deadline", parse_duration(&self.drain_deadline));
@@ -477,6 +498,10 @@ impl Validate for Args {
                 ladder: repair_ladder.expect("checked"),
                 custom_timeout: custom_timeout.expect("checked"),
                 validation,
+                gpu_quarantine: crate::dra::GpuQuarantine {
+                    enabled: self.gpu_quarantine,
+                    max_share: self.gpu_quarantine_max_share,
+                },
                 ..Settings::default()
             },
             breaker: BreakerLimits {
@@ -484,6 +509,7 @@ impl Validate for Args {
                 max_count: self.breaker_max_count,
                 window: window.expect("checked"),
             },
+            breaker_max_gpus: self.breaker_max_gpus,
             quarantines_per_minute: self.quarantines_per_minute,
             gpu_node_selector: self.gpu_node_selector,
             max_verdict_age: max_verdict_age.expect("checked"),
@@ -701,5 +727,19 @@ mod tests {
                  (--repair-webhook-previous-secret-file)",
             ]
         );
+    }
+
+    #[test]
+    fn gpu_quarantine_limits_are_checked_at_start() {
+        let config = validate(&["--repair-webhook-secret", "s"]).expect("valid");
+        assert!(config.settings.gpu_quarantine.enabled);
+        assert_eq!((config.breaker_max_gpus, config.settings.gpu_quarantine.max_share), (100, 0.5));
+        let config = validate(&["--repair-webhook-secret", "s", "--gpu-quarantine", "false"]).expect("valid");
+        assert!(!config.settings.gpu_quarantine.enabled);
+        let problems =
+            validate(&["--repair-webhook-secret", "s", "--breaker-max-gpus", "0", "--gpu-quarantine-max-share", "1.5"])
+                .expect_err("invalid");
+        assert!(problems.iter().any(|p| p.starts_with("--breaker-max-gpus: must be at least 1")), "{problems:#?}");
+        assert!(problems.iter().any(|p| p == "--gpu-quarantine-max-share: must be between 0 and 1"), "{problems:#?}");
     }
 }

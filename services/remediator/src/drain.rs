@@ -443,6 +443,28 @@ pub async fn drain(
     scope: &DrainScope,
     policy: &DrainPolicy,
 ) -> Result<DrainReport, DrainError> {
+    drain_where(client, node, scope, policy, None).await
+}
+
+/// Drains from `node` only the pods `holders` says hold a quarantined DRA device (the partial
+/// drain, driven by ResourceClaim allocations instead of GPU UUIDs); every other rule of
+/// [`classify`] still applies, and the pods left are reported as on another GPU.
+pub async fn drain_holders(
+    client: &kube::Client,
+    node: &str,
+    holders: &crate::dra::Holders,
+    policy: &DrainPolicy,
+) -> Result<DrainReport, DrainError> {
+    drain_where(client, node, &DrainScope { gpu: None }, policy, Some(holders)).await
+}
+
+async fn drain_where(
+    client: &kube::Client,
+    node: &str,
+    scope: &DrainScope,
+    policy: &DrainPolicy,
+    holders: Option<&crate::dra::Holders>,
+) -> Result<DrainReport, DrainError> {
     let started = Instant::now();
     let all: Api<Pod> = Api::all(client.clone());
     let pods = list_on_node(&all, node).await.map_err(|source| DrainError::List { node: node.to_owned(), source })?;
@@ -452,7 +474,11 @@ pub async fn drain(
         std::collections::BTreeMap::new();
     for pod in &pods {
         let r = pod_ref(pod);
-        match (classify(pod, scope, policy), policy.for_pod(pod)) {
+        let disposition = match classify(pod, scope, policy) {
+            Disposition::Evict if holders.is_some_and(|h| !h.hold(pod)) => Disposition::Skip(SkipReason::OtherGpu),
+            d => d,
+        };
+        match (disposition, policy.for_pod(pod)) {
             (Disposition::Evict, Some(how)) => {
                 groups.entry(how).or_default().push((r, pod.metadata.uid.clone().unwrap_or_default()));
             }

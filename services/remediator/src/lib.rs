@@ -8,6 +8,8 @@
 //! - [`plan`]: the pure planner, node as it is + request + mode -> exact changes or "nothing, because";
 //! - [`safety`]: the circuit breaker and the quarantine rate limit, pure with the clock passed in;
 //! - [`drain`]: which pods leave (pure) and the Eviction API drain (edge);
+//! - [`dra`]: GPU-level quarantine with DRA DeviceTaintRules (which device, which pods, when the
+//!   node goes out whole: pure; the rule's writes: edge);
 //! - [`apply`]: the thin Kubernetes edge that carries plans out and records Events;
 //! - [`lease`]: leader election over a `coordination.k8s.io` Lease (pure decision, thin edge);
 //! - [`control`]: the status object (breaker state, pause, reset requests) shared with the CLI;
@@ -31,6 +33,7 @@
 
 pub mod apply;
 pub mod control;
+pub mod dra;
 pub mod drain;
 pub mod hooks;
 pub mod ladder;
@@ -119,7 +122,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         let remediator = Remediator::new(
             kube_config,
             config.settings.clone(),
-            Gate::new(config.breaker, config.quarantines_per_minute),
+            Gate::new(config.breaker, config.quarantines_per_minute).with_max_gpus(config.breaker_max_gpus),
         )?
         .with_validity(validity.clone());
         let producer = config.stage.kafka.producer(NAME)?;

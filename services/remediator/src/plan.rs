@@ -438,10 +438,13 @@ pub struct Plan {
     /// True when this plan takes a node into quarantine that gpumedic did not hold: counts
     /// against the circuit breaker and the rate limit.
     pub new_quarantine: bool,
+    /// The DeviceTaintRule that quarantines the faulty GPU alone (DRA clusters), when the edge
+    /// took the GPU out instead of the node (see [`crate::dra`]); the planner never sets it.
+    pub gpu_rule: Option<String>,
 }
 
 impl Plan {
-    fn new(node: &str, intent: Intent) -> Self {
+    pub(crate) fn new(node: &str, intent: Intent) -> Self {
         Self {
             node: node.to_owned(),
             intent,
@@ -457,6 +460,7 @@ impl Plan {
             applied_changed: false,
             notes: Vec::new(),
             new_quarantine: false,
+            gpu_rule: None,
         }
     }
 

@@ -165,6 +165,20 @@ pub struct Remediation {
     pub custom: Option<String>,
 }
 
+impl Remediation {
+    /// This request with its message naming the GPU (`... (GPU GPU-...)`) when it names one and
+    /// the message does not already, so the node condition says which GPU is faulty.
+    pub fn naming_gpu(&self) -> Remediation {
+        let mut named = self.clone();
+        if let Some(gpu) = &self.gpu
+            && !self.message.to_ascii_lowercase().contains(&gpu.uuid.to_ascii_lowercase())
+        {
+            named.message = format!("{} (GPU {})", self.message, gpu.uuid);
+        }
+        named
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +198,26 @@ mod tests {
             assert_eq!(Action::parse_repair(a.name()), Ok(a));
         }
         assert!(Action::parse_repair("drain").is_err());
+    }
+
+    #[test]
+    fn the_message_names_the_gpu_once() {
+        let mut r = Remediation {
+            node: "n".into(),
+            gpu: Some(GpuRef { uuid: "GPU-abc".into(), pci_bus_id: String::new(), index: None }),
+            action: Action::Drain,
+            subsystem: Subsystem::Gpu,
+            reason: "Xid79".into(),
+            message: "fallen off the bus".into(),
+            verdict_id: "v".into(),
+            incident_id: "i".into(),
+            recovery: false,
+            reissue: false,
+            custom: None,
+        };
+        assert_eq!(r.naming_gpu().message, "fallen off the bus (GPU GPU-abc)");
+        assert_eq!(r.naming_gpu().naming_gpu().message, "fallen off the bus (GPU GPU-abc)");
+        r.gpu = None;
+        assert_eq!(r.naming_gpu().message, "fallen off the bus");
     }
 }

@@ -39,13 +39,66 @@ pub struct CircuitBreaker {
     limits: BreakerLimits,
     /// Node name -> when gpumedic last quarantined it, within the window.
     quarantined: BTreeMap<String, Instant>,
+    /// The largest number of single GPUs gpumedic may quarantine within the window.
+    max_gpus: usize,
+    /// GPU (its DeviceTaintRule's name) -> when gpumedic quarantined it, within the window.
+    gpus: BTreeMap<String, Instant>,
     trip: Option<Trip>,
 }
 
 impl CircuitBreaker {
     /// A closed breaker.
     pub fn new(limits: BreakerLimits) -> Self {
-        Self { limits, quarantined: BTreeMap::new(), trip: None }
+        Self { limits, quarantined: BTreeMap::new(), max_gpus: usize::MAX, gpus: BTreeMap::new(), trip: None }
+    }
+
+    /// This breaker, also counting single GPUs quarantined (DRA device taints): at most `max_gpus`
+    /// within the same window; one more trips it, for nodes and GPUs alike.
+    pub fn with_max_gpus(mut self, max_gpus: usize) -> Self {
+        self.max_gpus = max_gpus;
+        self
+    }
+
+    /// Asks to quarantine the single GPU `gpu` (named by its DeviceTaintRule) now: refused while
+    /// the breaker is open, and a GPU over the limit trips it. Counted at once, free when asked
+    /// again, given back by [`CircuitBreaker::cancel_gpu`], as for nodes.
+    pub fn admit_gpu(&mut self, gpu: &str, now: Instant) -> Admission {
+        if let Some(trip) = &self.trip {
+            return Admission::BreakerOpen(trip.reason.clone());
+        }
+        self.expire(now);
+        if self.gpus.contains_key(gpu) {
+            return Admission::Allowed;
+        }
+        let after = self.gpus.len() + 1;
+        if after > self.max_gpus {
+            let reason = format!(
+                "quarantining GPU {gpu} would make {after} GPUs within {:?}, over the limit of {}",
+                self.limits.window, self.max_gpus
+            );
+            self.trip = Some(Trip { at: now, reason: reason.clone() });
+            return Admission::BreakerOpen(reason);
+        }
+        self.gpus.insert(gpu.to_owned(), now);
+        Admission::Allowed
+    }
+
+    /// Gives back the reservation [`CircuitBreaker::admit_gpu`] made for `gpu`.
+    pub fn cancel_gpu(&mut self, gpu: &str) {
+        self.gpus.remove(gpu);
+    }
+
+    /// How many single GPUs count within the window at `now`.
+    pub fn counted_gpus(&mut self, now: Instant) -> usize {
+        self.expire(now);
+        self.gpus.len()
+    }
+
+    /// Counts the GPUs a previous leader quarantined (their rules' creation, still within the
+    /// window), so a failover hands out no fresh GPU budget.
+    pub fn restore_gpus(&mut self, gpus: impl IntoIterator<Item = (String, Instant)>, now: Instant) {
+        self.gpus = gpus.into_iter().collect();
+        self.expire(now);
     }
 
     /// Asks to quarantine `node` now, with `gpu_nodes` GPU nodes in the fleet. Allowed quarantines
@@ -107,6 +160,7 @@ impl CircuitBreaker {
     pub fn reset(&mut self) {
         self.trip = None;
         self.quarantined.clear();
+        self.gpus.clear();
     }
 
     /// Replaces the breaker's state with what a previous leader left: the trip persisted in the
@@ -150,6 +204,7 @@ impl CircuitBreaker {
     fn expire(&mut self, now: Instant) {
         let window = self.limits.window;
         self.quarantined.retain(|_, at| now.saturating_duration_since(*at) < window);
+        self.gpus.retain(|_, at| now.saturating_duration_since(*at) < window);
     }
 }
 
@@ -213,6 +268,12 @@ impl Gate {
         Self { breaker: CircuitBreaker::new(limits), rate: RateLimit::new(per_minute) }
     }
 
+    /// This gate, its breaker also counting single GPUs (see [`CircuitBreaker::with_max_gpus`]).
+    pub fn with_max_gpus(mut self, max_gpus: usize) -> Self {
+        self.breaker = self.breaker.with_max_gpus(max_gpus);
+        self
+    }
+
     /// The breaker first (a trip must be seen even when the rate limit would also refuse), then
     /// the rate limit; a rate-limit refusal gives the breaker's reservation back.
     pub fn admit(&mut self, node: &str, gpu_nodes: usize, now: Instant) -> Admission {
@@ -227,6 +288,12 @@ impl Gate {
                 refused
             }
         }
+    }
+
+    /// Asks to quarantine the single GPU `gpu` (see [`CircuitBreaker::admit_gpu`]). The
+    /// per-minute rate limit counts nodes only: GPU quarantines leave the node in service.
+    pub fn admit_gpu(&mut self, gpu: &str, now: Instant) -> Admission {
+        self.breaker.admit_gpu(gpu, now)
     }
 
     /// Gives back both reservations for `node`.
@@ -304,6 +371,29 @@ mod tests {
         assert_eq!(b.counted(now), 1, "quarantines older than the window are dropped");
         assert_eq!(b.admit("b", 10, now), Admission::Allowed);
         assert!(matches!(b.admit("c", 10, now), Admission::BreakerOpen(_)));
+    }
+
+    #[test]
+    fn gpus_count_against_their_own_limit_and_a_trip_stops_nodes_too() {
+        let t0 = Instant::now();
+        let mut b = CircuitBreaker::new(limits(1.0, 100)).with_max_gpus(2);
+        assert_eq!(b.admit_gpu("g1", t0), Admission::Allowed);
+        assert_eq!(b.admit_gpu("g1", t0), Admission::Allowed, "asking again is free");
+        assert_eq!(b.admit_gpu("g2", t0), Admission::Allowed);
+        assert_eq!(b.counted(t0), 0, "GPUs are not nodes");
+        let refused = b.admit_gpu("g3", t0);
+        assert!(matches!(&refused, Admission::BreakerOpen(why) if why.contains("3 GPUs")), "{refused:?}");
+        assert!(matches!(b.admit("n1", 10, t0), Admission::BreakerOpen(_)), "one breaker for both");
+        b.reset();
+        assert_eq!(b.counted_gpus(t0), 0);
+        assert_eq!(b.admit_gpu("g3", t0), Admission::Allowed);
+        b.cancel_gpu("g3");
+        assert_eq!(b.counted_gpus(t0), 0);
+        b.restore_gpus(
+            [("old".to_owned(), t0), ("new".to_owned(), t0 + Duration::from_secs(600))],
+            t0 + Duration::from_secs(600),
+        );
+        assert_eq!(b.counted_gpus(t0 + Duration::from_secs(600)), 1, "rules older than the window are not counted");
     }
 
     #[test]

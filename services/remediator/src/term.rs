@@ -63,6 +63,11 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
     shared.remediator.set_paused(status.paused);
     metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
     let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
+    // gpumedic's DeviceTaintRules are its GPU quarantines; a cluster that serves none has none.
+    let gpus = crate::dra::quarantined_gpus(&shared.remediator.client()).await.unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "Found no DeviceTaintRules to count against the breaker.");
+        Vec::new()
+    });
     let now = Instant::now();
     let wall = chrono::Utc::now();
     let mut gate = lock_gate(&shared.remediator);
@@ -92,6 +97,11 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
         "Loaded the breaker and pause state for this term."
     );
     gate.breaker.restore(trip, quarantined, now);
+    let gpus = gpus.into_iter().filter_map(|(rule, created)| {
+        let age = (wall - created).to_std().unwrap_or_default();
+        (age < window).then(|| (rule, now.checked_sub(age).unwrap_or(now)))
+    });
+    gate.breaker.restore_gpus(gpus, now);
     shared.open_persisted.store(status.breaker_open, Ordering::Release);
     metrics::gauge!("gpumedic_remediator_breaker_open").set(if status.breaker_open { 1.0 } else { 0.0 });
     Ok(())

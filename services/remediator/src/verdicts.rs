@@ -177,6 +177,9 @@ pub fn describe(plan: &crate::plan::Plan) -> String {
         Some(false) => parts.push("uncordoned".to_owned()),
         None => {}
     }
+    if let Some(rule) = &plan.gpu_rule {
+        parts.push(format!("GPU quarantined by DeviceTaintRule {rule}"));
+    }
     if plan.drain.is_some() {
         parts.push("drained".to_owned());
     }

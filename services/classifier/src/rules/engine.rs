@@ -245,6 +245,29 @@ struct NodeState {
     facts: NodeFacts,
 }
 
+/// What one observation meant to the engine's state ([`Engine::observe_bearing`]). An
+/// observation with no bearing changed nothing a replay depends on (beyond the node's clock and
+/// its memory of recent event ids): a rebuild that leaves it out reaches the same incidents.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bearing {
+    /// Evidence for or against an incident: it moved a rule's condition or an open incident
+    /// (fault evidence, a sample a rate keeps, the healthy evidence or proof an incident waits
+    /// for), or a decision was made at its time.
+    pub evidence: bool,
+    /// It changed what the engine knows of the node ([`NodeFacts`]: boot, GPU names, inventory,
+    /// counters, resets, recent Xid lines), or it was the node's first.
+    pub facts: bool,
+    /// Refused as impossible, or ignored as synthetic: kept so an operator can see it.
+    pub refused: bool,
+}
+
+impl Bearing {
+    /// True when a replay needs the observation, or an operator wants to see it.
+    pub fn matters(&self) -> bool {
+        self.evidence || self.facts || self.refused
+    }
+}
+
 /// An open incident, as [`Engine::open_incidents`] lists them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpenIncident {
@@ -489,14 +512,22 @@ impl Engine {
     /// Takes one observation and returns the decisions it (and any deadline its time passes)
     /// leads to. A redelivered event id is ignored.
     pub fn observe(&mut self, o: &Observation) -> Vec<Decision> {
+        self.observe_bearing(o).0
+    }
+
+    /// [`Engine::observe`], also saying what the observation meant to the state ([`Bearing`]):
+    /// the store keeps what a replay needs to reach the same state, and may leave out the rest.
+    pub fn observe_bearing(&mut self, o: &Observation) -> (Vec<Decision>, Bearing) {
         if o.synthetic && self.rules.synthetic == SyntheticPolicy::Ignored {
-            return Vec::new();
+            return (Vec::new(), Bearing { refused: true, ..Default::default() });
         }
+        let first = !self.nodes.contains_key(&o.node);
         let node = self.nodes.entry(o.node.clone()).or_default();
         let id = digest(&o.event_id);
         if !node.recent_set.insert(id) {
-            return Vec::new();
+            return (Vec::new(), Bearing::default());
         }
+        let mut bearing = Bearing { facts: first, ..Default::default() };
         node.recent.push_back(id);
         if node.recent.len() > RECENT_IDS
             && let Some(old) = node.recent.pop_front()
@@ -508,7 +539,8 @@ impl Engine {
                 self.refused.pop_front();
             }
             self.refused.push_back(Refused { node: o.node.clone(), event_id: o.event_id.clone(), reason });
-            return Vec::new();
+            bearing.refused = true;
+            return (Vec::new(), bearing);
         }
         // A PCI bus id this node's evidence has tied to a UUID names that GPU (the enricher
         // resolves references; this catches what it could not, e.g. before an inventory).
@@ -523,14 +555,16 @@ impl Engine {
         };
         let o = o.as_ref();
         if node.facts.repeats_line(o) {
-            return Vec::new();
+            return (Vec::new(), bearing);
         }
+        // Xid lines are remembered to recognise the next line of one exception: a fact too.
+        bearing.facts |= o.kind == "xid" || o.kind == "sxid";
         // Late observations count at the node's current time, so state only moves forward.
         let now = node.clock.max(o.observed_at_micros);
         node.clock = now;
         let mut out = Vec::new();
         advance(&self.rules, &o.node, node, now, &mut out);
-        node.facts.learn(o, now);
+        bearing.facts |= node.facts.learn(o, now);
         // Rules with an open incident on this node see every observation (it may be healthy
         // evidence); the others only what they match. Computed once, allocation-free when the
         // node is healthy, which is the common case.
@@ -549,6 +583,9 @@ impl Engine {
             if !matched && node.keys.get(&key).is_none_or(|k| k.incident.is_none()) {
                 continue;
             }
+            // What the key held before, to tell whether this observation moved it: one that
+            // did not can be left out of a replay (see [`Bearing`]).
+            let before = if bearing.evidence { None } else { Some(node.keys.get(&key).cloned()) };
             let st = node.keys.entry(key.clone()).or_insert_with(|| KeyState {
                 version: rule.version,
                 cond: CondState::new(&rule.condition),
@@ -599,10 +636,15 @@ impl Engine {
             }
             fold_deadline(&self.rules, rule, node, &key);
             prune(node, &key);
+            if let Some(before) = before {
+                bearing.evidence |= node.keys.get(&key) != before.as_ref();
+            }
         }
         // A quiet period of zero, or a threshold held for zero, is due at once.
         advance(&self.rules, &o.node, node, now, &mut out);
-        out
+        // A decision at this observation's time (a deadline its time passed) needs it in a replay.
+        bearing.evidence |= !out.is_empty();
+        (out, bearing)
     }
 
     /// Moves every node's clock to `now_micros` (when it is behind) and returns the decisions
@@ -1206,6 +1248,40 @@ rules:
 
     fn xid(id: &str, t: i64, gpu: &str, code: u32) -> Observation {
         Observation::new(id, "n1", t, "xid").gpu(gpu).xid(code)
+    }
+
+    #[test]
+    fn the_bearing_of_an_observation_says_what_a_replay_needs() {
+        const HOT: &str = r#"
+rules:
+  - id: hot
+    version: 1
+    description: hot for 30 s
+    match: {kind: temperature, healthy: any}
+    condition: {threshold: {field: value, ge: 90, for: 30s}}
+    severity: warning
+    action: monitor
+    clear: {evidence: {kind: temperature, healthy: any, fields: {value: {lt: 90}}}, quiet: 1m}
+"#;
+        let mut e = Engine::new(rules(HOT));
+        let temp = |id: &str, t: i64, v: i64| {
+            let mut o = Observation::new(id, "n1", t, "temperature").gpu("g0").field("value", v).boot("b1");
+            o.healthy = v < 90;
+            o
+        };
+        let (_, first) = e.observe_bearing(&temp("a", 0, 60));
+        assert!(first.facts && !first.evidence, "the node's first event (its boot id)");
+        assert_eq!(e.observe_bearing(&temp("b", S, 61)).1, Bearing::default(), "a plain reading bears on nothing");
+        assert!(e.observe_bearing(&temp("c", 2 * S, 95)).1.evidence, "a threshold starts being held");
+        assert!(e.observe_bearing(&temp("d", 3 * S, 96)).1.evidence, "the run goes on");
+        let (opened, held) = e.observe_bearing(&temp("e", 40 * S, 96));
+        assert!(held.evidence && opened.len() == 1, "the incident opens");
+        assert!(e.observe_bearing(&temp("f", 41 * S, 70)).1.evidence, "the healthy evidence it waits for");
+        assert_eq!(e.observe_bearing(&temp("g", 42 * S, 70)).1, Bearing::default(), "the quiet period runs already");
+        let (recovered, at) = e.observe_bearing(&temp("h", 120 * S, 70));
+        assert!(at.evidence && recovered.len() == 1, "a decision at its time");
+        assert!(e.observe_bearing(&temp("i", 121 * S, 70).boot("b2")).1.facts, "a reboot");
+        assert_eq!(e.observe_bearing(&temp("i", 122 * S, 70)).1, Bearing::default(), "a redelivery");
     }
 
     #[test]

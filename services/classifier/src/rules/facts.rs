@@ -131,12 +131,14 @@ impl NodeFacts {
         self.names.iter().find(|(_, n)| n.pci.as_deref() == Some(gpu)).map(|(uuid, _)| uuid.clone())
     }
 
-    /// Takes what `o` says about the node, at node time `now`.
-    pub fn learn(&mut self, o: &Observation, now: i64) {
+    /// Takes what `o` says about the node, at node time `now`; true when that changed a fact.
+    pub fn learn(&mut self, o: &Observation, now: i64) -> bool {
+        let mut changed = false;
         if let Some(boot) = &o.boot_id {
             match &self.boot {
                 Some(current) if current == boot => {}
                 Some(current) => {
+                    changed = true;
                     self.old_boots.push_back(current.clone());
                     while self.old_boots.len() > OLD_BOOTS {
                         self.old_boots.pop_front();
@@ -146,7 +148,10 @@ impl NodeFacts {
                     // A new boot starts every counter and every GPU afresh.
                     self.counters.clear();
                 }
-                None => self.boot = Some(boot.clone()),
+                None => {
+                    changed = true;
+                    self.boot = Some(boot.clone());
+                }
             }
         }
         if let Some(gpu) = &o.gpu
@@ -157,6 +162,7 @@ impl NodeFacts {
             let known = self.names.get(gpu).cloned().unwrap_or_default();
             let names = GpuNames { index: o.gpu_index.or(known.index), pci: o.gpu_pci.clone().or(known.pci) };
             if self.names.get(gpu) != Some(&names) {
+                changed = true;
                 bounded_insert(&mut self.names, gpu.clone(), names);
             }
         }
@@ -169,8 +175,10 @@ impl NodeFacts {
                     bounded_insert(&mut self.resets, gpu.clone(), now);
                 }
             }
+            let missing = int(o, "missing").map(|m| m.max(0));
+            changed |= now_present != self.present || missing != self.missing;
             self.present = now_present;
-            self.missing = int(o, "missing").map(|m| m.max(0));
+            self.missing = missing;
         }
         if o.kind == "xid"
             && o.xid == Some(154)
@@ -178,6 +186,7 @@ impl NodeFacts {
             && o.fields.get("recovery_action").is_some_and(|a| normalise_key(&a.to_string()) == "none")
         {
             // The driver says the GPU needs nothing more: whatever reset it asked for happened.
+            changed = true;
             bounded_insert(&mut self.resets, gpu.clone(), now);
         }
         if let Some(gpu) = &o.gpu {
@@ -192,9 +201,13 @@ impl NodeFacts {
                     // Volatile counters start again from zero on a reset.
                     bounded_insert(&mut self.resets, gpu.clone(), now);
                 }
-                bounded_insert(&mut self.counters, key, value);
+                if self.counters.get(&key) != Some(&value) {
+                    changed = true;
+                    bounded_insert(&mut self.counters, key, value);
+                }
             }
         }
+        changed
     }
 
     /// True when `gpu` was reset (or the node rebooted) after `since`.

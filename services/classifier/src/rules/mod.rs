@@ -65,7 +65,8 @@ pub mod yaml;
 
 pub use duration::{DurationError, Interval, parse_duration};
 pub use engine::{
-    Absorbed, Decision, DecisionKind, Engine, OpenIncident, Reattached, Refused, RestoreError, Snapshot, StoredIncident,
+    Absorbed, Bearing, Decision, DecisionKind, Engine, OpenIncident, Reattached, Refused, RestoreError, Snapshot,
+    StoredIncident,
 };
 pub use load::{RuleError, check_dir, check_files, load_sources, reload};
 pub use model::{Action, KINDS, Proof, Rule, RuleSet, SOURCES, Scope, Severity, SyntheticPolicy};

@@ -2,7 +2,10 @@
 //! collector samples, so an operator can see on a GPU node what the collector will see. Without
 //! an NVIDIA driver it says so and exits 1. With `--kernel-log FILE` (`-` for stdin) it runs a
 //! kernel log (the machine's `dmesg`) through the collector's parser instead and prints what it
-//! recognised, one JSON object a line, then a count. `load-tests/gpu-check` runs both.
+//! recognised, one JSON object a line, then a count. With `--dcgm-health FILE` it reads the JSON
+//! of `dcgmi health -c -j` with the collector's parser and prints each incident; with
+//! `--infiniband [ROOT]` it prints the InfiniBand/RoCE ports the collector reads under the sysfs
+//! root (`/sys`). `load-tests/gpu-check` runs them all.
 
 use std::process::ExitCode;
 
@@ -13,12 +16,18 @@ fn main() -> ExitCode {
     let json = args.iter().any(|a| a == "--json");
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!(
-            "Usage: gpumedic-gpu-check [--json] | --kernel-log FILE|-\nPrints what NVML reports for each GPU (exit 1 without a driver), or what the collector's parser finds in a kernel log."
+            "Usage: gpumedic-gpu-check [--json] | --kernel-log FILE|- | --dcgm-health FILE|- | --infiniband [ROOT]\nPrints what NVML reports for each GPU (exit 1 without a driver), what the collector's parser finds in a kernel log or in DCGM's health report, or the InfiniBand ports it reads."
         );
         return ExitCode::SUCCESS;
     }
     if let Some(at) = args.iter().position(|a| a == "--kernel-log") {
         return kernel_log(args.get(at + 1).map(String::as_str).unwrap_or("-"));
+    }
+    if let Some(at) = args.iter().position(|a| a == "--dcgm-health") {
+        return dcgm_health(args.get(at + 1).map(String::as_str).unwrap_or("-"));
+    }
+    if let Some(at) = args.iter().position(|a| a == "--infiniband") {
+        return infiniband(args.get(at + 1).map(String::as_str).unwrap_or("/sys"));
     }
     let mut backend = match NvmlBackend::init() {
         Ok(b) => b,
@@ -45,6 +54,67 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Reads the JSON of `dcgmi health -c -j` with the collector's parser and prints each incident.
+fn dcgm_health(path: &str) -> ExitCode {
+    use std::io::Read as _;
+
+    let mut text = String::new();
+    let read = if path == "-" {
+        std::io::stdin().read_to_string(&mut text).map(|_| ())
+    } else {
+        std::fs::read_to_string(path).map(|t| text = t)
+    };
+    if let Err(e) = read {
+        eprintln!("gpumedic-gpu-check: cannot read {path}: {e}");
+        return ExitCode::from(1);
+    }
+    match gpumedic_collector::dcgm::health::parse_health(&text) {
+        Ok(report) => {
+            println!("DCGM health: overall {}, {} incident(s)", report.overall, report.incidents.len());
+            for i in &report.incidents {
+                println!("  {} {} health:{} {:?}: {}", i.entity_group, i.entity_id, i.system, i.result, i.message);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpumedic-gpu-check: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Prints the InfiniBand/RoCE ports under `root` as the collector reads them.
+fn infiniband(root: &str) -> ExitCode {
+    match gpumedic_collector::network::read_fabric(std::path::Path::new(root)) {
+        Ok(fabric) => {
+            println!(
+                "InfiniBand: {} HCA(s) [{}], {} port(s)",
+                fabric.hcas.len(),
+                fabric.hcas.join(", "),
+                fabric.ports.len()
+            );
+            for p in &fabric.ports {
+                let counters: Vec<String> = p.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                println!(
+                    "  {}/{} {} {}/{} ({}) {}",
+                    p.hca,
+                    p.port,
+                    if p.is_up() { "up  " } else { "DOWN" },
+                    p.state,
+                    p.phys_state,
+                    p.link_layer,
+                    counters.join(", ")
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpumedic-gpu-check: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Runs a kernel log through the collector's parser: one JSON object per event, then a count.
@@ -135,6 +205,13 @@ fn print_text(s: &GpuSample) {
         None => println!("  clock events     n/a"),
     }
     println!("  PCIe replays     {}", opt(s.pcie_replay));
+    println!(
+        "  PCIe link        gen {} of {}, x{} of x{}",
+        opt(s.pcie_link_gen),
+        opt(s.pcie_link_gen_max),
+        opt(s.pcie_link_width),
+        opt(s.pcie_link_width_max)
+    );
     if s.nvlinks.is_empty() {
         println!("  NVLink           none");
     }
@@ -183,6 +260,10 @@ fn to_json(s: &GpuSample) -> serde_json::Value {
         "throttle_mask": s.throttle_mask,
         "throttle_reasons": s.throttle_mask.map(throttle::names),
         "pcie_replay": s.pcie_replay,
+        "pcie_link_gen": s.pcie_link_gen,
+        "pcie_link_gen_max": s.pcie_link_gen_max,
+        "pcie_link_width": s.pcie_link_width,
+        "pcie_link_width_max": s.pcie_link_width_max,
         "nvlinks": s.nvlinks.iter().map(|l| serde_json::json!({
             "link": l.link, "active": l.active, "crc_flit": l.crc_flit, "crc_data": l.crc_data,
             "replay": l.replay, "recovery": l.recovery,

@@ -53,6 +53,19 @@ pub struct DcgmArgs {
     /// A diagnostic running longer than this is killed and reported as hung.
     #[arg(long, env = "GPUMEDIC_DCGM_DIAG_TIMEOUT", default_value = "10m")]
     pub dcgm_diag_timeout: String,
+    /// How often DCGM's health watches are read (`off` to never read them).
+    #[arg(long, env = "GPUMEDIC_DCGM_HEALTH_INTERVAL", default_value = "off")]
+    pub dcgm_health_interval: String,
+    /// The command that sets the health watches, run before the first check and again after a
+    /// failed one, split on spaces.
+    #[arg(long, env = "GPUMEDIC_DCGM_HEALTH_SET_COMMAND", default_value = "dcgmi health -s a")]
+    pub dcgm_health_set_command: String,
+    /// The command that reads the health watches, split on spaces; its output must be JSON.
+    #[arg(long, env = "GPUMEDIC_DCGM_HEALTH_COMMAND", default_value = "dcgmi health -c -j")]
+    pub dcgm_health_command: String,
+    /// A health command running longer than this is killed and reported as hung.
+    #[arg(long, env = "GPUMEDIC_DCGM_HEALTH_TIMEOUT", default_value = "30s")]
+    pub dcgm_health_timeout: String,
 }
 
 /// The validated DCGM settings.
@@ -62,6 +75,21 @@ pub struct DcgmSettings {
     pub exporter: Option<ExporterSettings>,
     /// The diagnostic schedule, when on.
     pub diag: Option<DiagSettings>,
+    /// The health-watch schedule, when on.
+    pub health: Option<HealthSettings>,
+}
+
+/// How the health watches are set and read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthSettings {
+    /// Time between checks.
+    pub interval: Duration,
+    /// Sets the watches (program and arguments).
+    pub set_command: Vec<String>,
+    /// Reads them.
+    pub check_command: Vec<String>,
+    /// Longest run of either.
+    pub timeout: Duration,
 }
 
 /// How dcgm-exporter is scraped.
@@ -103,9 +131,26 @@ impl Validate for DcgmArgs {
             p.push("--dcgm-diag-command", "the command is empty");
         }
         let timeout = p.check("--dcgm-diag-timeout", parse_duration(&self.dcgm_diag_timeout).and_then(nonzero));
+        let health_interval = match self.dcgm_health_interval.trim() {
+            "off" | "" => None,
+            raw => p.check("--dcgm-health-interval", parse_duration(raw).and_then(nonzero)),
+        };
+        let words = |s: &str| -> Vec<String> { s.split_whitespace().map(str::to_owned).collect() };
+        let (set_command, check_command) = (words(&self.dcgm_health_set_command), words(&self.dcgm_health_command));
+        if check_command.is_empty() {
+            p.push("--dcgm-health-command", "the command is empty");
+        }
+        let health_timeout =
+            p.check("--dcgm-health-timeout", parse_duration(&self.dcgm_health_timeout).and_then(nonzero));
         p.finish(|| DcgmSettings {
             exporter: (!url.is_empty()).then(|| ExporterSettings { url, interval: scrape.expect("checked") }),
             diag: diag_interval.map(|interval| DiagSettings { interval, command, timeout: timeout.expect("checked") }),
+            health: health_interval.map(|interval| HealthSettings {
+                interval,
+                set_command,
+                check_command,
+                timeout: health_timeout.expect("checked"),
+            }),
         })
     }
 }
@@ -131,6 +176,13 @@ impl GpuDirectory {
                 map.insert(index, (r.uuid.clone(), r.pci_bus_id.clone()));
             }
         }
+    }
+
+    /// The DCGM index of every GPU seen, sorted.
+    pub fn indexes(&self) -> Vec<u32> {
+        let mut all: Vec<u32> = self.0.lock().expect("directory lock").keys().copied().collect();
+        all.sort_unstable();
+        all
     }
 
     /// The entity of GPU `index`, with its UUID and PCI address when known.
@@ -362,24 +414,11 @@ pub enum DiagOutcome {
 
 /// Runs the diagnostic command once.
 pub async fn run_diag_once(settings: &DiagSettings) -> DiagOutcome {
-    let Some((program, args)) = settings.command.split_first() else {
-        return DiagOutcome::Failed("the command is empty".into());
-    };
-    let child = tokio::process::Command::new(program)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
-    let child = match child {
-        Ok(c) => c,
-        Err(e) => return DiagOutcome::Failed(format!("cannot run {program}: {e}")),
-    };
-    let output = match tokio::time::timeout(settings.timeout, child.wait_with_output()).await {
-        Err(_) => return DiagOutcome::TimedOut,
-        Ok(Err(e)) => return DiagOutcome::Failed(format!("{program} failed: {e}")),
-        Ok(Ok(o)) => o,
+    let program = settings.command.first().map_or("", String::as_str);
+    let output = match run_command(&settings.command, settings.timeout).await {
+        CommandRun::Output(o) => o,
+        CommandRun::Failed(m) => return DiagOutcome::Failed(m),
+        CommandRun::TimedOut => return DiagOutcome::TimedOut,
     };
     // dcgmi exits non-zero when a test fails, with the report on stdout: read it regardless.
     match parse_diag(&String::from_utf8_lossy(&output.stdout)) {
@@ -463,6 +502,139 @@ pub fn diag_events(node: &str, report: &DiagReport, directory: &GpuDirectory, no
     out
 }
 
+/// How one run of a DCGM command ended: its stdout, or why there is none.
+enum CommandRun {
+    /// It ran (whatever its exit status); its stdout and stderr.
+    Output(std::process::Output),
+    /// It could not start.
+    Failed(String),
+    /// It ran past the timeout and was killed.
+    TimedOut,
+}
+
+async fn run_command(command: &[String], timeout: Duration) -> CommandRun {
+    let Some((program, args)) = command.split_first() else {
+        return CommandRun::Failed("the command is empty".into());
+    };
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn();
+    let child = match child {
+        Ok(c) => c,
+        Err(e) => return CommandRun::Failed(format!("cannot run {program}: {e}")),
+    };
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Err(_) => CommandRun::TimedOut,
+        Ok(Err(e)) => CommandRun::Failed(format!("{program} failed: {e}")),
+        Ok(Ok(o)) => CommandRun::Output(o),
+    }
+}
+
+/// What one health check ended with.
+#[derive(Debug)]
+pub enum HealthOutcome {
+    /// A report was read.
+    Report(super::health::HealthReport),
+    /// A command could not run, failed, or printed no report.
+    Failed(String),
+    /// A command ran past the timeout and was killed.
+    TimedOut,
+}
+
+/// Sets the health watches when `set` (first check, or after a failed one), then reads them.
+pub async fn check_health_once(settings: &HealthSettings, set: bool) -> HealthOutcome {
+    if set && !settings.set_command.is_empty() {
+        match run_command(&settings.set_command, settings.timeout).await {
+            CommandRun::Output(o) if o.status.success() => {}
+            CommandRun::Output(o) => {
+                let out = String::from_utf8_lossy(&o.stdout);
+                let out: String = out.trim().chars().take(300).collect();
+                return HealthOutcome::Failed(format!("setting the health watches exited with {}: {out}", o.status));
+            }
+            CommandRun::Failed(m) => return HealthOutcome::Failed(m),
+            CommandRun::TimedOut => return HealthOutcome::TimedOut,
+        }
+    }
+    match run_command(&settings.check_command, settings.timeout).await {
+        CommandRun::Output(o) => match super::health::parse_health(&String::from_utf8_lossy(&o.stdout)) {
+            Ok(report) => HealthOutcome::Report(report),
+            Err(e) => HealthOutcome::Failed(format!("the health check exited with {}: {e}", o.status)),
+        },
+        CommandRun::Failed(m) => HealthOutcome::Failed(m),
+        CommandRun::TimedOut => HealthOutcome::TimedOut,
+    }
+}
+
+/// Sets DCGM's health watches and reads them every interval (the first time at once) until
+/// `token` is cancelled: one event per incident that appears or changes, a healthy one when it
+/// goes ([`super::health::HealthWatch`]). A command that fails or prints no report is a
+/// `monitor_health` `error` (`dcgm-health`), one that hangs past the timeout is killed and
+/// reported `hung`; the watches are set again before the next check.
+pub async fn watch_health(
+    node: String,
+    settings: HealthSettings,
+    directory: GpuDirectory,
+    emitter: Sink,
+    token: CancellationToken,
+) -> Result<(), KafkaError> {
+    const MONITOR: &str = "dcgm-health";
+    let mut status = MonitorStatus::default();
+    let mut watch = super::health::HealthWatch::new(node.clone());
+    let mut set = true;
+    tracing::info!(
+        command = %settings.check_command.join(" "),
+        interval_ms = settings.interval.as_millis() as u64,
+        "Reading DCGM's health watches."
+    );
+    loop {
+        let outcome = tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            o = check_health_once(&settings, set) => o,
+        };
+        let events: Vec<HealthEvent> = match outcome {
+            HealthOutcome::Report(report) => {
+                set = false;
+                metrics::counter!("gpumedic_collector_dcgm_health_checks_total", "overall" => report.overall.clone())
+                    .increment(1);
+                status
+                    .answered(&node, MONITOR)
+                    .into_iter()
+                    .chain(watch.observe(&report, &directory, Utc::now()))
+                    .collect()
+            }
+            HealthOutcome::Failed(message) => {
+                set = true;
+                status.failed(&node, MONITOR, MonitorState::Error, message).into_iter().collect()
+            }
+            HealthOutcome::TimedOut => {
+                set = true;
+                status
+                    .failed(
+                        &node,
+                        MONITOR,
+                        MonitorState::Hung,
+                        format!("the health command ran past {:?} and was killed", settings.timeout),
+                    )
+                    .into_iter()
+                    .collect()
+            }
+        };
+        for e in &events {
+            if !emitter.emit_until_done(e, &token).await {
+                return Ok(());
+            }
+        }
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            () = tokio::time::sleep(settings.interval) => {}
+        }
+    }
+}
+
 /// Runs the diagnostic every interval (the first one interval after the start) until `token` is
 /// cancelled.
 pub async fn schedule_diag(
@@ -542,6 +714,10 @@ mod tests {
             dcgm_diag_interval: "off".into(),
             dcgm_diag_command: "dcgmi diag -r 1 -j".into(),
             dcgm_diag_timeout: "10m".into(),
+            dcgm_health_interval: "off".into(),
+            dcgm_health_set_command: "dcgmi health -s a".into(),
+            dcgm_health_command: "dcgmi health -c -j".into(),
+            dcgm_health_timeout: "30s".into(),
         };
         for (k, v) in extra {
             match *k {
@@ -549,10 +725,56 @@ mod tests {
                 "diag" => a.dcgm_diag_interval = (*v).into(),
                 "command" => a.dcgm_diag_command = (*v).into(),
                 "scrape" => a.dcgm_scrape_interval = (*v).into(),
+                "health" => a.dcgm_health_interval = (*v).into(),
+                "health-command" => a.dcgm_health_command = (*v).into(),
                 _ => unreachable!(),
             }
         }
         a
+    }
+
+    #[test]
+    fn health_watches_are_off_by_default_and_read_with_dcgmi() {
+        let s = args(&[("health", "1m")]).validate().unwrap().health.expect("on");
+        assert_eq!(s.interval, Duration::from_secs(60));
+        assert_eq!(s.set_command, ["dcgmi", "health", "-s", "a"]);
+        assert_eq!(s.check_command, ["dcgmi", "health", "-c", "-j"]);
+        let err = args(&[("health", "0s"), ("health-command", " ")]).validate().unwrap_err();
+        let fields: Vec<&str> = err.list().iter().map(|p| p.field.as_str()).collect();
+        assert!(fields.contains(&"--dcgm-health-interval") && fields.contains(&"--dcgm-health-command"), "{fields:?}");
+    }
+
+    fn health_settings(check: &[&str], timeout: Duration) -> HealthSettings {
+        HealthSettings {
+            interval: Duration::from_secs(60),
+            set_command: vec!["true".into()],
+            check_command: check.iter().map(|s| (*s).to_owned()).collect(),
+            timeout,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_health_check_reads_the_report_and_a_failing_or_hung_dcgmi_is_an_outcome_of_its_own() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dcgm/health-check-warn.json");
+        let ok = check_health_once(&health_settings(&["cat", fixture], Duration::from_secs(10)), true).await;
+        assert!(matches!(&ok, HealthOutcome::Report(r) if r.incidents.len() == 3), "{ok:?}");
+        // dcgmi prints its errors as text, on stdout.
+        let not_set = health_settings(&["echo", "Error: Health watches not enabled."], Duration::from_secs(10));
+        assert!(
+            matches!(check_health_once(&not_set, false).await, HealthOutcome::Failed(m) if m.contains("not a JSON"))
+        );
+        let missing = health_settings(&["/nonexistent/dcgmi"], Duration::from_secs(10));
+        assert!(
+            matches!(check_health_once(&missing, false).await, HealthOutcome::Failed(m) if m.contains("cannot run"))
+        );
+        let hung = health_settings(&["sleep", "30"], Duration::from_millis(200));
+        assert!(matches!(check_health_once(&hung, false).await, HealthOutcome::TimedOut));
+        let mut unset = health_settings(&["cat", fixture], Duration::from_secs(10));
+        unset.set_command = vec!["false".into()];
+        assert!(
+            matches!(check_health_once(&unset, true).await, HealthOutcome::Failed(m) if m.contains("setting the health watches")),
+            "a failure to set the watches is reported"
+        );
     }
 
     #[test]

@@ -2,12 +2,15 @@
 
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{
-    AerSeverity, Component, Detail, Entity, GpuLostDetail, MceDetail, Nvlink5XidFields, PcieAerDetail, Source,
-    SxidDetail, XidDetail, XidRecoveryAction,
+    AerSeverity, Component, CustomDetail, Detail, Entity, GpuLostDetail, MceDetail, Nvlink5XidFields, PcieAerDetail,
+    Source, SxidDetail, XidDetail, XidRecoveryAction,
 };
 
 use super::nvlink5::Nvlink5Action;
 use super::parse::{KernelEvent, KernelEventKind};
+
+/// The `monitor` of the `custom` events NIC driver errors become.
+pub const NIC_MONITOR: &str = "nic_driver";
 
 /// The health event for `k`, seen on `node` in the line `raw`.
 pub fn to_health_event(node: &str, k: &KernelEvent, raw: &str) -> HealthEvent {
@@ -92,6 +95,26 @@ pub fn to_health_event(node: &str, k: &KernelEvent, raw: &str) -> HealthEvent {
                 text: k.message.clone(),
             }),
         ),
+        KernelEventKind::NicDriver => {
+            // The NIC's PCI address goes into the values, not the entity: the entity's PCI id
+            // names a GPU, and a NIC fault is about the node's network.
+            entity.pci_bus_id = None;
+            let mut values = std::collections::BTreeMap::new();
+            values.insert("check".to_owned(), "nic_driver".to_owned());
+            if let Some(nic) = &k.nic {
+                values.insert("error".to_owned(), nic.error.to_owned());
+                values.insert("severity".to_owned(), nic.severity.to_owned());
+                for (key, value) in [("driver", &nic.driver), ("device", &nic.device), ("interface", &nic.interface)] {
+                    if let Some(v) = value {
+                        values.insert(key.to_owned(), v.clone());
+                    }
+                }
+                if let Some(q) = nic.queue {
+                    values.insert("queue".to_owned(), q.to_string());
+                }
+            }
+            (Component::Node, Detail::Custom(CustomDetail { monitor: NIC_MONITOR.to_owned(), values }))
+        }
     };
     let mut event = HealthEvent::new(node, Source::KernelLog, component, entity, detail);
     event.raw = Some(raw.to_owned());
@@ -113,6 +136,28 @@ fn recovery_action(parsed: &str) -> XidRecoveryAction {
 mod tests {
     use super::*;
     use crate::kernel_log::parse::parse_all;
+
+    #[test]
+    fn nic_driver_errors_are_node_events_that_name_the_nic_apart_from_gpus() {
+        let line = "mlx5_core 0000:41:00.0: poll_health:852:(pid 0): device's health compromised - reached miss count";
+        let k = &parse_all(line)[0];
+        let e = to_health_event("n1", k, line);
+        assert_eq!((e.source, e.component), (Source::KernelLog, Component::Node));
+        assert_eq!(e.entity, Entity::default(), "a NIC's PCI id is not a GPU's");
+        let Detail::Custom(c) = &e.detail else { panic!("custom expected: {:?}", e.detail) };
+        assert_eq!(c.monitor, NIC_MONITOR);
+        let get = |k: &str| c.values.get(k).map(String::as_str);
+        assert_eq!(
+            (get("check"), get("error"), get("severity"), get("device"), get("driver")),
+            (Some("nic_driver"), Some("health_compromised"), Some("fatal"), Some("0000:41:00.0"), Some("mlx5_core"))
+        );
+        let line = "NETDEV WATCHDOG: eth2 (mlx5_core): transmit queue 3 timed out 5376 ms";
+        let e = to_health_event("n1", &parse_all(line)[0], line);
+        let Detail::Custom(c) = &e.detail else { panic!("custom expected") };
+        assert_eq!(c.values.get("queue").map(String::as_str), Some("3"));
+        assert_eq!(c.values.get("interface").map(String::as_str), Some("eth2"));
+        assert!(!e.healthy);
+    }
 
     #[test]
     fn xid_lines_become_typed_events() {

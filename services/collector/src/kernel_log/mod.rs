@@ -1,5 +1,5 @@
 //! The kernel-log source: NVIDIA driver (`NVRM: Xid`), NVSwitch (`SXid`), "fallen off the bus",
-//! machine-check and PCIe AER lines, read from `/dev/kmsg`.
+//! machine-check and PCIe AER lines, and NIC driver errors ([`nic`]), read from `/dev/kmsg`.
 //!
 //! NVML's Xid event wait returns only the last Xid between two waits, so the kernel log is the
 //! primary Xid source. [`parse`] turns lines into [`KernelEvent`]s and is shared with the
@@ -7,6 +7,7 @@
 
 pub mod event;
 pub mod kmsg;
+pub mod nic;
 pub mod nvlink5;
 pub mod parse;
 

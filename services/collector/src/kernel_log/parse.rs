@@ -26,6 +26,8 @@ pub enum KernelEventKind {
     Mce,
     /// A PCIe Advanced Error Reporting error.
     PcieAer,
+    /// A NIC driver error: a transmit timeout, an mlx5 command timeout or firmware health report.
+    NicDriver,
 }
 
 /// A MIG instance named by an Xid line (`GPU-I:05`, optionally `GPU-C:01`).
@@ -93,6 +95,9 @@ pub struct KernelEvent {
     /// The machine-check bank.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mce_bank: Option<u32>,
+    /// The NIC driver error, for [`KernelEventKind::NicDriver`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nic: Option<super::nic::NicError>,
 }
 
 impl KernelEvent {
@@ -113,6 +118,7 @@ impl KernelEvent {
             device: None,
             cpu: None,
             mce_bank: None,
+            nic: None,
         }
     }
 }
@@ -219,6 +225,14 @@ pub fn parse_line(line: &str) -> Option<KernelEvent> {
     }
     if line.contains("PCIe Bus Error") || line.contains("error received") {
         return parse_aer(line);
+    }
+    if line.contains("NETDEV WATCHDOG") || line.contains("mlx5_core") {
+        let nic = super::nic::parse(line)?;
+        let body = line.find("NETDEV WATCHDOG").or_else(|| line.find("mlx5_core")).map_or(line, |at| &line[at..]);
+        let mut event = KernelEvent::new(KernelEventKind::NicDriver, body.trim());
+        event.severity = Some(nic.severity.to_owned());
+        event.nic = Some(nic);
+        return Some(event);
     }
     None
 }

@@ -1,0 +1,246 @@
+//! `event-writes`: how fast the classifier's event rows go into PostgreSQL by each way of writing
+//! them, on the same rows, each into a fresh database, `--batch` events per statement on one
+//! connection (the classifier writes each part of a batch so):
+//!
+//! 1. `unnest`: the classifier's batch statement with the events bound as arrays (`INSERT ...
+//!    SELECT FROM UNNEST(arrays) ON CONFLICT DO NOTHING`), events only: how it wrote before;
+//! 2. `copy-staging`: binary `COPY` into a temporary table, then `INSERT ... SELECT ... ON
+//!    CONFLICT DO NOTHING` (idempotent, as the classifier's write must be);
+//! 3. `batch`: the classifier's batch write as it is ([`store::write_batch`]: `COPY` into the
+//!    staging table, then the batch statement reading it), events only;
+//! 4. `copy-unchecked`: binary `COPY` straight into `health_events`, not idempotent (a redelivered
+//!    event fails the batch): the ceiling of COPY, not a candidate.
+//!
+//! The events are the fleet mix of [`crate::classify`]. Each method writes the same batches twice
+//! (the second pass is a redelivery: nothing new) except `copy-unchecked`, which cannot. The
+//! methods take turns batch by batch, each on its own connection to its own database.
+
+use std::time::Instant;
+
+use gpumedic_classifier::store::{self, Batch, EventRows};
+use gpumedic_runtime::testbed;
+
+/// Options of the scenario.
+#[derive(Debug, clap::Args)]
+pub struct Options {
+    /// How many events.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Events per statement.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+}
+
+/// One method's figures.
+#[derive(Debug, serde::Serialize)]
+pub struct Method {
+    method: &'static str,
+    /// Events per second on the first pass (all new).
+    new_per_sec: f64,
+    /// Events per second on the second pass (all already recorded); 0 when not run.
+    redelivered_per_sec: f64,
+}
+
+/// The JSON result.
+#[derive(Debug, serde::Serialize)]
+pub struct Result {
+    scenario: &'static str,
+    events: usize,
+    batch: usize,
+    methods: Vec<Method>,
+}
+
+/// Runs the scenario and prints one line per method.
+pub async fn run(o: Options) -> anyhow::Result<Result> {
+    let admin = testbed::require_postgres().await?;
+    let base = chrono::Utc::now() - chrono::Duration::minutes(30);
+    let mut batches: Vec<EventRows> = Vec::new();
+    for chunk in (0..o.events).collect::<Vec<_>>().chunks(o.batch.max(1)) {
+        let mut rows = EventRows::with_capacity(chunk.len());
+        for &i in chunk {
+            rows.push(&crate::classify::event(i, o.nodes, base))?;
+        }
+        batches.push(rows);
+    }
+    println!("event-writes: {} events, {} per statement", o.events, o.batch);
+    const METHODS: [&str; 4] = ["unnest", "copy-staging", "batch", "copy-unchecked"];
+    let mut pools = Vec::new();
+    for method in METHODS {
+        let db = testbed::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
+        let url = testbed::fresh_database(&admin, &db).await?;
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+        gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
+        pools.push((db, pool));
+    }
+    // The methods take turns batch by batch, so a busy moment of the (shared) machine slows each
+    // of them alike rather than whichever ran then.
+    let mut seconds = [[0.0f64; METHODS.len()]; 2];
+    for (pass, spent) in seconds.iter_mut().enumerate() {
+        let mut new = [0u64; METHODS.len()];
+        for rows in &batches {
+            for (m, method) in METHODS.iter().enumerate() {
+                if pass == 1 && *method == "copy-unchecked" {
+                    continue;
+                }
+                let pool = &pools[m].1;
+                let batch = Batch { events: rows.clone(), ..Default::default() };
+                let start = Instant::now();
+                new[m] += match *method {
+                    "unnest" => u64::try_from(store::write_batch_arrays(pool, &batch).await?.new_events).unwrap_or(0),
+                    "batch" => u64::try_from(store::write_batch(pool, &batch).await?.new_events).unwrap_or(0),
+                    "copy-staging" => store::copy_events(pool, rows).await?,
+                    _ => store::copy_events_unchecked(pool, rows).await?,
+                };
+                spent[m] += start.elapsed().as_secs_f64();
+            }
+        }
+        for (m, method) in METHODS.iter().enumerate() {
+            let expected = if pass == 0 { o.events as u64 } else { 0 };
+            anyhow::ensure!(new[m] == expected, "{method}: {} new rows on pass {pass}, {expected} expected", new[m]);
+        }
+    }
+    let mut methods = Vec::new();
+    for (m, method) in METHODS.iter().enumerate() {
+        let rate = |s: f64| if s > 0.0 { o.events as f64 / s } else { 0.0 };
+        let (new, redelivered) = (rate(seconds[0][m]), rate(seconds[1][m]));
+        println!("  {method:<15} {new:>9.0} events/s new, {redelivered:>9.0} events/s redelivered");
+        methods.push(Method { method, new_per_sec: new, redelivered_per_sec: redelivered });
+    }
+    for (db, pool) in pools {
+        pool.close().await;
+        // Each method's database is a few hundred MB: gone once measured.
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
+    }
+    Ok(Result { scenario: "event-writes", events: o.events, batch: o.batch, methods })
+}
+
+/// Options of `persist-policies`.
+#[derive(Debug, clap::Args)]
+pub struct PolicyOptions {
+    /// How many events.
+    #[arg(long, default_value_t = 200_000)]
+    events: usize,
+    /// Events per batch.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Events per node per second of event time: the fleet's rate decides how many events share a
+    /// GPU's minute, so how many rollups there are.
+    #[arg(long, default_value_t = 0.03)]
+    rate_per_node: f64,
+}
+
+/// One policy's figures.
+#[derive(Debug, serde::Serialize)]
+pub struct Policy {
+    persist: &'static str,
+    /// Events classified and written per second (the engine, the keeper and the batch writes on
+    /// one connection; no Kafka).
+    events_per_sec: f64,
+    event_rows: i64,
+    rollup_rows: i64,
+    /// `pg_total_relation_size` (table, indexes, TOAST) per row.
+    event_row_bytes: f64,
+    rollup_row_bytes: f64,
+}
+
+/// The JSON result of `persist-policies`.
+#[derive(Debug, serde::Serialize)]
+pub struct PolicyResult {
+    scenario: &'static str,
+    events: usize,
+    nodes: usize,
+    rate_per_node: f64,
+    policies: Vec<Policy>,
+}
+
+/// `persist-policies`: the fleet mix, spread in event time at `--rate-per-node`, through the
+/// classifier's engine and keeper and its batch write, once with `--persist all` and once with
+/// `evidence`, each into a fresh database (PostgreSQL only: no Kafka). Prints the rows each keeps
+/// and their size on disk, the figures docs/incident-history.md sizes a fleet from.
+pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
+    use gpumedic_classifier::persist::{Keeper, Policy as Persist};
+    use gpumedic_classifier::rules::{Engine, defaults};
+    let admin = testbed::require_postgres().await?;
+    let fleet_rate = o.rate_per_node * o.nodes as f64;
+    let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
+    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
+    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
+    let events: Vec<_> = (0..o.events)
+        .map(|i| {
+            let mut e = crate::classify::event(i, o.nodes, base);
+            e.event.observed_at = base + spacing * i32::try_from(i).unwrap_or(i32::MAX);
+            e
+        })
+        .collect();
+    println!(
+        "persist-policies: {} events of {} nodes at {} per node per second ({:.1} h of event time)",
+        o.events,
+        o.nodes,
+        o.rate_per_node,
+        span.num_seconds() as f64 / 3600.0
+    );
+    let mut policies = Vec::new();
+    for (name, persist) in [("all", Persist::All), ("evidence", Persist::Evidence)] {
+        let db = testbed::unique_name(&format!("bench_persist_{name}")).replace('-', "_");
+        let url = testbed::fresh_database(&admin, &db).await?;
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+        gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
+        let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
+        let mut keeper = Keeper::for_rebuild_window(persist, std::time::Duration::from_secs(48 * 3600));
+        let start = Instant::now();
+        for chunk in events.chunks(o.batch.max(1)) {
+            let mut batch = Batch::default();
+            for e in chunk {
+                let obs = gpumedic_classifier::observe::observation(e);
+                let (_, bearing) = engine.observe_bearing(&obs);
+                if keeper.keep(&obs, bearing) {
+                    batch.events.push(e)?;
+                }
+            }
+            for (k, r) in keeper.closed() {
+                batch.rollups.push(&k, &r);
+            }
+            store::write_batch(&pool, &batch).await?;
+        }
+        let events_per_sec = o.events as f64 / start.elapsed().as_secs_f64();
+        sqlx::query("VACUUM ANALYZE health_events").execute(&pool).await?;
+        sqlx::query("VACUUM ANALYZE telemetry_rollups").execute(&pool).await?;
+        let (event_rows, rollup_rows, event_bytes, rollup_bytes): (i64, i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM health_events), (SELECT count(*) FROM telemetry_rollups),
+                    (SELECT coalesce(sum(pg_total_relation_size(inhrelid)), 0)::int8 FROM pg_inherits
+                      WHERE inhparent = 'health_events'::regclass),
+                    pg_total_relation_size('telemetry_rollups')",
+        )
+        .fetch_one(&pool)
+        .await?;
+        let per = |bytes: i64, rows: i64| if rows > 0 { bytes as f64 / rows as f64 } else { 0.0 };
+        let p = Policy {
+            persist: name,
+            events_per_sec,
+            event_rows,
+            rollup_rows,
+            event_row_bytes: per(event_bytes, event_rows),
+            rollup_row_bytes: per(rollup_bytes, rollup_rows),
+        };
+        println!(
+            "  --persist {name:<9} {events_per_sec:>9.0} events/s; {event_rows} event rows of {:.0} B, {rollup_rows} rollups of {:.0} B",
+            p.event_row_bytes, p.rollup_row_bytes
+        );
+        policies.push(p);
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
+    }
+    Ok(PolicyResult {
+        scenario: "persist-policies",
+        events: o.events,
+        nodes: o.nodes,
+        rate_per_node: o.rate_per_node,
+        policies,
+    })
+}

@@ -1,0 +1,422 @@
+//! What the classifier keeps of the event stream in Postgres ([`Policy`]), and the per-minute
+//! rollups of the healthy telemetry it leaves out ([`Rollup`]).
+//!
+//! Under [`Policy::Evidence`] an event is recorded in `health_events` when incident history or a
+//! rebuild needs it ([`Keeper::keep`]): it is unhealthy; the engine says it bore on its state
+//! ([`Bearing`]: evidence for or against an incident, a changed fact, a refusal); it is the
+//! first of its node, GPU and kind since the classifier started, or the first of that key in a
+//! keyframe period of event time (an eighth of `--rebuild-window`, from a minute to 6 hours: so a
+//! rebuild window always holds recent readings of each, whatever facts they carry); or it is a
+//! reading crossing back to healthy. Every other healthy event only
+//! feeds its GPU's rollup of the minute: the minimum, maximum and last value of each number it
+//! carries, and the increase of each counter. The raw stream stays in Kafka.
+//!
+//! Leaving such an event out of a replay changes nothing the engine decides from, so a rebuild
+//! from the recorded subset reaches the same incidents (`tests/persist_policy.rs`).
+//!
+//! Rollups are written once their minute is over by the newest event time seen (plus
+//! [`ROLLUP_GRACE_MICROS`]); an event later than that adds a row merged into the written one.
+//! They are kept in memory until then, and written when the classifier stops: a crash loses the
+//! open minutes' rollups (the events are in Kafka), and a batch replayed after a crash adds its
+//! events' counts a second time.
+
+use std::collections::{BTreeMap, HashMap};
+
+use chrono::{DateTime, Utc};
+
+use crate::rules::{Bearing, FieldValue, Observation};
+
+/// Which events the classifier records in `health_events`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// What incident history and a rebuild need; per-minute rollups of the rest.
+    #[default]
+    Evidence,
+    /// Every event, as consumed (no rollups).
+    All,
+}
+
+impl Policy {
+    /// The flag's value: `evidence` or `all`.
+    pub fn parse(text: &str) -> Result<Policy, String> {
+        match text {
+            "evidence" => Ok(Policy::Evidence),
+            "all" => Ok(Policy::All),
+            other => Err(format!("`{other}` is neither `evidence` nor `all`")),
+        }
+    }
+
+    /// The flag's value for this policy.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Evidence => "evidence",
+            Policy::All => "all",
+        }
+    }
+}
+
+/// A minute, in microseconds.
+const MINUTE_MICROS: i64 = 60_000_000;
+
+/// The longest keyframe period ([`Keeper::for_rebuild_window`]), in microseconds: 6 hours.
+pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
+
+/// How long after its minute ends (by the newest event time seen) a rollup is written: events of
+/// a node arrive a little out of order across its sources.
+pub const ROLLUP_GRACE_MICROS: i64 = 60_000_000;
+
+/// Fields that are counters (they only grow, except when the GPU or driver resets them): their
+/// rollup also says how much they grew in the minute.
+pub const COUNTER_FIELDS: &[(&str, &str)] = &[
+    ("ecc", "single_bit_volatile"),
+    ("ecc", "double_bit_volatile"),
+    ("ecc", "single_bit_aggregate"),
+    ("ecc", "double_bit_aggregate"),
+    ("retired_pages", "total"),
+    ("row_remap", "correctable"),
+    ("row_remap", "uncorrectable"),
+    ("nvlink", "crc_errors"),
+    ("nvlink", "recovery_errors"),
+    ("pcie_replay", "value"),
+];
+
+fn is_counter(kind: &str, field: &str) -> bool {
+    COUNTER_FIELDS.iter().any(|(k, f)| *k == kind && *f == field)
+}
+
+/// A stable digest (FNV-1a) of a node, GPU and kind.
+fn key_digest(node: &str, gpu: &str, kind: &str) -> u64 {
+    [node, gpu, kind]
+        .iter()
+        .flat_map(|p| p.bytes().chain([0x1f]))
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// What is remembered per node, GPU and kind.
+#[derive(Debug, Clone, Default)]
+struct Track {
+    /// The keyframe period (event time) of the last recorded event.
+    period: i64,
+    /// The last event was unhealthy.
+    unhealthy: bool,
+    /// The last value of each counter, by field.
+    counters: Vec<(String, i64)>,
+}
+
+/// The minimum, maximum and last value of one reading over a minute.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Reading {
+    /// The smallest value.
+    pub min: f64,
+    /// The largest value.
+    pub max: f64,
+    /// The value of the latest event (by event time).
+    pub last: f64,
+}
+
+/// One GPU's (or node's) healthy telemetry of one kind over one minute.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Rollup {
+    /// Healthy events folded in.
+    pub events: i32,
+    /// The latest event's time.
+    pub last_at: i64,
+    /// Each numeric field's minimum, maximum and last value.
+    pub readings: BTreeMap<String, Reading>,
+    /// How much each counter grew (a counter that went down was reset: it counts from zero).
+    pub counters: BTreeMap<String, i64>,
+}
+
+impl Rollup {
+    /// Folds one reading in, at `at`.
+    fn add(&mut self, o: &Observation, at: i64, track: &mut Track) {
+        self.events = self.events.saturating_add(1);
+        let later = at >= self.last_at;
+        self.last_at = self.last_at.max(at);
+        for (field, value) in &o.fields {
+            let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
+            let r = self.readings.entry(field.clone()).or_insert(Reading { min: v, max: v, last: v });
+            r.min = r.min.min(v);
+            r.max = r.max.max(v);
+            if later {
+                r.last = v;
+            }
+            if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
+                let growth = counter_step(track, field, *now);
+                *self.counters.entry(field.clone()).or_default() += growth;
+            }
+        }
+    }
+}
+
+/// How much a counter grew since its last value (none for its first), remembering this one. A
+/// value below the last is a reset: the counter started again from zero, so it grew by the value.
+pub fn counter_growth(last: Option<i64>, now: i64) -> i64 {
+    match last {
+        None => 0,
+        Some(last) if now >= last => now.saturating_sub(last),
+        Some(_) => now.max(0),
+    }
+}
+
+fn counter_step(track: &mut Track, field: &str, now: i64) -> i64 {
+    match track.counters.iter_mut().find(|(f, _)| f == field) {
+        Some((_, last)) => {
+            let growth = counter_growth(Some(*last), now);
+            *last = now;
+            growth
+        }
+        None => {
+            track.counters.push((field.to_owned(), now));
+            0
+        }
+    }
+}
+
+/// The key of a rollup: node, GPU (empty for the node), kind and minute (microseconds).
+pub type RollupKey = (String, String, String, i64);
+
+/// Decides, per event, whether it is recorded, and rolls up the rest.
+#[derive(Debug, Default)]
+pub struct Keeper {
+    policy: Policy,
+    tracks: HashMap<u64, Track>,
+    /// The rollups not yet written, by minute, then node, GPU and kind.
+    open: BTreeMap<i64, HashMap<(String, String, String), Rollup>>,
+    /// The newest event time seen.
+    watermark: i64,
+    /// Each node, GPU and kind has an event recorded in every period this long (microseconds).
+    keyframe: i64,
+}
+
+impl Keeper {
+    /// A keeper for `policy`, with keyframes every [`MAX_KEYFRAME_MICROS`].
+    pub fn new(policy: Policy) -> Keeper {
+        Keeper { policy, keyframe: MAX_KEYFRAME_MICROS, ..Default::default() }
+    }
+
+    /// The same, with a keyframe of each node, GPU and kind in every `period` of event time: an
+    /// eighth of the rebuild window, from a minute to [`MAX_KEYFRAME_MICROS`].
+    pub fn for_rebuild_window(policy: Policy, window: std::time::Duration) -> Keeper {
+        let eighth = i64::try_from(window.as_micros() / 8).unwrap_or(i64::MAX);
+        Keeper { keyframe: eighth.clamp(MINUTE_MICROS, MAX_KEYFRAME_MICROS), ..Keeper::new(policy) }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Whether the event `o` (which the engine judged as `bearing`) is recorded; when it is not
+    /// (and when it is healthy), it is folded into its rollup. Under [`Policy::All`], always.
+    pub fn keep(&mut self, o: &Observation, bearing: Bearing) -> bool {
+        if self.policy == Policy::All {
+            return true;
+        }
+        let at = o.observed_at_micros;
+        self.watermark = self.watermark.max(at);
+        let gpu = o.gpu.as_deref().unwrap_or("");
+        let period = at.div_euclid(self.keyframe);
+        let digest = key_digest(&o.node, gpu, &o.kind);
+        let first = !self.tracks.contains_key(&digest);
+        let track = self.tracks.entry(digest).or_default();
+        let crossing = o.healthy && track.unhealthy;
+        let keyframe = first || track.period != period;
+        let keep = !o.healthy || bearing.matters() || crossing || keyframe;
+        track.unhealthy = !o.healthy;
+        if keep {
+            track.period = period;
+        }
+        if o.healthy {
+            let minute = at.div_euclid(MINUTE_MICROS) * MINUTE_MICROS;
+            let key = (o.node.clone(), gpu.to_owned(), o.kind.clone());
+            self.open.entry(minute).or_default().entry(key).or_default().add(o, at, track);
+        }
+        keep
+    }
+
+    /// The rollups whose minute ended [`ROLLUP_GRACE_MICROS`] before the newest event time seen,
+    /// taken out to be written.
+    pub fn closed(&mut self) -> Vec<(RollupKey, Rollup)> {
+        let cutoff = self.watermark.saturating_sub(ROLLUP_GRACE_MICROS + MINUTE_MICROS);
+        let open = self.open.split_off(&cutoff.saturating_add(1));
+        flatten(std::mem::replace(&mut self.open, open))
+    }
+
+    /// Every rollup held, closed or not (for tests).
+    pub fn drain(&mut self) -> Vec<(RollupKey, Rollup)> {
+        flatten(std::mem::take(&mut self.open))
+    }
+
+    /// Forgets the open rollups of the nodes `keep` rejects (their partitions went to another
+    /// replica, which starts them afresh).
+    pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        for minute in self.open.values_mut() {
+            minute.retain(|k, _| keep(&k.0));
+        }
+    }
+}
+
+fn flatten(open: BTreeMap<i64, HashMap<(String, String, String), Rollup>>) -> Vec<(RollupKey, Rollup)> {
+    let mut out: Vec<(RollupKey, Rollup)> = open
+        .into_iter()
+        .flat_map(|(minute, keys)| keys.into_iter().map(move |((n, g, k), r)| ((n, g, k, minute), r)))
+        .collect();
+    // In key order, so a statement's rows lock in the same order every time.
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Rollups as column arrays, ready to insert.
+#[derive(Debug, Default, Clone)]
+pub struct RollupRows {
+    pub(crate) nodes: Vec<String>,
+    pub(crate) gpus: Vec<String>,
+    pub(crate) kinds: Vec<String>,
+    pub(crate) minutes: Vec<DateTime<Utc>>,
+    pub(crate) events: Vec<i32>,
+    pub(crate) last_at: Vec<DateTime<Utc>>,
+    /// `{"field": {"min": .., "max": .., "last": ..}}` as JSON text.
+    pub(crate) readings: Vec<String>,
+    /// `{"field": growth}` as JSON text.
+    pub(crate) counters: Vec<String>,
+}
+
+impl RollupRows {
+    /// Adds one rollup.
+    pub fn push(&mut self, key: &RollupKey, r: &Rollup) {
+        let at = |m: i64| DateTime::from_timestamp_micros(m).unwrap_or_default();
+        self.nodes.push(key.0.clone());
+        self.gpus.push(key.1.clone());
+        self.kinds.push(key.2.clone());
+        self.minutes.push(at(key.3));
+        self.events.push(r.events);
+        self.last_at.push(at(r.last_at));
+        // Plain maps of numbers: serialising them cannot fail.
+        self.readings.push(serde_json::to_string(&r.readings).unwrap_or_else(|_| "{}".into()));
+        self.counters.push(serde_json::to_string(&r.counters).unwrap_or_else(|_| "{}".into()));
+    }
+
+    /// How many rollups.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// No rollups.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M: i64 = MINUTE_MICROS;
+
+    fn temp(id: &str, at: i64, value: i64, healthy: bool) -> Observation {
+        let mut o = Observation::new(id, "n1", at, "temperature").gpu("GPU-a").field("value", value);
+        o.healthy = healthy;
+        o
+    }
+
+    fn ecc(id: &str, at: i64, aggregate: i64) -> Observation {
+        let mut o = Observation::new(id, "n1", at, "ecc").gpu("GPU-a").field("single_bit_aggregate", aggregate);
+        o.healthy = true;
+        o
+    }
+
+    #[test]
+    fn a_minute_keeps_min_max_and_the_last_reading_by_event_time() {
+        let mut k = Keeper::new(Policy::Evidence);
+        for (i, (at, v)) in [(1, 61), (5, 70), (3, 58), (9, 64)].into_iter().enumerate() {
+            k.keep(&temp(&i.to_string(), at * 1_000_000, v, true), Bearing::default());
+        }
+        let all = k.drain();
+        assert_eq!(all.len(), 1);
+        let (key, r) = &all[0];
+        assert_eq!(key, &("n1".to_owned(), "GPU-a".to_owned(), "temperature".to_owned(), 0));
+        assert_eq!(r.events, 4);
+        assert_eq!(r.readings["value"], Reading { min: 58.0, max: 70.0, last: 64.0 });
+        assert_eq!(r.last_at, 9_000_000);
+        assert!(r.counters.is_empty(), "a temperature is no counter");
+    }
+
+    #[test]
+    fn counters_count_their_growth_across_minutes_and_resets() {
+        let mut k = Keeper::new(Policy::Evidence);
+        // First reading: a baseline, no growth. Then +2, +0, a reset to 1 (grew by 1), +4.
+        for (i, (at, v)) in
+            [(0, 10), (20 * M / 60, 12), (M + 1, 12), (M + 2, 1), (2 * M + 1, 5)].into_iter().enumerate()
+        {
+            k.keep(&ecc(&i.to_string(), at, v), Bearing::default());
+        }
+        let by_minute: BTreeMap<i64, Rollup> = k.drain().into_iter().map(|(k, r)| (k.3, r)).collect();
+        assert_eq!(by_minute[&0].counters["single_bit_aggregate"], 2);
+        assert_eq!(by_minute[&M].counters["single_bit_aggregate"], 1, "12 -> 12 is none, 12 -> 1 is a reset");
+        assert_eq!(by_minute[&(2 * M)].counters["single_bit_aggregate"], 4);
+        assert_eq!(by_minute[&M].readings["single_bit_aggregate"], Reading { min: 1.0, max: 12.0, last: 1.0 });
+    }
+
+    #[test]
+    fn counter_growth_from_nothing_a_step_and_a_reset() {
+        assert_eq!(counter_growth(None, 7), 0);
+        assert_eq!(counter_growth(Some(7), 7), 0);
+        assert_eq!(counter_growth(Some(7), 9), 2);
+        assert_eq!(counter_growth(Some(7), 3), 3);
+        assert_eq!(counter_growth(Some(i64::MIN), i64::MAX), i64::MAX, "saturates");
+    }
+
+    #[test]
+    fn what_is_kept_under_evidence() {
+        let mut k = Keeper::new(Policy::Evidence);
+        let none = Bearing::default();
+        assert!(k.keep(&temp("a", 0, 60, true), none), "the first of its GPU and kind");
+        assert!(!k.keep(&temp("b", 1, 61, true), none), "a plain healthy reading");
+        assert!(k.keep(&temp("c", 2, 99, false), none), "unhealthy");
+        assert!(k.keep(&temp("d", 3, 60, true), none), "back to normal");
+        assert!(!k.keep(&temp("e", 4, 60, true), none));
+        let evidence = Bearing { evidence: true, ..Default::default() };
+        assert!(k.keep(&temp("f", 5, 60, true), evidence), "evidence for an incident");
+        assert!(!k.keep(&temp("g", 3_600_000_000, 60, true), none), "an hour on: not yet a keyframe");
+        let later = MAX_KEYFRAME_MICROS + 5;
+        assert!(k.keep(&temp("g", later, 60, true), none), "the first of the next keyframe period");
+        assert!(!k.keep(&temp("h", later + 1, 60, true), none));
+        let mut other = temp("i", later + 2, 60, true);
+        other.gpu = Some("GPU-b".into());
+        assert!(k.keep(&other, none), "another GPU's first");
+        assert!(Keeper::new(Policy::All).keep(&temp("j", 8, 60, true), none));
+    }
+
+    #[test]
+    fn rollups_close_a_minute_and_a_grace_after_their_end() {
+        let mut k = Keeper::new(Policy::Evidence);
+        k.keep(&temp("a", 10, 60, true), Bearing::default());
+        k.keep(&temp("b", M + 10, 60, true), Bearing::default());
+        assert!(k.closed().is_empty(), "the grace has not passed");
+        k.keep(&temp("c", 2 * M + 10, 60, true), Bearing::default());
+        let closed = k.closed();
+        assert_eq!(closed.iter().map(|(k, _)| k.3).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(k.drain().len(), 2);
+    }
+
+    #[test]
+    fn the_keyframe_period_follows_the_rebuild_window() {
+        let hour = std::time::Duration::from_secs(3600);
+        let none = Bearing::default();
+        let mut k = Keeper::for_rebuild_window(Policy::Evidence, hour * 2);
+        assert!(k.keep(&temp("a", 0, 60, true), none));
+        assert!(!k.keep(&temp("b", 14 * MINUTE_MICROS, 60, true), none));
+        assert!(k.keep(&temp("c", 15 * MINUTE_MICROS, 60, true), none), "a quarter of an hour: 2h / 8");
+        assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour * 480).keyframe, MAX_KEYFRAME_MICROS);
+        assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour / 600).keyframe, MINUTE_MICROS);
+    }
+
+    #[test]
+    fn the_flag_values() {
+        assert_eq!(Policy::parse("evidence"), Ok(Policy::Evidence));
+        assert_eq!(Policy::parse("all"), Ok(Policy::All));
+        assert!(Policy::parse("some").is_err());
+        assert_eq!(Policy::default().as_str(), "evidence");
+    }
+}
