@@ -7,7 +7,8 @@
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
 //! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
-//!   passthrough (see [`pipeline`]); `--persist evidence|all` picks what the classifier records.
+//!   passthrough, with node authentication off and enforced (see [`pipeline`]); `--persist
+//!   evidence|all` picks what the classifier records.
 //! - `event-writes`: the classifier's event rows into PostgreSQL by its `UNNEST` insert and by
 //!   binary `COPY`, on the same rows (see [`writes`]).
 //! - `persist-policies`: the fleet's stream through the classifier's engine and batch write under
@@ -29,6 +30,7 @@
 mod backtest;
 mod chaos;
 mod classify;
+mod collectors;
 mod console;
 mod fleet;
 mod latency;
@@ -81,7 +83,8 @@ enum Scenario {
     Backtest(backtest::Options),
     /// Fault to cordon through the enricher, classifier and remediator, under background load.
     Latency(latency::Options),
-    /// Raw events per second through the enricher and classifier, beside the Kafka passthrough.
+    /// Raw events per second through the enricher and classifier, beside the Kafka passthrough,
+    /// with node authentication off and enforced (`--node-auth`).
     PipelineThroughput(pipeline::Options),
     /// Event rows per second into PostgreSQL: the classifier's UNNEST insert against binary COPY.
     EventWrites(writes::Options),

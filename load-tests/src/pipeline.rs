@@ -3,25 +3,40 @@
 //! record size, no processing) measured in the same run. The issue's goals: at least 50,000
 //! events per second end to end on 2 cores, and at least half of the Kafka passthrough rate.
 //!
-//! 1. Kafka ceiling: `kafka-ceiling` on records of the raw events' size.
-//! 2. The release enricher and classifier start on the pipeline's topics with new consumer groups
-//!    that begin at the end of the topics, the classifier on a fresh database.
+//! 1. Kafka ceiling: `kafka-ceiling` on records of the raw events' size, once.
+//! 2. For each node authentication mode asked (`--node-auth`: `off`, `enforce`, or `both`, off
+//!    then enforce on the same events): the release enricher and classifier start on fresh
+//!    topics of their own, with new consumer groups and a fresh database. With `enforce`, a
+//!    namespace holds the collector's ServiceAccount and one Pod per simulated node, each node's
+//!    records carry that Pod's token in header `gpumedic.node-token` (see [`crate::collectors`]),
+//!    and the enricher reviews every token as in production (`GPUMEDIC_NODE_AUTH=enforce`).
 //! 3. N raw events (the fleet mix of [`crate::classify`], as raw records) are produced as fast as
 //!    Kafka takes them; the clock runs from the first produce until the classifier's
-//!    `gpumedic_classifier_events_total` reaches N, then the rows are counted.
+//!    `gpumedic_classifier_events_total` reaches N, then the rows are counted. A run fails unless
+//!    exactly N events were classified, the rows fit the classifier's `--persist` (all N with
+//!    `all`), and the raw topic's dead-letter topic is empty.
 //!
 //! The producing runs on a thread of its own so that the same 100 ms polls of the classifier's
 //! metrics can also sample the events Kafka has acknowledged: the JSON result's `timeline`, for
 //! the plots of `load-tests/plot/`.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use gpumedic_runtime::kafka::{self, KafkaSettings, record_headers};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
+
+use crate::collectors::Collectors;
+
+/// Collector Pods created and tokens minted at once with `--node-auth enforce`.
+const POD_CONCURRENCY: usize = 32;
 
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
@@ -41,20 +56,52 @@ pub struct Options {
     /// per node per second), which decides how many per-minute rollups `--persist evidence` writes.
     #[arg(long, default_value_t = 10)]
     event_spacing_us: i64,
+    /// Node authentication in the enricher: `off`, `enforce` (every record carries its node's
+    /// Pod-bound token, reviewed by the enricher), or `both` (off, then enforce, on the same
+    /// events, and the ratio).
+    #[arg(long, value_enum, default_value_t = NodeAuth::Both)]
+    node_auth: NodeAuth,
 }
 
-/// The JSON result.
+/// Which node authentication modes a run measures (`--node-auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NodeAuth {
+    /// The enricher checks no token; the records carry none.
+    Off,
+    /// Every record carries its node's token; the enricher reviews it and enriches only a record
+    /// whose token is bound to the node it claims.
+    Enforce,
+    /// Off, then enforce, on the same events, each with fresh topics, groups and database.
+    Both,
+}
+
+/// The JSON result. The top-level run is the first one measured (`off` with `--node-auth both`),
+/// so the plots read it as before.
 #[derive(Debug, serde::Serialize)]
 pub struct Result {
     scenario: &'static str,
     events: usize,
+    nodes: usize,
     raw_bytes_per_event: usize,
     kafka_produce_per_sec: f64,
     kafka_consume_per_sec: f64,
-    pipeline_per_sec: f64,
-    pipeline_seconds: f64,
     /// The classifier's --persist.
     persist: String,
+    #[serde(flatten)]
+    first: Run,
+    /// With `--node-auth both`: the run with node authentication enforced.
+    enforce: Option<Run>,
+    /// With `--node-auth both`: the enforced run's events per second over the first run's.
+    enforce_over_off: Option<f64>,
+}
+
+/// The figures of one pass of the events through the pipeline.
+#[derive(Debug, serde::Serialize)]
+pub struct Run {
+    /// `off` or `enforce`.
+    node_auth: &'static str,
+    pipeline_per_sec: f64,
+    pipeline_seconds: f64,
     /// Rows in `health_events`.
     rows: i64,
     /// Rows in `telemetry_rollups`.
@@ -62,6 +109,15 @@ pub struct Result {
     /// `pg_total_relation_size` of `health_events` (all its partitions) and of `telemetry_rollups`.
     events_bytes: i64,
     rollup_bytes: i64,
+    /// Records in the raw topic's dead-letter topic after the run (the run fails unless 0).
+    dead_lettered: u64,
+    /// The enricher's `gpumedic_enricher_token_reviews_total` after the run.
+    token_reviews: u64,
+    /// CPU time (user and system) the enricher spent while the clock ran, per event, in µs: on a
+    /// shared machine a steadier measure of its cost than the rate.
+    enricher_cpu_us_per_event: f64,
+    /// The same for the classifier.
+    classifier_cpu_us_per_event: f64,
     /// `[seconds since the first produce, events acknowledged by Kafka, events classified]` at
     /// each 100 ms poll of the classifier's `gpumedic_classifier_events_total`.
     timeline: Vec<[f64; 3]>,
@@ -70,7 +126,7 @@ pub struct Result {
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testbed::require_kafka().await?;
-    testbed::require_kubernetes().await?;
+    let client = testbed::require_kubernetes().await?;
     let admin_db = testbed::require_postgres().await?;
     let spacing = chrono::Duration::microseconds(o.event_spacing_us);
     // The stream ends ten minutes ago, whatever time it spans.
@@ -83,6 +139,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             Ok((e.node.clone(), gpumedic_schemas::encode(&e)?))
         })
         .collect::<anyhow::Result<_>>()?;
+    let raw = Arc::new(raw);
     let bytes = raw.iter().map(|(_, b)| b.len()).sum::<usize>() / raw.len().max(1);
     println!("pipeline-throughput: {} raw events of {bytes} B", o.events);
 
@@ -92,18 +149,121 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ceiling.produce_per_sec, ceiling.consume_per_sec
     );
 
+    let modes: &[NodeAuth] = match o.node_auth {
+        NodeAuth::Off => &[NodeAuth::Off],
+        NodeAuth::Enforce => &[NodeAuth::Enforce],
+        NodeAuth::Both => &[NodeAuth::Off, NodeAuth::Enforce],
+    };
+    let mut runs = Vec::new();
+    for &mode in modes {
+        let run = match mode {
+            NodeAuth::Enforce => {
+                let nodes: Vec<String> =
+                    raw.iter().map(|(node, _)| node.clone()).collect::<BTreeSet<_>>().into_iter().collect();
+                let collectors = Collectors::create(&client, &nodes, POD_CONCURRENCY).await?;
+                let run = pass(&bootstrap, &admin_db, &raw, &o.persist, Some(&collectors)).await;
+                collectors.delete(&client).await;
+                run?
+            }
+            NodeAuth::Off | NodeAuth::Both => pass(&bootstrap, &admin_db, &raw, &o.persist, None).await?,
+        };
+        println!(
+            "  enricher + classifier, node auth {:<7} {:>9.0} events/s persisted ({} in {:.1} s; goal 50,000/s and \
+             half the passthrough); CPU per event: enricher {:.1} µs, classifier {:.1} µs",
+            format!("{}:", run.node_auth),
+            run.pipeline_per_sec,
+            o.events,
+            run.pipeline_seconds,
+            run.enricher_cpu_us_per_event,
+            run.classifier_cpu_us_per_event
+        );
+        println!(
+            "  --persist {}: {} event rows ({:.0} B each with indexes), {} rollup rows ({:.0} B each)",
+            o.persist,
+            run.rows,
+            run.events_bytes as f64 / run.rows.max(1) as f64,
+            run.rollups,
+            run.rollup_bytes as f64 / run.rollups.max(1) as f64
+        );
+        runs.push(run);
+    }
+    let mut runs = runs.into_iter();
+    let first = runs.next().context("no run was measured")?;
+    let enforce = runs.next();
+    let enforce_over_off = enforce.as_ref().map(|e| e.pipeline_per_sec / first.pipeline_per_sec);
+    if let Some(ratio) = enforce_over_off {
+        println!(
+            "  node auth enforce / off:     {:>9.3} ({:+.1}%; the issue allows -10%)",
+            ratio,
+            (ratio - 1.0) * 100.0
+        );
+    }
+    Ok(Result {
+        scenario: "pipeline-throughput",
+        events: o.events,
+        nodes: o.nodes,
+        raw_bytes_per_event: bytes,
+        kafka_produce_per_sec: ceiling.produce_per_sec,
+        kafka_consume_per_sec: ceiling.consume_per_sec,
+        persist: o.persist,
+        first,
+        enforce,
+        enforce_over_off,
+    })
+}
+
+/// One pass of `raw` through a release enricher and classifier started for it, on topics, groups
+/// and a database of its own. With `collectors`, each record carries its node's token and the
+/// enricher enforces node authentication.
+async fn pass(
+    bootstrap: &str,
+    admin_db: &sqlx::PgPool,
+    raw: &Arc<Vec<(String, Vec<u8>)>>,
+    persist: &str,
+    collectors: Option<&Collectors>,
+) -> anyhow::Result<Run> {
+    let events = raw.len();
+    let raw_topic = testbed::unique_name("bench-pipeline-raw");
+    let enriched_topic = testbed::unique_name("bench-pipeline-enriched");
+    let settings = KafkaSettings {
+        bootstrap: bootstrap.to_owned(),
+        options: vec![],
+        schema_registry: None,
+        topic_replication: None,
+    };
+    settings
+        .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
+        .await?;
+    // Built before the clock starts, as the collector holds its token before it sends.
+    let headers: Vec<Option<OwnedHeaders>> = match collectors {
+        None => vec![None; events],
+        Some(c) => raw
+            .iter()
+            .map(|(node, _)| {
+                let token = c.token(node).with_context(|| format!("no collector token for {node}"))?;
+                Ok(Some(OwnedHeaders::new().insert(Header { key: record_headers::NODE_TOKEN, value: Some(token) })))
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+
     let db = testbed::unique_name("bench_pipeline").replace('-', "_");
-    let url = testbed::fresh_database(&admin_db, &db).await?;
-    let common = async |group: &str| crate::service_env(&bootstrap, group).await;
-    let mut enricher = testbed::ServiceProcess::start(
-        &crate::release_binary("gpumedic-enricher")?,
-        &[],
-        &common("bench-pipeline-enricher").await?,
-    )?;
+    let url = testbed::fresh_database(admin_db, &db).await?;
+    let common = async |group: &str| crate::service_env(bootstrap, group).await;
+    let mut env = common("bench-pipeline-enricher").await?;
+    env.extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
+    match collectors {
+        None => env.push(("GPUMEDIC_NODE_AUTH", "off".to_owned())),
+        Some(c) => env.extend([
+            ("GPUMEDIC_NODE_AUTH", "enforce".to_owned()),
+            ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", c.service_account()),
+        ]),
+    }
+    let mut enricher = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
     let mut env = common("bench-pipeline-classifier").await?;
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
-        ("GPUMEDIC_PERSIST", o.persist.clone()),
+        ("GPUMEDIC_PERSIST", persist.to_owned()),
+        ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
         ("GPUMEDIC_VERDICTS_TOPIC", testbed::unique_name("bench-pipeline-verdicts")),
         ("GPUMEDIC_ACTIONS_TOPIC", testbed::unique_name("bench-pipeline-actions")),
     ]);
@@ -112,16 +272,21 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
 
-    let producer = Arc::new(crate::scratch_producer(&bootstrap)?);
+    let producer = Arc::new(crate::scratch_producer(bootstrap)?);
     let queued = Arc::new(AtomicU64::new(0));
+    let cpu_before = [cpu_seconds(enricher.pid())?, cpu_seconds(classifier.pid())?];
     let start = Instant::now();
     let producing = {
-        let (producer, queued) = (producer.clone(), queued.clone());
+        let (producer, queued, raw, topic) = (producer.clone(), queued.clone(), raw.clone(), raw_topic.clone());
         std::thread::spawn(move || -> anyhow::Result<()> {
-            for (key, payload) in &raw {
+            for ((key, payload), headers) in raw.iter().zip(headers) {
+                let record = BaseRecord::to(&topic).key(key.as_str()).payload(payload.as_slice());
                 crate::send(
                     &producer,
-                    BaseRecord::to(topics::HEALTH_RAW).key(key.as_str()).payload(payload.as_slice()),
+                    match headers {
+                        Some(h) => record.headers(h),
+                        None => record,
+                    },
                 )?;
                 queued.fetch_add(1, Ordering::Relaxed);
             }
@@ -131,14 +296,15 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let deadline = start + Duration::from_secs(900);
     let mut timeline: Vec<[f64; 3]> = Vec::new();
     let mut producing = Some(producing);
-    loop {
+    let mut classified = 0.0;
+    for poll in 0u64.. {
         let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
-        let classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
+        classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
         // Queued minus still in librdkafka's queue or awaiting acknowledgement: what Kafka has
         // taken. Read in this order, a record queued between the two reads can only lower it.
         let acknowledged = queued.load(Ordering::Relaxed).saturating_sub(producer.in_flight_count().max(0) as u64);
         timeline.push([start.elapsed().as_secs_f64(), acknowledged as f64, classified]);
-        if classified >= o.events as f64 {
+        if classified >= events as f64 {
             break;
         }
         if producing.as_ref().is_some_and(|p| p.is_finished())
@@ -146,15 +312,24 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         {
             p.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
         }
+        // Once a second: a record the enricher dead-lettered is never classified, so stop early.
+        if poll % 10 == 9 {
+            let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+            let refused = dead_lettered(&text);
+            anyhow::ensure!(refused == 0.0, "the enricher dead-lettered {refused} records: {}", refusals(&text));
+        }
         anyhow::ensure!(Instant::now() < deadline, "the pipeline did not finish within 900 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let seconds = start.elapsed().as_secs_f64();
+    let cpu = [cpu_seconds(enricher.pid())? - cpu_before[0], cpu_seconds(classifier.pid())? - cpu_before[1]];
     if let Some(p) = producing {
         p.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
     }
     let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
+    let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+    let token_reviews = crate::classify::metric(&text, "gpumedic_enricher_token_reviews_total") as u64;
     for s in [&mut enricher, &mut classifier] {
         let _ = s.terminate(Duration::from_secs(20)).await;
     }
@@ -168,36 +343,107 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     .fetch_one(&pool)
     .await?;
     pool.close().await;
-    if o.persist == "all" {
-        anyhow::ensure!(rows == o.events as i64, "{rows} rows in health_events, {} events produced", o.events);
+    let dlq = kafka::dead_letter_topic(&raw_topic);
+    let dead = records_in(bootstrap, &dlq).await?;
+    anyhow::ensure!(dead == 0, "{dead} records in {dlq}: the enricher refused them ({})", refusals(&text));
+    anyhow::ensure!(classified == events as f64, "{classified} events classified, {events} produced");
+    if persist == "all" {
+        anyhow::ensure!(rows == events as i64, "{rows} rows in health_events, {events} events produced");
     } else {
-        anyhow::ensure!(rows <= o.events as i64, "{rows} rows in health_events, {} events produced", o.events);
+        anyhow::ensure!(rows <= events as i64, "{rows} rows in health_events, {events} events produced");
     }
-    let result = Result {
-        scenario: "pipeline-throughput",
-        events: o.events,
-        raw_bytes_per_event: bytes,
-        kafka_produce_per_sec: ceiling.produce_per_sec,
-        kafka_consume_per_sec: ceiling.consume_per_sec,
-        pipeline_per_sec: o.events as f64 / seconds,
+    Ok(Run {
+        node_auth: if collectors.is_some() { "enforce" } else { "off" },
+        pipeline_per_sec: events as f64 / seconds,
         pipeline_seconds: seconds,
-        persist: o.persist.clone(),
         rows,
         rollups,
         events_bytes,
         rollup_bytes,
+        dead_lettered: dead,
+        token_reviews,
+        enricher_cpu_us_per_event: cpu[0] * 1e6 / events as f64,
+        classifier_cpu_us_per_event: cpu[1] * 1e6 / events as f64,
         timeline,
+    })
+}
+
+/// The CPU time (user and system, all threads) process `pid` has used so far, from
+/// `/proc/<pid>/stat`, whose clock ticks are 1/100 s on Linux.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat =
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("read /proc/{pid}/stat"))?;
+    stat_cpu_seconds(&stat)
+}
+
+/// The CPU seconds in the text of a `/proc/<pid>/stat`.
+fn stat_cpu_seconds(stat: &str) -> anyhow::Result<f64> {
+    // After the command name in parentheses (which may hold spaces and parentheses itself):
+    // state is field 3, utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("no command name in /proc/<pid>/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields.get(i - 3).context("a short /proc/<pid>/stat")?.parse::<u64>()? as f64)
     };
-    println!(
-        "  enricher + classifier:       {:>9.0} events/s persisted ({} in {:.1} s; goal 50,000/s and half the \
-         passthrough)",
-        result.pipeline_per_sec, o.events, seconds
-    );
-    println!(
-        "  --persist {}: {rows} event rows ({:.0} B each with indexes), {rollups} rollup rows ({:.0} B each)",
-        o.persist,
-        events_bytes as f64 / rows.max(1) as f64,
-        rollup_bytes as f64 / rollups.max(1) as f64
-    );
-    Ok(result)
+    Ok((ticks(14)? + ticks(15)?) / 100.0)
+}
+
+/// The records the enricher's `/metrics` counts as dead-lettered, on any topic.
+fn dead_lettered(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("gpumedic_enricher_records_total{") && l.contains("outcome=\"dead_lettered\""))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The enricher's refusals of node authentication, per claimed node and reason, for an error.
+fn refusals(metrics: &str) -> String {
+    let lines: Vec<&str> =
+        metrics.lines().filter(|l| l.starts_with("gpumedic_enricher_records_unauthenticated_total")).take(5).collect();
+    if lines.is_empty() { "no node authentication refusals counted".to_owned() } else { lines.join("; ") }
+}
+
+/// The records in `topic` (the sum of its partitions' high watermarks: a topic of this run, never
+/// truncated).
+async fn records_in(bootstrap: &str, topic: &str) -> anyhow::Result<u64> {
+    let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
+        let timeout = Duration::from_secs(10);
+        let metadata = consumer.fetch_metadata(Some(&topic), timeout)?;
+        let partitions: Vec<i32> =
+            metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+        anyhow::ensure!(!partitions.is_empty(), "{topic} has no partitions");
+        let mut total = 0u64;
+        for p in partitions {
+            let (low, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
+            total += u64::try_from(high - low).unwrap_or(0);
+        }
+        Ok(total)
+    })
+    .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_lettered_sums_the_enrichers_dead_letter_outcomes_only() {
+        let text = "gpumedic_enricher_records_total{topic=\"raw\",outcome=\"ok\"} 90\n\
+                    gpumedic_enricher_records_total{topic=\"raw\",outcome=\"dead_lettered\"} 3\n\
+                    gpumedic_enricher_records_total{outcome=\"dead_lettered\",topic=\"other\"} 2\n\
+                    gpumedic_classifier_records_total{topic=\"raw\",outcome=\"dead_lettered\"} 7\n";
+        assert_eq!(dead_lettered(text), 5.0);
+        assert_eq!(dead_lettered("gpumedic_enricher_records_total{topic=\"raw\",outcome=\"ok\"} 90\n"), 0.0);
+    }
+
+    #[test]
+    fn cpu_seconds_are_user_and_system_ticks_after_the_command_name() {
+        let stat = "4242 (gpumedic (x) y) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 75 0 0 20 0 9 0 100 0 0";
+        assert_eq!(stat_cpu_seconds(stat).expect("parsed"), 3.25);
+        assert!(stat_cpu_seconds("4242 gpumedic S 1").is_err());
+        assert!(cpu_seconds(std::process::id()).is_ok(), "this process's own /proc/<pid>/stat reads");
+    }
 }
