@@ -6,6 +6,7 @@
 //! shape so each service only writes what is its own.
 
 pub mod admin;
+#[cfg(feature = "k8s")]
 pub mod api_auth;
 pub mod config;
 pub mod fault;
