@@ -256,6 +256,23 @@ impl Remediator {
         }
     }
 
+    /// Whether the node already shows everything `request` asks for, by the planner, changing
+    /// nothing (the safety gate is not asked: a plan that needs it is not done). The resync asks
+    /// it before deferring a re-issued verdict again, so an action carried out after its
+    /// deferral is not deferred (and reported) once more at every interval.
+    ///
+    /// # Errors
+    /// [`ApplyError`] when the node cannot be read.
+    pub async fn reflects(&self, request: &Remediation) -> Result<bool, ApplyError> {
+        let request = request.naming_gpu();
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node = read(&nodes, &request.node).await?;
+        let view = crate::plan::NodeView::from_node(&node);
+        let policy = Policy { paused: self.paused(), ..self.settings.policy };
+        let decision = plan(&view, &request, &policy, &mut || Admission::Allowed);
+        Ok(matches!(decision, Decision::AlreadyDone))
+    }
+
     /// Whether `request` is carried out on one GPU (done here) or on the node (the request to
     /// plan there: the same, or escalated to the whole node).
     async fn route(&self, request: &Remediation, gpu_nodes: usize) -> Result<Route, ApplyError> {

@@ -56,6 +56,11 @@ impl Handler {
             }
             return Ok(outcome);
         };
+        // A re-issued verdict (the resync) whose action was carried out after an earlier
+        // deferral: nothing is left to wait for.
+        if request.reissue && shared.remediator.reflects(request).await? {
+            return Ok(Outcome::AlreadyDone);
+        }
         // Mark now (the condition tells people and schedulers), the rest when it is due.
         let mark = request::Remediation { action: Action::Monitor, ..request.clone() };
         match shared.remediator.remediate(&mark, gpu_nodes).await? {

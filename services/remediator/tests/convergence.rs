@@ -349,3 +349,33 @@ async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
+
+/// Found by the full chaos run: a deferrable action (it waits for the node to have no workload)
+/// carried out after its deferral was, at every resync interval, deferred again and reported
+/// again ("the action waits for ..."), so the actions topic never went quiet and the node's
+/// deferral was rewritten forever. A carried-out action is in line with its incident.
+#[tokio::test]
+async fn a_deferred_action_once_carried_out_is_not_deferred_again_by_the_resync() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let mut r = w.start("cordon-drain").await;
+    let v = Verdict { deferrable: true, ..verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false) };
+    w.issue(&v).await;
+    // The node runs no workload: the deferral is due at once, and the drain is carried out.
+    eventually("the deferred drain to be carried out", Duration::from_secs(60), async || {
+        cordoned(&get_node(&w.client, &name).await).then_some(())
+    })
+    .await;
+    // Several resync intervals (1 s each) with the incident still open.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let (_, text) = testbed::http_get(r.admin_addr(), "/metrics").await.expect("metrics");
+    let deferred_again: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("gpumedic_remediator_resync_actions_total") && l.contains("result=\"deferred\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(deferred_again, 0.0, "the resync deferred a carried-out action again:\n{text}");
+    assert!(cordoned(&get_node(&w.client, &name).await), "still in line with the open incident");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
