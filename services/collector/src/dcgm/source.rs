@@ -379,14 +379,8 @@ pub async fn scrape_exporter(
                     .collect()
             }
         };
-        for e in &events {
-            if !emitter.emit_until_done(e, &token).await {
-                return Ok(());
-            }
-        }
-        tokio::select! {
-            () = token.cancelled() => return Ok(()),
-            () = tokio::time::sleep(settings.interval) => {}
+        if !emit_then_wait(&emitter, &events, &token, settings.interval).await {
+            return Ok(());
         }
     }
 }
@@ -623,14 +617,8 @@ pub async fn watch_health(
                     .collect()
             }
         };
-        for e in &events {
-            if !emitter.emit_until_done(e, &token).await {
-                return Ok(());
-            }
-        }
-        tokio::select! {
-            () = token.cancelled() => return Ok(()),
-            () = tokio::time::sleep(settings.interval) => {}
+        if !emit_then_wait(&emitter, &events, &token, settings.interval).await {
+            return Ok(());
         }
     }
 }
@@ -690,6 +678,20 @@ pub async fn schedule_diag(
                 return Ok(());
             }
         }
+    }
+}
+
+/// Emits `events` in order, then waits `interval`: false once `token` is cancelled (the source
+/// stops), true when the next round is due.
+async fn emit_then_wait(emitter: &Sink, events: &[HealthEvent], token: &CancellationToken, interval: Duration) -> bool {
+    for e in events {
+        if !emitter.emit_until_done(e, token).await {
+            return false;
+        }
+    }
+    tokio::select! {
+        () = token.cancelled() => false,
+        () = tokio::time::sleep(interval) => true,
     }
 }
 
