@@ -75,6 +75,15 @@ impl Handler {
             not_before,
             until,
         };
+        // A node records one deferral. The resync re-issuing one incident's verdict must not
+        // replace another incident's pending deferral: the two would take the record from each
+        // other at every interval (and report it each time), and neither would stay recorded.
+        // This one is re-issued once the pending one is carried out and cleared.
+        if request.reissue && pending_for_another(shared, request).await? {
+            tracing::debug!(node = %request.node, incident = %request.incident_id,
+                "Another incident's deferred action is pending on the node; this one is re-issued after it.");
+            return Ok(Outcome::AlreadyDone);
+        }
         shared.remediator.leading(&request.node)?;
         maintenance::defer(&shared.remediator.client(), &deferred)
             .await
@@ -85,6 +94,14 @@ impl Handler {
         metrics::counter!("gpumedic_remediator_deferred_total", "until" => label).increment(1);
         Ok(Outcome::Skipped { reason: Skip::Deferred(waits_for), would: None })
     }
+}
+
+/// Whether `request`'s node carries a deferred action of another incident.
+async fn pending_for_another(shared: &Shared, request: &request::Remediation) -> Result<bool, ApplyError> {
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(shared.remediator.client());
+    let node =
+        nodes.get(&request.node).await.map_err(|source| ApplyError::Read { node: request.node.clone(), source })?;
+    Ok(matches!(maintenance::deferred_on(&node), Some(Ok(d)) if d.request.incident_id != request.incident_id))
 }
 
 impl RecordHandler for Handler {
