@@ -138,6 +138,19 @@ impl Bed {
         gpumedic_schemas::decode(r.payload.as_deref().unwrap()).unwrap()
     }
 
+    /// (incidents, resolved) for `node` in the store, once they are `want` or after 15 s: a
+    /// verdict is published before its batch's rows are committed, so the rows may lag it.
+    async fn incidents_once(&self, node: &str, want: (i64, i64)) -> (i64, i64) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let counts = self.incidents(node).await;
+            if counts == want || tokio::time::Instant::now() >= deadline {
+                return counts;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// (incidents, resolved) for `node` in the store.
     async fn incidents(&self, node: &str) -> (i64, i64) {
         let pool = gpumedic_runtime::postgres::connect(&self.url, 1).await.unwrap();
@@ -175,7 +188,7 @@ async fn a_restart_under_a_new_rule_version_recovers_the_incident_it_opened_not_
     let recovery = bed.verdict(&node, |v| v.recovery, "the recovery after the reboot").await;
     assert_eq!(recovery.incident_id, opened.incident_id, "the recovery closes the incident the remediator holds");
     assert_ne!(recovery.verdict_id, opened.verdict_id);
-    assert_eq!(bed.incidents(&node).await, (1, 1), "one incident, and it is closed");
+    assert_eq!(bed.incidents_once(&node, (1, 1)).await, (1, 1), "one incident, and it is closed");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     std::fs::remove_dir_all(&rules).ok();
 }
@@ -196,7 +209,7 @@ async fn an_incident_older_than_the_rebuild_window_is_still_followed_after_a_res
     bed.send(&node, healthy(&node, "boot-before")).await;
     let recovery = bed.verdict(&node, |v| v.recovery, "the recovery on the GPU's healthy evidence").await;
     assert_eq!(recovery.incident_id, opened.incident_id);
-    assert_eq!(bed.incidents(&node).await, (1, 1), "one incident, and it is closed");
+    assert_eq!(bed.incidents_once(&node, (1, 1)).await, (1, 1), "one incident, and it is closed");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     std::fs::remove_dir_all(&rules).ok();
 }
