@@ -127,7 +127,9 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     for r in &mut replicas {
         r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Both hold partitions before anything is written: no record is caught in the rebalance the
+    // second replica started.
+    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
     let [a, b, c, e] = ["a", "b", "c", "e"].map(|n| testbed::unique_name(&format!("nvl72-{n}")));
     let domain = format!("{}.1", Uuid::new_v4());
@@ -166,6 +168,14 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         wait_count(&pool, "SELECT count(*) FROM health_events WHERE node = $1", node, 1, "peer event recorded").await;
     }
 
+    // Every incident of the four nodes, named in each failure below.
+    let nodes = vec![a.clone(), b.clone(), c.clone(), e.clone()];
+    let incidents: Vec<(Uuid, String, Option<String>)> =
+        sqlx::query_as("SELECT incident_id, node, nvlink_domain FROM incidents WHERE node = ANY($1) ORDER BY node")
+            .bind(&nodes)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     let rows: Vec<PeerRow> = sqlx::query_as(
         "SELECT event_id, node, gpu_uuid, root_node, root_gpu_uuid FROM sympathetic_evidence
           WHERE incident_id = $1 ORDER BY node",
@@ -179,16 +189,12 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         (peers[1].event_id, c.clone(), Some(gpu(&c)), a.clone(), Some(gpu(&a))),
     ];
     want.sort_by(|x, y| x.1.cmp(&y.1));
-    assert_eq!(rows, want, "B's and C's errors are evidence on A's incident, naming each peer");
+    assert_eq!(
+        rows, want,
+        "B's and C's errors are evidence on A's incident, naming each peer; incidents {incidents:#?}"
+    );
 
     // Exactly one incident for A, B and C (A's); E has its own.
-    let nodes = vec![a.clone(), b.clone(), c.clone(), e.clone()];
-    let incidents: Vec<(Uuid, String, Option<String>)> =
-        sqlx::query_as("SELECT incident_id, node, nvlink_domain FROM incidents WHERE node = ANY($1) ORDER BY node")
-            .bind(&nodes)
-            .fetch_all(&pool)
-            .await
-            .unwrap();
     let by_node: Vec<&str> = incidents.iter().map(|(_, n, _)| n.as_str()).collect();
     let mut expected = vec![a.as_str(), e.as_str()];
     expected.sort();

@@ -130,8 +130,9 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
     for r in &mut replicas {
         r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     }
-    // Both hold partitions (a replica is ready once assigned); give the group a moment to settle.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Both hold partitions before anything is written: no record is caught in the rebalance the
+    // second replica started.
+    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
     let node = testbed::unique_name("replicas-node");
     let producer = settings.producer("replicas-test").unwrap();

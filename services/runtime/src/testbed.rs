@@ -60,6 +60,49 @@ pub async fn group_at_end(prefix: &str, topics: &[&str]) -> Result<String, crate
     Ok(group)
 }
 
+/// Waits until consumer group `group` is stable with `members` members, each holding at least one
+/// partition, or fails after `timeout` naming the group's last state. A test that starts several
+/// replicas waits here before it writes, so no record it writes is caught in a rebalance the test
+/// itself started (a sleep only guesses how long the group takes to settle).
+pub async fn wait_group_stable(group: &str, members: usize, timeout: std::time::Duration) -> Result<(), String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let admin: std::sync::Arc<BaseConsumer> = std::sync::Arc::new(
+        rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", kafka_bootstrap())
+            .create()
+            .map_err(|e| format!("cannot create a Kafka client: {e}"))?,
+    );
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let (admin, name) = (admin.clone(), group.to_owned());
+        let (stable, seen) = tokio::task::spawn_blocking(move || {
+            match admin.fetch_group_list(Some(&name), std::time::Duration::from_secs(5)) {
+                Ok(list) => match list.groups().first() {
+                    Some(g) => {
+                        let assigned =
+                            g.members().iter().filter(|m| m.assignment().is_some_and(|a| !a.is_empty())).count();
+                        (
+                            g.state() == "Stable" && g.members().len() == members && assigned == members,
+                            format!("state {}, {} members, {assigned} with partitions", g.state(), g.members().len()),
+                        )
+                    }
+                    None => (false, "not listed".to_owned()),
+                },
+                Err(e) => (false, format!("cannot list: {e}")),
+            }
+        })
+        .await
+        .map_err(|e| format!("the group listing panicked: {e}"))?;
+        if stable {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!("consumer group {group} did not settle with {members} members in {timeout:?}: {seen}"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
 /// When this test process first touched the testbed's Kafka: every record a test waits for was
 /// written after it.
 static FIRST_TOUCH: std::sync::LazyLock<std::time::SystemTime> = std::sync::LazyLock::new(std::time::SystemTime::now);
