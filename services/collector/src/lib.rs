@@ -118,6 +118,14 @@ pub struct Args {
     /// authentication dead-letters records without a token). Off: a missing token is a warning.
     #[arg(long, env = "GPUMEDIC_REQUIRE_NODE_TOKEN")]
     require_node_token: bool,
+    /// How records prove the node: `signature` (the token is published once per rotation to the
+    /// node-token directory, and each record carries its key id and an HMAC; the token itself
+    /// until the directory acknowledges it) or `token` (the token in every record).
+    #[arg(long, env = "GPUMEDIC_NODE_AUTH_PROOF", default_value = "signature")]
+    node_auth_proof: String,
+    /// The node-token directory topic (`--node-auth-proof signature`).
+    #[arg(long, env = "GPUMEDIC_NODE_TOKENS_TOPIC", default_value = topics::NODE_TOKENS)]
+    node_tokens_topic: String,
     /// How often the InfiniBand/RoCE ports are read from sysfs (`off` to disable).
     #[arg(long, env = "GPUMEDIC_IB_INTERVAL", default_value = "30s")]
     ib_interval: String,
@@ -192,6 +200,9 @@ pub struct Config {
     /// The token read from it at start, empty when the file could not be read (allowed unless
     /// `--require-node-token`). Its `Debug` never shows the credential.
     pub node_token: node_token::NodeToken,
+    /// The node-token directory topic, when records are signed (`--node-auth-proof signature`);
+    /// `None`: every record carries the token.
+    pub node_tokens_topic: Option<String>,
     /// The DCGM source.
     pub dcgm: dcgm::source::DcgmSettings,
     /// The cloud maintenance source.
@@ -296,6 +307,18 @@ impl Validate for Args {
                 Err(_) => None,
             },
         };
+        let node_tokens_topic = match self.node_auth_proof.as_str() {
+            "signature" if self.node_tokens_topic.trim().is_empty() => {
+                p.push("--node-tokens-topic", "must name a topic when --node-auth-proof is signature");
+                None
+            }
+            "signature" => Some(self.node_tokens_topic.clone()),
+            "token" => None,
+            other => {
+                p.push("--node-auth-proof", format!("{other:?} is neither signature nor token"));
+                None
+            }
+        };
         let network = match self.ib_interval.trim() {
             "off" | "" => None,
             raw => p
@@ -346,6 +369,7 @@ impl Validate for Args {
             nvml_xids: nvml_xids.expect("checked"),
             node_token_file,
             node_token: node_token::NodeToken::new(node_token),
+            node_tokens_topic,
             dcgm: dcgm.expect("checked"),
             cloud: cloud.expect("checked"),
             network,
@@ -437,6 +461,16 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     }
     if let Some(path) = config.node_token_file.clone() {
         service.shutdown.spawn("node-token", node_token.clone().follow(path, token.clone()));
+        if let Some(topic) = config.node_tokens_topic.clone() {
+            let keys = node_token.clone().publish_keys(
+                config.kafka.clone(),
+                producer.clone(),
+                topic,
+                config.node_name.clone(),
+                token.clone(),
+            );
+            service.shutdown.spawn("node-key", keys);
+        }
     }
     let node_identity = identity::NodeIdentity::new(boot_id);
     // The publisher starts without Kafka: events spool until the broker answers.
