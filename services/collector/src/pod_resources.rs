@@ -228,8 +228,9 @@ fn monitor(node: &str, state: MonitorState, message: String) -> HealthEvent {
 ///
 /// A missing socket (not a kubelet node, or the folder not mounted) is logged once and the
 /// collector runs on without the lists: events then carry none and the enricher falls back to
-/// the pod annotation. A socket that is there but fails is a `monitor_health` `error` (monitor
-/// `pod-resources`, once until it answers again, then a healthy one); the last answer is used
+/// the pod annotation. A socket that is there but fails is a `monitor_health` `error` (`hung`
+/// when it does not answer in time; monitor `pod-resources`, once until it answers again, then a
+/// healthy one); the last answer is used
 /// until [`PodResourcesSettings::stale_after`]. The task ends only with the collector.
 ///
 /// # Errors
@@ -277,8 +278,9 @@ pub async fn poll(
                 if last_answer.is_none_or(|at| at.elapsed() >= settings.stale_after()) {
                     identity.set_gpu_pods(None);
                 }
-                (!std::mem::replace(&mut failing, true))
-                    .then(|| monitor(&settings.node, MonitorState::Error, e.to_string()))
+                let state =
+                    if matches!(e, PodResourcesError::Timeout(_)) { MonitorState::Hung } else { MonitorState::Error };
+                (!std::mem::replace(&mut failing, true)).then(|| monitor(&settings.node, state, e.to_string()))
             }
         };
         if let Some(event) = event
