@@ -129,10 +129,12 @@ impl NodeIdentity {
         self.write().gpu_pods = pods;
     }
 
-    /// Remembers the MIG devices on the GPU `parent_uuid` (by MIG UUID), so that an event on the
-    /// GPU names the pods on its MIG devices too.
-    pub fn remember_mig_devices(&self, parent_uuid: &str, mig_uuids: impl IntoIterator<Item = String>) {
+    /// The MIG devices on the GPU `parent_uuid` (by MIG UUID) are now `mig_uuids`, replacing
+    /// those it had (MIG devices come and go without a reboot), so that an event on the GPU names
+    /// the pods on its MIG devices too.
+    pub fn set_mig_devices(&self, parent_uuid: &str, mig_uuids: impl IntoIterator<Item = String>) {
         let mut inner = self.write();
+        inner.mig_parents.retain(|_, parent| parent != parent_uuid);
         for mig in mig_uuids {
             inner.mig_parents.insert(mig, parent_uuid.to_owned());
         }
@@ -264,6 +266,38 @@ mod tests {
         assert_eq!(id.stamp(&lost(Entity::default())).workloads, None, "no GPU named: nothing to say");
         id.set_gpu_pods(None);
         assert_eq!(id.stamp(&by_pci()).workloads, None, "the answer went stale");
+    }
+
+    #[test]
+    fn an_event_on_a_gpu_names_the_pods_on_its_mig_devices_as_the_sampler_last_saw_them() {
+        use gpumedic_proto::podresources::v1::{
+            ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+        };
+        let id = NodeIdentity::new("boot-1");
+        let on = |pod: &str, mig: &str| PodResources {
+            name: pod.into(),
+            namespace: "inf".into(),
+            containers: vec![ContainerResources {
+                name: "c".into(),
+                devices: vec![ContainerDevices {
+                    resource_name: "nvidia.com/mig-3g.40gb".into(),
+                    device_ids: vec![mig.into()],
+                }],
+            }],
+        };
+        let answer = ListPodResourcesResponse { pod_resources: vec![on("a", "MIG-1"), on("b", "MIG-2")] };
+        id.set_gpu_pods(Some(crate::pod_resources::gpu_pods(&answer)));
+        let on_gpu = || lost(Entity { gpu_uuid: Some("GPU-3".into()), ..Entity::default() });
+        let pods = |e: HealthEvent| -> Vec<String> { e.workloads.into_iter().flatten().map(|w| w.pod).collect() };
+        assert!(pods(id.stamp(&on_gpu())).is_empty(), "MIG devices of an unknown parent");
+        id.set_mig_devices("GPU-3", ["MIG-1".to_owned(), "MIG-2".to_owned()]);
+        assert_eq!(pods(id.stamp(&on_gpu())), ["a", "b"]);
+        // MIG-2 destroyed: the next sample no longer lists it.
+        id.set_mig_devices("GPU-3", ["MIG-1".to_owned()]);
+        assert_eq!(pods(id.stamp(&on_gpu())), ["a"]);
+        let on_mig =
+            lost(Entity { gpu_uuid: Some("GPU-3".into()), mig_instance: Some("MIG-1".into()), ..Entity::default() });
+        assert_eq!(pods(id.stamp(&on_mig)), ["a"], "an event on one MIG device");
     }
 
     #[test]
