@@ -139,6 +139,14 @@ pub struct Args {
     /// unused and down for good.
     #[arg(long, env = "GPUMEDIC_IB_IGNORE", default_value = "")]
     ib_ignore: String,
+    /// The kubelet's PodResources socket, asked which pods use which GPU so that every event on
+    /// a GPU names the pods on it (`off` to disable). A missing socket is logged once and the
+    /// collector runs on without it.
+    #[arg(long, env = "GPUMEDIC_POD_RESOURCES_SOCKET", default_value = pod_resources::DEFAULT_SOCKET)]
+    pod_resources_socket: String,
+    /// How often the kubelet's PodResources API is asked.
+    #[arg(long, env = "GPUMEDIC_POD_RESOURCES_INTERVAL", default_value = "30s")]
+    pod_resources_interval: String,
     #[command(flatten)]
     dcgm: dcgm::source::DcgmArgs,
     #[command(flatten)]
@@ -209,6 +217,8 @@ pub struct Config {
     pub cloud: cloud::CloudSettings,
     /// The InfiniBand/RoCE port source, when on (`node` is filled in by `run`).
     pub network: Option<network::NetworkSettings>,
+    /// The kubelet's PodResources poller, when on.
+    pub pod_resources: Option<pod_resources::PodResourcesSettings>,
 }
 
 impl Validate for Args {
@@ -346,6 +356,26 @@ impl Validate for Args {
                         .collect(),
                 }),
         };
+        let pod_resources = match self.pod_resources_socket.trim() {
+            "off" | "" => None,
+            socket => p
+                .check(
+                    "--pod-resources-interval",
+                    parse_duration(&self.pod_resources_interval).and_then(|d| {
+                        if d.is_zero() {
+                            Err("the kubelet needs an interval above zero (or --pod-resources-socket off)".to_owned())
+                        } else {
+                            Ok(d)
+                        }
+                    }),
+                )
+                .map(|interval| pod_resources::PodResourcesSettings {
+                    node: self.node_name.clone(),
+                    socket: PathBuf::from(socket),
+                    interval,
+                    timeout: interval.min(Duration::from_secs(5)),
+                }),
+        };
         let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
         let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
@@ -373,6 +403,7 @@ impl Validate for Args {
             dcgm: dcgm.expect("checked"),
             cloud: cloud.expect("checked"),
             network,
+            pod_resources,
         })
     }
 }
@@ -579,6 +610,9 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         let task = dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
         service.shutdown.spawn("dcgm-diag", task);
     }
+    if let Some(settings) = config.pod_resources.clone() {
+        service.shutdown.spawn("pod-resources", pod_resources::poll(settings, sink.clone(), token.clone()));
+    }
     if let Some(settings) = config.network.clone() {
         service.shutdown.spawn("infiniband", network::watch_fabric(settings, sink.clone(), token.clone()));
     }
@@ -674,6 +708,17 @@ mod tests {
         let c = args(&["--node-token-file", file.to_str().unwrap(), "--require-node-token"]).expect("valid");
         assert_eq!(c.node_token.get().as_deref(), Some(&b"header.payload.signature"[..]));
         std::fs::remove_file(&file).unwrap();
+    }
+
+    #[test]
+    fn the_kubelet_is_asked_on_its_default_socket_unless_off() {
+        let c = args(&[]).expect("valid");
+        let settings = c.pod_resources.expect("on by default");
+        assert_eq!(settings.socket, PathBuf::from(pod_resources::DEFAULT_SOCKET));
+        assert_eq!((settings.interval, settings.timeout), (Duration::from_secs(30), Duration::from_secs(5)));
+        assert_eq!(args(&["--pod-resources-socket", "off"]).expect("valid").pod_resources, None);
+        let err = args(&["--pod-resources-interval", "0s"]).expect_err("zero interval");
+        assert!(err.list().iter().any(|p| p.field == "--pod-resources-interval"));
     }
 
     #[test]
