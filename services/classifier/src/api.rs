@@ -208,6 +208,9 @@ pub struct VerdictRow {
     pub evidence: Vec<Uuid>,
     /// When it was issued.
     pub issued_at: DateTime<Utc>,
+    /// The trace id of its record (null before migration 0010, or when written outside a batch).
+    #[serde(default)]
+    pub trace_id: Option<String>,
 }
 
 /// What the remediator did.
@@ -299,7 +302,7 @@ pub async fn incident_detail(db: &PgPool, id: Uuid) -> Result<Option<IncidentDet
         return Ok(None);
     };
     let verdicts = sqlx::query_as::<_, VerdictRow>(
-        "SELECT verdict_id, action, severity, reason, recovery, evidence, issued_at
+        "SELECT verdict_id, action, severity, reason, recovery, evidence, issued_at, trace_id
            FROM verdicts WHERE incident_id = $1 ORDER BY issued_at, verdict_id",
     )
     .bind(id)

@@ -124,7 +124,7 @@ impl Classifier {
     pub(crate) async fn publish(
         &self,
         decisions: &[(Decision, Option<&[u8]>)],
-    ) -> Result<Vec<(Decision, Verdict)>, kafka::KafkaError> {
+    ) -> Result<Vec<store::Published>, kafka::KafkaError> {
         let out: Vec<(Decision, Verdict)> = decisions.iter().map(|(d, _)| (d.clone(), observe::verdict(d))).collect();
         let encoded: Vec<(Vec<u8>, String)> = out
             .iter()
@@ -143,9 +143,9 @@ impl Classifier {
                 content_type: Verdict::CONTENT_TYPE,
                 incoming_trace: *trace,
             };
-            kafka::publish_record(&self.producer, envelope, bytes)
+            kafka::publish_record_traced(&self.producer, envelope, bytes)
         });
-        futures::future::try_join_all(sends).await?;
+        let trace_ids = futures::future::try_join_all(sends).await?;
         lemons::announce(out.iter().map(|(d, _)| d));
         for (_, v) in &out {
             tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
@@ -156,7 +156,7 @@ impl Classifier {
                 "severity" => format!("{:?}", v.severity).to_lowercase(), "recovery" => v.recovery.to_string())
             .increment(1);
         }
-        Ok(out)
+        Ok(out.into_iter().zip(trace_ids).map(|((d, v), t)| (d, v, t)).collect())
     }
 
     /// Records the batch's workload-fault sightings, one workload at a time, and publishes each

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::kafka::{BatchHandler, Disposition, Record, record_headers};
-use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, Verdict};
+use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent};
 use tokio::sync::Mutex;
 
 use crate::classifier::{Classifier, ClassifierError};
@@ -189,9 +189,9 @@ impl BatchHandler for Handler {
             let published = c.publish(&traced).await?;
             let acknowledged = std::time::Instant::now();
             stage_seconds("publish", classified, acknowledged);
-            let mut by_part: Vec<Vec<(Decision, Verdict)>> = vec![Vec::new(); parts];
-            for (d, v) in published {
-                by_part[store::part_of(&v.node, parts)].push((d, v));
+            let mut by_part: Vec<Vec<store::Published>> = vec![Vec::new(); parts];
+            for (d, v, t) in published {
+                by_part[store::part_of(&v.node, parts)].push((d, v, t));
             }
             for (b, published) in batch.iter_mut().zip(&by_part) {
                 b.decisions = store::DecisionRows::new(published);

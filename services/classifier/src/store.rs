@@ -183,6 +183,9 @@ pub async fn copy_events_unchecked(pool: &PgPool, events: &EventRows) -> Result<
     copy.finish().await
 }
 
+/// A published decision: the decision, its verdict, and the verdict record's trace id.
+pub type Published = (Decision, Verdict, String);
+
 /// Incidents and verdicts from decisions, as column arrays.
 #[derive(Debug, Default, Clone)]
 pub struct DecisionRows {
@@ -220,14 +223,16 @@ pub struct DecisionRows {
     verdict_issued_at: Vec<DateTime<Utc>>,
     /// The whole verdict as published, JSON text stored as `json` (see migration 0006).
     verdict_records: Vec<String>,
+    /// The trace id of the verdict's record (its `traceparent`), for a link to the trace.
+    verdict_trace_ids: Vec<Option<String>>,
 }
 
 impl DecisionRows {
     /// The rows for `decisions`, in the order they were made.
-    pub fn new(decisions: &[(Decision, Verdict)]) -> Self {
+    pub fn new(decisions: &[Published]) -> Self {
         let mut rows = DecisionRows::default();
         let mut index: HashMap<Uuid, usize> = HashMap::new();
-        for (d, v) in decisions {
+        for (d, v, trace_id) in decisions {
             let at = micros(d.decided_at_micros);
             let recovery = matches!(d.kind, DecisionKind::Recover);
             match index.get(&d.incident_id) {
@@ -270,6 +275,7 @@ impl DecisionRows {
             // A verdict is plain data: serialising it cannot fail; an empty record would only make
             // the resync skip this verdict, never act on a wrong one.
             rows.verdict_records.push(serde_json::to_string(v).unwrap_or_default());
+            rows.verdict_trace_ids.push((!trace_id.is_empty()).then(|| trace_id.clone()));
         }
         rows
     }
@@ -438,13 +444,14 @@ WITH ev AS (
      WHERE i.incident_id = r.incident_id
 ), ver AS (
     INSERT INTO verdicts (verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason,
-                          recovery, evidence, issued_at, record)
+                          recovery, evidence, issued_at, record, trace_id)
     SELECT verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
-           COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at, NULLIF(record, '')::json
+           COALESCE(string_to_array(NULLIF(evidence, ''), ',')::uuid[], '{}'), issued_at, NULLIF(record, '')::json,
+           trace_id
       FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::text[], $26::text[], $27::text[], $28::int4[],
-                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[], $49::text[])
+                  $29::text[], $30::text[], $31::bool[], $32::text[], $33::timestamptz[], $49::text[], $59::text[])
         AS t(verdict_id, incident_id, node, gpu_uuid, severity, rule_id, rule_version, action, reason, recovery,
-             evidence, issued_at, record)
+             evidence, issued_at, record, trace_id)
     ON CONFLICT (verdict_id) DO NOTHING
 ), act AS (
     INSERT INTO actions (verdict_id, action, status, detail, at)
@@ -583,6 +590,7 @@ where
         .bind(&b.rollups.last_at)
         .bind(&b.rollups.readings)
         .bind(&b.rollups.counters)
+        .bind(&d.verdict_trace_ids)
         .fetch_one(db)
         .await?;
     Ok(Written { new_events })
@@ -620,7 +628,7 @@ pub async fn recorded(
 }
 
 /// Records decisions made by a tick (no event of their own).
-pub async fn record_decisions(pool: &PgPool, decisions: &[(Decision, Verdict)]) -> Result<(), StoreError> {
+pub async fn record_decisions(pool: &PgPool, decisions: &[Published]) -> Result<(), StoreError> {
     let batch = Batch { decisions: DecisionRows::new(decisions), ..Default::default() };
     write_batch(pool, &batch).await.map(|_| ())
 }

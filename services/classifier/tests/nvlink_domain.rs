@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
+use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, record_headers, stage_topics};
 use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, Source, XidDetail};
@@ -145,6 +145,10 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         testbed::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(a.as_bytes()), Duration::from_secs(60))
             .await
             .unwrap_or_else(|e| panic!("{e}"));
+    // The verdict's record carries a traceparent; its trace id is recorded with the verdict.
+    let traceparent =
+        String::from_utf8_lossy(opened.header(record_headers::TRACEPARENT).expect("a traceparent")).into_owned();
+    let trace_id = traceparent.split('-').nth(1).expect("a trace id").to_owned();
     let opened: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
     assert_eq!(opened.evidence, [root.event_id]);
     let pool = gpumedic_runtime::postgres::connect(&url, 2).await.unwrap();
@@ -216,6 +220,11 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         listed = Some(serde_json::from_str::<serde_json::Value>(&body).unwrap());
     }
     let detail = listed.unwrap();
+    assert_eq!(
+        detail["verdicts"][0]["trace_id"].as_str(),
+        Some(trace_id.as_str()),
+        "the incident API gives the verdict's trace id (traceparent {traceparent}): {detail:#}"
+    );
     let mut peer_nodes: Vec<String> =
         detail["peers"].as_array().unwrap().iter().map(|p| p["node"].as_str().unwrap().to_owned()).collect();
     peer_nodes.sort();

@@ -57,7 +57,7 @@ async fn live(pool: &sqlx::PgPool, engine: &mut Engine, events: &[EnrichedHealth
     for a in engine.take_absorbed() {
         batch.sympathetic.push(&a);
     }
-    let published: Vec<_> = decisions.iter().map(|d| (d.clone(), observe::verdict(d))).collect();
+    let published: Vec<_> = decisions.iter().map(|d| (d.clone(), observe::verdict(d), String::new())).collect();
     batch.decisions = DecisionRows::new(&published);
     store::write_batch(pool, &batch).await.expect("written");
     decisions

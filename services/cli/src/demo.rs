@@ -575,13 +575,20 @@ async fn story(
 ) -> anyhow::Result<()> {
     let [collector, enricher, classifier, remediator, console] = cx.bins;
     let bootstrap = env["KAFKA_BOOTSTRAP"].clone();
+    // The testbed's Jaeger, when compose/env names it: the services send their traces there and
+    // the console's incident page links each verdict to its trace.
+    let tracing = env.get("OTLP_ENDPOINT").zip(env.get("JAEGER_QUERY_URL"));
     let common = |port: u16| {
-        vec![
+        let mut e = vec![
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
             ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".to_owned()),
             ("GPUMEDIC_ADMIN_ADDR", format!("127.0.0.1:{port}")),
             ("KUBECONFIG", env["KUBECONFIG"].clone()),
-        ]
+        ];
+        if let Some((otlp, _)) = tracing {
+            e.push(("GPUMEDIC_OTLP_ENDPOINT", otlp.clone()));
+        }
+        e
     };
     say("Starting the four services and the console");
     // The usual ports when free; another demo, a test or any other process may hold them.
@@ -666,6 +673,9 @@ async fn story(
         // A demo on this machine: the pages open in a browser without a token.
         ("GPUMEDIC_API_AUTH", "none".into()),
     ]);
+    if let Some((_, jaeger)) = tracing {
+        e.push(("GPUMEDIC_TRACE_URL", format!("{}/trace/{{trace_id}}", jaeger.trim_end_matches('/'))));
+    }
     services.start("console", console, &e, logs)?;
     let collector_ports: Vec<String> = ports.iter().map(u16::to_string).collect();
     tell(&format!(

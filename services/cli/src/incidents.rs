@@ -274,7 +274,11 @@ pub fn incident_story(d: &Value) -> String {
     let mut rows = Vec::new();
     for v in d["verdicts"].as_array().into_iter().flatten() {
         let what = if v["recovery"].as_bool() == Some(true) { "recovery".to_owned() } else { s(&v["action"]) };
-        rows.push(vec![s(&v["issued_at"]), "verdict".into(), what, s(&v["reason"])]);
+        let reason = match v["trace_id"].as_str() {
+            Some(t) => format!("{} (trace {t})", s(&v["reason"])),
+            None => s(&v["reason"]),
+        };
+        rows.push(vec![s(&v["issued_at"]), "verdict".into(), what, reason]);
     }
     for a in d["actions"].as_array().into_iter().flatten() {
         rows.push(vec![

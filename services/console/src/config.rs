@@ -59,6 +59,11 @@ pub struct Args {
     /// How often the fleet gauges (`gpumedic_console_fleet_*`) are recomputed from the caches.
     #[arg(long, env = "GPUMEDIC_FLEET_GAUGE_INTERVAL", default_value = "5s")]
     fleet_gauge_interval: String,
+    /// A link to a verdict's trace, with `{trace_id}` where its id goes (Jaeger:
+    /// `http://jaeger:16686/trace/{trace_id}`), shown on the incident page when OTLP is on. No
+    /// links when empty.
+    #[arg(long, env = "GPUMEDIC_TRACE_URL", default_value = "")]
+    trace_url: String,
 }
 
 /// The validated configuration.
@@ -86,6 +91,8 @@ pub struct Config {
     pub api_auth: api_auth::Settings,
     /// How often the fleet gauges are recomputed.
     pub fleet_gauge_interval: Duration,
+    /// The trace link template (`{trace_id}` in it), when links are shown.
+    pub trace_url: Option<String>,
 }
 
 impl Validate for Args {
@@ -138,6 +145,14 @@ impl Validate for Args {
         if gauge.is_some_and(|d| d.is_zero()) {
             p.push("--fleet-gauge-interval", "must be more than 0");
         }
+        let trace_url = match self.trace_url.trim() {
+            "" => None,
+            t if !(t.starts_with("http://") || t.starts_with("https://")) || !t.contains("{trace_id}") => {
+                p.push("--trace-url", format!("{t:?} is not an http(s) URL with {{trace_id}} in it"));
+                None
+            }
+            t => Some(t.to_owned()),
+        };
         p.finish(|| Config {
             common: common.expect("checked"),
             kafka: kafka.expect("checked"),
@@ -154,6 +169,7 @@ impl Validate for Args {
                 cache_size: self.api_auth_cache_size,
             },
             fleet_gauge_interval: gauge.expect("checked"),
+            trace_url,
         })
     }
 }

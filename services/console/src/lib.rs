@@ -74,6 +74,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         live: Live::default(),
         remediator_namespace: config.remediator_namespace.clone(),
         status_configmap: config.status_configmap.clone(),
+        trace_url: config.trace_url.clone(),
     });
     let access = Access::start(NAME, &config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(console.clone(), access));

@@ -503,7 +503,9 @@ pub async fn incident(State(c): State<Arc<Console>>, Path(id): Path<String>) -> 
         return error_page(StatusCode::BAD_REQUEST, &format!("'{id}' is not an incident id (a UUID)."));
     };
     match view::incident_view(&c, uuid).await {
-        Ok(Some(d)) => Html(layout(&format!("Incident {uuid}"), &incident_body(&d))).into_response(),
+        Ok(Some(d)) => {
+            Html(layout(&format!("Incident {uuid}"), &incident_body(&d, c.trace_url.as_deref()))).into_response()
+        }
         Ok(None) => error_page(StatusCode::NOT_FOUND, &format!("No incident {uuid}.")),
         Err(e) => view_error(&e),
     }
@@ -520,6 +522,8 @@ pub struct StoryLine {
     pub headline: String,
     /// The detail.
     pub detail: String,
+    /// A verdict's trace id, when its record carried one.
+    pub trace_id: Option<String>,
 }
 
 /// The story of an incident in time order: evidence, verdicts, actions and the recovery, as
@@ -538,6 +542,7 @@ pub fn story(d: &IncidentDetail) -> Vec<StoryLine> {
                 if e.healthy { ", healthy" } else { "" },
                 if e.synthetic { ", injected" } else { "" }
             ),
+            trace_id: None,
         });
     }
     for v in &d.verdicts {
@@ -546,6 +551,7 @@ pub fn story(d: &IncidentDetail) -> Vec<StoryLine> {
             what: if v.recovery { "recovery" } else { "verdict" },
             headline: if v.recovery { "recovered".into() } else { format!("{} {}", v.severity, v.action) },
             detail: v.reason.clone(),
+            trace_id: v.trace_id.clone(),
         });
     }
     for a in &d.actions {
@@ -554,14 +560,16 @@ pub fn story(d: &IncidentDetail) -> Vec<StoryLine> {
             what: "action",
             headline: format!("{} {}", a.action, a.status),
             detail: a.detail.clone(),
+            trace_id: None,
         });
     }
     lines.sort();
     lines
 }
 
-/// The incident page's body.
-pub fn incident_body(d: &IncidentDetail) -> String {
+/// The incident page's body; with `trace_url` (`{trace_id}` in it), each verdict links to its
+/// trace.
+pub fn incident_body(d: &IncidentDetail, trace_url: Option<&str>) -> String {
     let i = &d.incident;
     let mut b = format!("<h1>Incident {}</h1><dl class=\"facts\">", i.incident_id);
     let _ = write!(
@@ -578,9 +586,16 @@ pub fn incident_body(d: &IncidentDetail) -> String {
     );
     b.push_str("<h2>Story</h2><table id=\"story\"><tr><th>time</th><th>what</th><th></th><th>detail</th></tr>");
     for l in story(d) {
+        // Trace ids are hex from our own records; escaped all the same.
+        let trace = match (trace_url, &l.trace_id) {
+            (Some(url), Some(id)) => {
+                format!(" <a class=\"trace\" href=\"{}\">trace</a>", esc(&url.replace("{trace_id}", id)))
+            }
+            _ => String::new(),
+        };
         let _ = write!(
             b,
-            "<tr class=\"story-{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr class=\"story-{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}{trace}</td></tr>",
             l.what,
             time(&l.at),
             l.what,
@@ -642,6 +657,7 @@ mod tests {
                     recovery: false,
                     evidence: vec![],
                     issued_at: t(1),
+                    trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
                 },
                 VerdictRow {
                     verdict_id: id,
@@ -651,6 +667,7 @@ mod tests {
                     recovery: true,
                     evidence: vec![],
                     issued_at: t(30),
+                    trace_id: None,
                 },
             ],
             events: vec![EventRow {
@@ -673,7 +690,15 @@ mod tests {
         };
         let whats: Vec<&str> = story(&d).iter().map(|l| l.what).collect();
         assert_eq!(whats, ["evidence", "verdict", "action", "recovery"]);
-        let html = incident_body(&d);
+        let html = incident_body(&d, None);
         assert!(html.contains("Xid 79") && html.contains("story-recovery"), "{html}");
+        assert!(!html.contains("class=\"trace\""), "no links without --trace-url: {html}");
+        let html = incident_body(&d, Some("http://jaeger:16686/trace/{trace_id}"));
+        assert_eq!(
+            html.matches("<a class=\"trace\" href=\"http://jaeger:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736\">")
+                .count(),
+            1,
+            "the verdict with a trace id links to it, the recovery without one does not: {html}"
+        );
     }
 }

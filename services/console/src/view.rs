@@ -55,6 +55,8 @@ pub struct Console {
     pub remediator_namespace: String,
     /// Its status object's name.
     pub status_configmap: String,
+    /// The trace link template (`--trace-url`), when links are shown.
+    pub trace_url: Option<String>,
 }
 
 impl Console {

@@ -65,7 +65,21 @@ pub struct Envelope<'a> {
 /// Publishes a pipeline record with the headers every gpumedic record carries (`traceparent`,
 /// `gpumedic.event-id`, `content-type`) and waits for Kafka's acknowledgement.
 pub async fn publish_record(producer: &Producer, envelope: Envelope<'_>, payload: &[u8]) -> Result<(), KafkaError> {
+    publish_record_traced(producer, envelope, payload).await.map(|_| ())
+}
+
+/// As [`publish_record`], returning the record's trace id (32 hex digits, from the `traceparent`
+/// it carries), so the record's row can link to its trace.
+///
+/// # Errors
+/// As [`publish_record`].
+pub async fn publish_record_traced(
+    producer: &Producer,
+    envelope: Envelope<'_>,
+    payload: &[u8],
+) -> Result<String, KafkaError> {
     let tp = traceparent(envelope.incoming_trace);
+    let trace_id = tp.split('-').nth(1).unwrap_or_default().to_owned();
     publish(
         producer,
         envelope.topic,
@@ -77,5 +91,6 @@ pub async fn publish_record(producer: &Producer, envelope: Envelope<'_>, payload
             (record_headers::CONTENT_TYPE, envelope.content_type.as_bytes()),
         ],
     )
-    .await
+    .await?;
+    Ok(trace_id)
 }
