@@ -7,10 +7,10 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use uuid::Uuid;
@@ -68,7 +68,7 @@ async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {
 async fn published_verdicts(bootstrap: &str, topic: &str) -> HashMap<Uuid, usize> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", testbed::unique_name("crash-reader"))
+        .set("group.id", testkit::unique_name("crash-reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -94,19 +94,19 @@ async fn published_verdicts(bootstrap: &str, topic: &str) -> HashMap<Uuid, usize
 
 #[tokio::test]
 async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("crash").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let enriched = testbed::unique_name("crash-enriched");
-    let verdicts = testbed::unique_name("crash-verdicts");
-    let actions = testbed::unique_name("crash-actions");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("crash").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let enriched = testkit::unique_name("crash-enriched");
+    let verdicts = testkit::unique_name("crash-verdicts");
+    let actions = testkit::unique_name("crash-actions");
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], PARTITIONS)).await.expect("topics");
 
     // The whole stream is on the topic before the classifier starts, so it is always mid-stream.
-    let prefix = testbed::unique_name("crash");
+    let prefix = testkit::unique_name("crash");
     let base = chrono::Utc::now() - chrono::Duration::minutes(30);
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
@@ -131,7 +131,7 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
 
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-        ("GPUMEDIC_GROUP", testbed::unique_name("crash-classifier")),
+        ("GPUMEDIC_GROUP", testkit::unique_name("crash-classifier")),
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         // Every event recorded, so each one's exactly-once recording can be checked.
         ("GPUMEDIC_PERSIST", "all".into()),
@@ -146,7 +146,7 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
     let mut kills = Vec::new();
     for share in [5, 35, 65] {
         let threshold = (EVENTS * share / 100) as i64;
-        let classifier = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+        let classifier = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
         loop {
             // The schema appears once the classifier has migrated the fresh database.
@@ -166,7 +166,7 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
         "every kill must land before the end of the stream to test anything: rows at each kill {kills:?}"
     );
 
-    let mut classifier = testbed::ServiceProcess::start(BIN, &[], &env).expect("restarts");
+    let mut classifier = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     while count(&pool, "SELECT count(*) FROM health_events").await < EVENTS as i64 {
         assert!(tokio::time::Instant::now() < deadline, "the classifier did not catch up");

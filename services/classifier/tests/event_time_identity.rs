@@ -7,10 +7,10 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
@@ -55,7 +55,7 @@ fn healthy(node: &str) -> HealthEvent {
 }
 
 struct Bed {
-    classifier: testbed::ServiceProcess,
+    classifier: testkit::ServiceProcess,
     producer: Producer,
     enriched: String,
     verdicts: String,
@@ -65,13 +65,13 @@ struct Bed {
 
 impl Bed {
     async fn start(name: &str) -> Bed {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let db = testbed::unique_name(name).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await.expect("database");
-        let enriched = testbed::unique_name(&format!("{name}-enriched"));
-        let verdicts = testbed::unique_name(&format!("{name}-verdicts"));
-        let actions = testbed::unique_name(&format!("{name}-actions"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testkit::unique_name(name).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await.expect("database");
+        let enriched = testkit::unique_name(&format!("{name}-enriched"));
+        let verdicts = testkit::unique_name(&format!("{name}-verdicts"));
+        let actions = testkit::unique_name(&format!("{name}-actions"));
         let settings = KafkaSettings {
             bootstrap: bootstrap.clone(),
             options: vec![],
@@ -79,15 +79,15 @@ impl Bed {
             topic_replication: None,
         };
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 12)).await.expect("topics");
-        let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+        let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
         std::fs::create_dir_all(&rules).unwrap();
         std::fs::write(rules.join("79.yaml"), RULE).unwrap();
-        let classifier = testbed::ServiceProcess::start(
+        let classifier = testkit::ServiceProcess::start(
             BIN,
             &[],
             &[
                 ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-                ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+                ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
                 ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
                 ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
                 ("GPUMEDIC_ACTIONS_TOPIC", actions),
@@ -111,7 +111,7 @@ impl Bed {
     /// Waits up to `wait` for a verdict about `node` that `pick` accepts.
     async fn verdict(&self, node: &str, wait: Duration, pick: impl Fn(&Verdict) -> bool) -> Option<Verdict> {
         let found =
-            testbed::wait_for_record(&self.verdicts, |r: &Record| of_node(r, node).is_some_and(|v| pick(&v)), wait)
+            testkit::wait_for_record(&self.verdicts, |r: &Record| of_node(r, node).is_some_and(|v| pick(&v)), wait)
                 .await
                 .ok()?;
         of_node(&found, node)
@@ -120,7 +120,7 @@ impl Bed {
     /// Every verdict record about `node` on the topic (after `wait` for more to arrive).
     async fn verdicts(&self, node: &str, wait: Duration) -> Vec<Verdict> {
         let mut all = Vec::new();
-        let _ = testbed::wait_for_record(
+        let _ = testkit::wait_for_record(
             &self.verdicts,
             |r| {
                 all.extend(of_node(r, node));
@@ -133,7 +133,7 @@ impl Bed {
     }
 
     async fn metric(&self, name: &str) -> f64 {
-        let Ok((_, body)) = testbed::http_get(self.classifier.admin_addr(), "/metrics").await else { return 0.0 };
+        let Ok((_, body)) = testkit::http_get(self.classifier.admin_addr(), "/metrics").await else { return 0.0 };
         body.lines()
             .filter(|l| l.starts_with(name))
             .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
@@ -155,7 +155,7 @@ fn of_node(r: &Record, node: &str) -> Option<Verdict> {
 #[tokio::test]
 async fn an_event_from_a_day_ahead_does_not_move_the_node_clock() {
     let bed = Bed::start("skew").await;
-    let node = testbed::unique_name("skew-node");
+    let node = testkit::unique_name("skew-node");
 
     // A node whose clock is a day fast stamps both times of its event a day ahead.
     let mut ahead = healthy(&node);
@@ -195,7 +195,7 @@ async fn an_event_from_a_day_ahead_does_not_move_the_node_clock() {
 #[tokio::test]
 async fn an_old_event_published_again_produces_no_second_verdict() {
     let bed = Bed::start("replay").await;
-    let node = testbed::unique_name("replay-node");
+    let node = testkit::unique_name("replay-node");
 
     let fault = xid(&node, 79, 1);
     bed.send(&fault).await;

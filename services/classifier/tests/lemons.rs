@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -99,8 +99,8 @@ async fn fault_and_repair(p: &Producer, topic: &str, node: &str, gpu: &str, t: D
 /// Every verdict on `topic`, read until it has been quiet for a few seconds.
 async fn all_verdicts(topic: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -143,11 +143,11 @@ struct Bed {
 }
 
 async fn bed(name: &str) -> Bed {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let url = testbed::fresh_database(&admin, &testbed::unique_name(name).replace('-', "_")).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let url = testkit::fresh_database(&admin, &testkit::unique_name(name).replace('-', "_")).await.expect("database");
     let [enriched, verdicts, actions] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("{name}-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("{name}-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
@@ -156,7 +156,7 @@ async fn bed(name: &str) -> Bed {
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", actions),
@@ -181,7 +181,7 @@ fn lemons_of<'a>(verdicts: &'a [Verdict], node: &str) -> Vec<&'a Verdict> {
 #[tokio::test]
 async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     let mut b = bed("lemons").await;
-    let node = testbed::unique_name("lemon-node");
+    let node = testkit::unique_name("lemon-node");
     let gpu = format!("GPU-{}", Uuid::new_v4());
     // Six hours ago, so the faults' own times are an hour apart, all within the 30-day window.
     let t0 = DateTime::from_timestamp_micros((Utc::now() - chrono::Duration::hours(6)).timestamp_micros()).unwrap();
@@ -242,7 +242,7 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     assert_eq!(listed, faults.iter().map(Uuid::to_string).collect::<Vec<_>>());
 
     // What `gpumedic incidents --lemons` prints from.
-    let (code, body) = testbed::http_get(b.classifier.admin_addr(), "/api/v1/lemons?status=open").await.unwrap();
+    let (code, body) = testkit::http_get(b.classifier.admin_addr(), "/api/v1/lemons?status=open").await.unwrap();
     assert_eq!(code, 200, "{body}");
     let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
     let mine: Vec<&serde_json::Value> =
@@ -276,8 +276,8 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
 #[tokio::test]
 async fn a_gpu_moved_to_another_node_keeps_its_history() {
     let mut b = bed("lemon-moved").await;
-    let first = testbed::unique_name("lemon-from");
-    let second = testbed::unique_name("lemon-to");
+    let first = testkit::unique_name("lemon-from");
+    let second = testkit::unique_name("lemon-to");
     let gpu = format!("GPU-{}", Uuid::new_v4());
     let t0 = DateTime::from_timestamp_micros((Utc::now() - chrono::Duration::hours(6)).timestamp_micros()).unwrap();
     let hour = |h: i64| t0 + chrono::Duration::hours(h);

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -60,8 +60,8 @@ type PeerRow = (Uuid, String, Option<String>, String, Option<String>);
 /// Every verdict on `topic`, read until it has been quiet for a few seconds.
 async fn all_verdicts(topic: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -90,19 +90,19 @@ async fn wait_count(pool: &PgPool, query: &'static str, bind: &str, want: i64, w
 
 #[tokio::test]
 async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_incident() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("nvlink").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("nvlink").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let [enriched_topic, verdicts_topic, actions_topic] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("nvlink-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("nvlink-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await
         .expect("topics");
-    let group = testbed::unique_name("classifier");
+    let group = testkit::unique_name("classifier");
     let start = || {
         ServiceProcess::start(
             BIN,
@@ -129,9 +129,9 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     }
     // Both hold partitions before anything is written: no record is caught in the rebalance the
     // second replica started.
-    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let [a, b, c, e] = ["a", "b", "c", "e"].map(|n| testbed::unique_name(&format!("nvl72-{n}")));
+    let [a, b, c, e] = ["a", "b", "c", "e"].map(|n| testkit::unique_name(&format!("nvl72-{n}")));
     let domain = format!("{}.1", Uuid::new_v4());
     let other_domain = format!("{}.2", Uuid::new_v4());
     let gpu = |node: &str| format!("GPU-{}", Uuid::new_v5(&Uuid::NAMESPACE_OID, node.as_bytes()));
@@ -142,7 +142,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     let (root, bytes) = xid(&a, &gpu(&a), &domain, 149, t0);
     publish(&producer, &enriched_topic, &a, &bytes, &[]).await.unwrap();
     let opened =
-        testbed::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(a.as_bytes()), Duration::from_secs(60))
+        testkit::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(a.as_bytes()), Duration::from_secs(60))
             .await
             .unwrap_or_else(|e| panic!("{e}"));
     let opened: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
@@ -161,7 +161,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         peers.push(event);
     }
     // E's own incident opens; B's and C's events are recorded as the root's evidence.
-    testbed::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(e.as_bytes()), Duration::from_secs(60))
+    testkit::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(e.as_bytes()), Duration::from_secs(60))
         .await
         .unwrap_or_else(|err| panic!("E's own incident: {err}"));
     for node in [&b, &c] {
@@ -211,7 +211,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     // The incident API (what `gpumedic incidents show` reads) lists the peers.
     let mut listed = None;
     for r in &replicas {
-        let (code, body) = testbed::http_get(r.admin_addr(), &format!("/api/v1/incidents/{root_id}")).await.unwrap();
+        let (code, body) = testkit::http_get(r.admin_addr(), &format!("/api/v1/incidents/{root_id}")).await.unwrap();
         assert_eq!(code, 200, "{body}");
         listed = Some(serde_json::from_str::<serde_json::Value>(&body).unwrap());
     }

@@ -8,10 +8,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-0000000b-bbbb-cccc-dddd-eeeeeeeeeeee";
@@ -74,12 +74,12 @@ struct Bed {
 
 impl Bed {
     async fn new(name: &str) -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let db = testbed::unique_name(name).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await.expect("database");
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testkit::unique_name(name).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await.expect("database");
         let [enriched, verdicts, actions] =
-            ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("{name}-{t}")));
+            ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("{name}-{t}")));
         let settings = KafkaSettings {
             bootstrap: bootstrap.clone(),
             options: vec![],
@@ -88,7 +88,7 @@ impl Bed {
         };
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
         let producer = settings.producer("persist-restart-test").unwrap();
-        Bed { bootstrap, url, enriched, verdicts, actions, group: testbed::unique_name("classifier"), producer }
+        Bed { bootstrap, url, enriched, verdicts, actions, group: testkit::unique_name("classifier"), producer }
     }
 
     async fn start(&self, rules: &Path, window: &str, persist: &str) -> ServiceProcess {
@@ -119,7 +119,7 @@ impl Bed {
 
     /// The first verdict for `node` that `want` accepts.
     async fn verdict(&self, node: &str, want: impl Fn(&Verdict) -> bool, what: &str) -> Verdict {
-        let r = testbed::wait_for_record(
+        let r = testkit::wait_for_record(
             &self.verdicts,
             |r| {
                 r.key.as_deref() == Some(node.as_bytes())
@@ -147,7 +147,7 @@ impl Bed {
 }
 
 fn rules_dir(text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(testbed::unique_name("persist-restart-rules"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("persist-restart-rules"));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("rules.yaml"), text).unwrap();
     dir
@@ -180,7 +180,7 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let rows = loop {
         // Every event taken in: the classifier counts them whether or not it records them.
-        let (_, text) = testbed::http_get(c.admin_addr(), "/metrics").await.unwrap();
+        let (_, text) = testkit::http_get(c.admin_addr(), "/metrics").await.unwrap();
         let consumed = text
             .lines()
             .find(|l| l.starts_with("gpumedic_classifier_events_total"))
@@ -225,7 +225,7 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
 
 #[tokio::test]
 async fn a_restart_under_evidence_only_history_recovers_the_incident_as_under_every_event() {
-    let node = testbed::unique_name("persist-node");
+    let node = testkit::unique_name("persist-node");
     let stream = Stream {
         before: (0..20).map(|_| healthy(&node, "boot-before")).collect(),
         fault: xid(&node, 79),

@@ -11,10 +11,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-0000000b-bbbb-cccc-dddd-eeeeeeeeeeee";
@@ -80,12 +80,12 @@ struct Bed {
 
 impl Bed {
     async fn new(name: &str) -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let db = testbed::unique_name(name).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await.expect("database");
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testkit::unique_name(name).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await.expect("database");
         let [enriched, verdicts, actions] =
-            ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("{name}-{t}")));
+            ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("{name}-{t}")));
         let settings = KafkaSettings {
             bootstrap: bootstrap.clone(),
             options: vec![],
@@ -94,7 +94,7 @@ impl Bed {
         };
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
         let producer = settings.producer("reattach-test").unwrap();
-        Bed { bootstrap, url, enriched, verdicts, actions, group: testbed::unique_name("classifier"), producer }
+        Bed { bootstrap, url, enriched, verdicts, actions, group: testkit::unique_name("classifier"), producer }
     }
 
     async fn start(&self, rules: &Path, window: &str) -> ServiceProcess {
@@ -124,7 +124,7 @@ impl Bed {
 
     /// The first verdict for `node` that `want` accepts.
     async fn verdict(&self, node: &str, want: impl Fn(&Verdict) -> bool, what: &str) -> Verdict {
-        let r = testbed::wait_for_record(
+        let r = testkit::wait_for_record(
             &self.verdicts,
             |r| {
                 r.key.as_deref() == Some(node.as_bytes())
@@ -165,7 +165,7 @@ impl Bed {
 }
 
 fn rules_dir(text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(testbed::unique_name("reattach-rules"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("reattach-rules"));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("rules.yaml"), text).unwrap();
     dir
@@ -175,7 +175,7 @@ fn rules_dir(text: &str) -> std::path::PathBuf {
 async fn a_restart_under_a_new_rule_version_recovers_the_incident_it_opened_not_a_new_one() {
     let bed = Bed::new("reattach-version").await;
     let rules = rules_dir(&xid79_rule(1));
-    let node = testbed::unique_name("reattach-node");
+    let node = testkit::unique_name("reattach-node");
     let mut c = bed.start(&rules, "48h").await;
     bed.send(&node, xid(&node, 79)).await;
     let opened = bed.verdict(&node, |v| !v.recovery, "the fault's verdict").await;
@@ -197,7 +197,7 @@ async fn a_restart_under_a_new_rule_version_recovers_the_incident_it_opened_not_
 async fn an_incident_older_than_the_rebuild_window_is_still_followed_after_a_restart() {
     let bed = Bed::new("reattach-window").await;
     let rules = rules_dir(XID48_RULE);
-    let node = testbed::unique_name("reattach-node");
+    let node = testkit::unique_name("reattach-node");
     let mut c = bed.start(&rules, "48h").await;
     bed.send(&node, xid(&node, 48)).await;
     let opened = bed.verdict(&node, |v| !v.recovery, "the fault's verdict").await;

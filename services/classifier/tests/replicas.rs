@@ -9,10 +9,10 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
@@ -60,8 +60,8 @@ fn healthy(node: &str, boot: &str) -> HealthEvent {
 /// The verdicts for `node` on `topic`, read until it has been quiet for a few seconds.
 async fn verdicts_for(topic: &str, node: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -79,7 +79,7 @@ async fn verdicts_for(topic: &str, node: &str) -> Vec<Verdict> {
 
 /// How many verdicts a replica says it published.
 async fn published(replica: &ServiceProcess) -> u64 {
-    let Ok((_, body)) = testbed::http_get(replica.admin_addr(), "/metrics").await else { return 0 };
+    let Ok((_, body)) = testkit::http_get(replica.admin_addr(), "/metrics").await else { return 0 };
     body.lines()
         .filter(|l| l.starts_with("gpumedic_classifier_verdicts_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -88,26 +88,26 @@ async fn published(replica: &ServiceProcess) -> u64 {
 
 #[tokio::test]
 async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_released_once() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("replicas").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("replicas").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let [enriched_topic, verdicts_topic, actions_topic] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("replicas-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("replicas-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await
         .expect("topics");
-    let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+    let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
     std::fs::create_dir_all(&rules).unwrap();
     std::fs::write(
         rules.join("79.yaml"),
         "rules:\n  - id: xid-79-fallen-off-the-bus\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n      - {kind: gpu_lost}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 3s}\n",
     )
     .unwrap();
-    let group = testbed::unique_name("classifier");
+    let group = testkit::unique_name("classifier");
     let start = || {
         ServiceProcess::start(
             BIN,
@@ -132,13 +132,13 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
     }
     // Both hold partitions before anything is written: no record is caught in the rebalance the
     // second replica started.
-    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let node = testbed::unique_name("replicas-node");
+    let node = testkit::unique_name("replicas-node");
     let producer = settings.producer("replicas-test").unwrap();
     let fault = xid79(&node);
     publish(&producer, &enriched_topic, &node, &enriched(fault.clone()), &[]).await.unwrap();
-    let opened = testbed::wait_for_record(
+    let opened = testkit::wait_for_record(
         &verdicts_topic,
         |r| r.key.as_deref() == Some(node.as_bytes()),
         Duration::from_secs(60),
@@ -164,7 +164,7 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
     // The proof of repair reaches the survivor: after the quiet period, one recovery.
     let repaired_at = chrono::Utc::now();
     publish(&producer, &enriched_topic, &node, &enriched(healthy(&node, "boot-after")), &[]).await.unwrap();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &verdicts_topic,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())

@@ -15,9 +15,9 @@ mod observability;
 use std::process::Command;
 use std::time::Duration;
 
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
@@ -25,7 +25,7 @@ use serde_json::json;
 const GPUMEDIC: &str = env!("CARGO_BIN_EXE_gpumedic");
 
 fn bin(name: &str) -> String {
-    testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
+    testkit::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
 /// Every rule's quiet period is capped at this (`GPUMEDIC_MAX_QUIET`) so recovery fits in a test.
@@ -63,18 +63,18 @@ fn condition(node: &Node, type_: &str) -> Option<(String, Option<String>)> {
 
 #[tokio::test]
 async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the_node() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("e2e").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let kubeconfig = testbed::kubeconfig_path().display().to_string();
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("e2e").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let kubeconfig = testkit::kubeconfig_path().display().to_string();
 
     // The fleet: three GPU nodes, four GPU pods on the first.
-    let faulty = testbed::unique_name("e2e-gpu");
-    let other = testbed::unique_name("e2e-gpu");
-    let repeat = testbed::unique_name("e2e-gpu");
-    let ns = testbed::unique_name("e2e-ns");
+    let faulty = testkit::unique_name("e2e-gpu");
+    let other = testkit::unique_name("e2e-gpu");
+    let repeat = testkit::unique_name("e2e-gpu");
+    let ns = testkit::unique_name("e2e-ns");
     let nodes: Api<Node> = Api::all(client.clone());
     for n in [&faulty, &other, &repeat] {
         let node =
@@ -98,9 +98,9 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/rules");
     let kafka = ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone());
     // Every service exports its spans to the testbed's Jaeger: the fault must be one trace.
-    let (otlp_endpoint, jaeger) = testbed::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
+    let (otlp_endpoint, jaeger) = testkit::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
     let otlp = ("GPUMEDIC_OTLP_ENDPOINT", otlp_endpoint);
-    let synthetic = testbed::free_local_addr().unwrap();
+    let synthetic = testkit::free_local_addr().unwrap();
     // New groups, committed at the end of the topics before the services start: this test's
     // records are not queued behind every record earlier tests left on the shared topics, and none
     // of them is skipped.
@@ -112,7 +112,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     };
     let mut groups = Vec::new();
     for s in ["e2e-enricher", "e2e-classifier", "e2e-remediator"] {
-        let group = testbed::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
+        let group = testkit::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
         groups.push(("GPUMEDIC_GROUP", group));
     }
     let mut collector = ServiceProcess::start(
@@ -131,7 +131,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
             // Its own state folder: the spool allows one collector per folder.
             (
                 "GPUMEDIC_STATE_DIR",
-                std::env::temp_dir().join(testbed::unique_name("e2e-collector")).display().to_string(),
+                std::env::temp_dir().join(testkit::unique_name("e2e-collector")).display().to_string(),
             ),
         ],
     )
@@ -261,7 +261,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     .await;
 
     // One fault, one trace: the raw record's trace holds spans from all four services.
-    let raw = testbed::wait_for_record(
+    let raw = testkit::wait_for_record(
         gpumedic_schemas::topics::HEALTH_RAW,
         |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(fault_id.as_bytes()),
         Duration::from_secs(30),
@@ -274,7 +274,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
         "the fault's trace in Jaeger with spans from all four services",
         Duration::from_secs(60),
         async || {
-            let (code, body) = testbed::http_get(jaeger, &format!("/api/traces/{trace_id}")).await.ok()?;
+            let (code, body) = testkit::http_get(jaeger, &format!("/api/traces/{trace_id}")).await.ok()?;
             if code != 200 {
                 return None;
             }
@@ -342,7 +342,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
         })
         .await;
     assert_eq!(escalated, "warning");
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(gpumedic_schemas::topics::HEALTH_RAW),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(30),
@@ -417,7 +417,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     // Every metric an alert or a dashboard panel names is exported by one of the services.
     let mut scrapes = Vec::new();
     for s in [&collector, &enricher, &classifier, &remediator] {
-        let (code, body) = testbed::http_get(s.admin_addr(), "/metrics").await.expect("scrape /metrics");
+        let (code, body) = testkit::http_get(s.admin_addr(), "/metrics").await.expect("scrape /metrics");
         assert_eq!(code, 200, "{body}");
         scrapes.push(body);
     }

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::record_headers;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -46,7 +46,7 @@ async fn inject(addr: std::net::SocketAddr) -> String {
 
 /// The node token header of the raw record of event `id`.
 async fn token_of(id: &str) -> Vec<u8> {
-    let record = testbed::wait_for_record(
+    let record = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -62,8 +62,8 @@ fn start_with_addr(
     node: &str,
     state: &std::path::Path,
     token: &std::path::Path,
-) -> (testbed::ServiceProcess, std::net::SocketAddr) {
-    let synthetic = testbed::free_local_addr().expect("a free port");
+) -> (testkit::ServiceProcess, std::net::SocketAddr) {
+    let synthetic = testkit::free_local_addr().expect("a free port");
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.to_owned()),
@@ -75,20 +75,20 @@ fn start_with_addr(
         ("GPUMEDIC_NODE_TOKEN_FILE", token.display().to_string()),
         ("GPUMEDIC_REQUIRE_NODE_TOKEN", "true".into()),
     ];
-    (testbed::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
+    (testkit::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
 }
 
 #[tokio::test]
 async fn records_carry_the_token_of_when_they_are_sent() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("token-node");
-    let dir = std::env::temp_dir().join(testbed::unique_name("collector-token"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("token-node");
+    let dir = std::env::temp_dir().join(testkit::unique_name("collector-token"));
     std::fs::create_dir_all(&dir).unwrap();
     let (state, token) = (dir.join("state"), dir.join("token"));
     std::fs::write(&token, "token-of-the-outage\n").unwrap();
 
     // Kafka unreachable (nothing listens there): the event is spooled.
-    let nowhere = testbed::free_local_addr().expect("a free port").to_string();
+    let nowhere = testkit::free_local_addr().expect("a free port").to_string();
     let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token);
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let spooled = inject(addr).await;
@@ -117,7 +117,7 @@ async fn records_carry_the_token_of_when_they_are_sent() {
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
     // Required and missing: a configuration error, exit 64.
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",

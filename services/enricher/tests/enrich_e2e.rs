@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::Record;
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -65,7 +65,7 @@ async fn send(producer: &Producer, key: &str, payload: &[u8]) {
 /// The enriched record of `event`, found by its event id (a node's records share its key).
 async fn enriched_of(event: &HealthEvent) -> (Record, EnrichedHealthEvent) {
     let id = event.event_id.to_string();
-    let out = testbed::wait_for_record(
+    let out = testkit::wait_for_record(
         topics::HEALTH_ENRICHED,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -84,8 +84,8 @@ fn pod_names(e: &EnrichedHealthEvent) -> Vec<&str> {
 
 #[tokio::test]
 async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -94,8 +94,8 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
         .expect("topics");
 
     // A labelled GPU node with a GPU pod on it.
-    let node = testbed::unique_name("enr-node");
-    let ns = testbed::unique_name("enr-ns");
+    let node = testkit::unique_name("enr-node");
+    let ns = testkit::unique_name("enr-ns");
     let nodes: Api<Node> = Api::all(client.clone());
     nodes
         .create(
@@ -138,15 +138,15 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
         .expect("pod");
     }
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             // At the end of the shared topic: not behind every record earlier runs left there.
-            ("GPUMEDIC_GROUP", testbed::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
+            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
             ("GPUMEDIC_CLUSTER_NAME", "testbed".into()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
@@ -154,7 +154,7 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
 
     let producer = settings.producer("enricher-test").unwrap();
     let known = xid_event(&node, 79);
-    let unknown_node = testbed::unique_name("enr-unknown");
+    let unknown_node = testkit::unique_name("enr-unknown");
     let unknown = xid_event(&unknown_node, 13);
     send(&producer, &node, &gpumedic_schemas::encode(&known).unwrap()).await;
     send(&producer, &unknown_node, &gpumedic_schemas::encode(&unknown).unwrap()).await;
@@ -214,7 +214,7 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     assert_eq!(enriched.node_context.expected_gpus, None);
     assert!(enriched.workloads.is_empty());
 
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(60),

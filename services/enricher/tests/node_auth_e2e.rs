@@ -11,9 +11,9 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
@@ -70,7 +70,7 @@ async fn send(producer: &Producer, topic: &str, key: &str, event: &HealthEvent, 
 /// The dead-letter reason of `event`'s record.
 async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
     let id = event.event_id.to_string();
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         dlq,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -83,10 +83,10 @@ async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
 
 #[tokio::test]
 async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_claims() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let raw = testbed::unique_name("nodeauth-raw");
-    let enriched_topic = testbed::unique_name("nodeauth-enriched");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let raw = testkit::unique_name("nodeauth-raw");
+    let enriched_topic = testkit::unique_name("nodeauth-enriched");
     let dlq = kafka::dead_letter_topic(&raw);
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
@@ -95,8 +95,8 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
         .await
         .expect("topics");
 
-    let ns = testbed::unique_name("nodeauth");
-    let (node_a, node_b) = (testbed::unique_name("nodeauth-a"), testbed::unique_name("nodeauth-b"));
+    let ns = testkit::unique_name("nodeauth");
+    let (node_a, node_b) = (testkit::unique_name("nodeauth-a"), testkit::unique_name("nodeauth-b"));
     let nodes: Api<Node> = Api::all(client.clone());
     for n in [&node_a, &node_b] {
         nodes
@@ -146,18 +146,18 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     }
     assert!(pods.get_opt("collector-gone").await.expect("get").is_none(), "the pod is deleted");
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("nodeauth-enricher")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("nodeauth-enricher")),
             ("GPUMEDIC_RAW_TOPIC", raw.clone()),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_NODE_AUTH", "enforce".into()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
             ("GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", format!("{ns}:operator")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
@@ -183,7 +183,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     let b_forged = xid(&node_b);
     let a_gone = xid(&node_a);
     let a_trainer = xid(&node_a);
-    let unknown_node = testbed::unique_name("nodeauth-nowhere");
+    let unknown_node = testkit::unique_name("nodeauth-nowhere");
     let nowhere_with_a = xid(&unknown_node);
     let operator_b = xid(&node_b);
     let good_b = xid(&node_b);
@@ -202,7 +202,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     // A's record with A's token is enriched.
     let id = good_a.event_id.to_string();
-    let out = testbed::wait_for_record(
+    let out = testkit::wait_for_record(
         &enriched_topic,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -219,7 +219,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
         .collect();
     let good_b_id = good_b.event_id.to_string();
     let mut leaked = Vec::new();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &enriched_topic,
         |r| {
             let id = String::from_utf8_lossy(r.header(record_headers::EVENT_ID).unwrap_or_default()).into_owned();
@@ -234,7 +234,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     .unwrap_or_else(|e| panic!("B's own record with B's token is enriched: {e}"));
     assert!(leaked.is_empty(), "records without a valid token of their node were enriched: {leaked:?}");
     let operator_id = operator_b.event_id.to_string();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &enriched_topic,
         |r| r.header(record_headers::EVENT_ID) == Some(operator_id.as_bytes()),
         Duration::from_secs(60),
@@ -272,7 +272,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     );
 
     // Counted per claimed node; a node the cluster does not know is one label.
-    let (_, metrics) = testbed::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, metrics) = testkit::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
     let count = |node: &str, reason: &str| -> f64 {
         metrics
             .lines()

@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::control::{self, StatusClient};
 use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -37,16 +37,16 @@ struct World {
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
         let client = admin().await;
         let ns = namespace(&client).await;
         Self {
             client,
             ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
+            fleet: testkit::unique_name("fleet"),
+            verdicts: testkit::unique_name("verdicts"),
+            actions: testkit::unique_name("actions"),
+            group: testkit::unique_name("remediator"),
             bootstrap,
         }
     }
@@ -62,7 +62,7 @@ impl World {
             ("GPUMEDIC_GROUP", self.group.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
             ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
             ("GPUMEDIC_IDENTITY", identity.to_owned()),
             ("GPUMEDIC_LEASE_DURATION", "4s".into()),
@@ -94,7 +94,7 @@ impl World {
     async fn all_outcomes(&self) -> Vec<ActionOutcome> {
         let consumer: StreamConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
-            .set("group.id", testbed::unique_name("reader"))
+            .set("group.id", testkit::unique_name("reader"))
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "false")
             .create()
@@ -123,11 +123,11 @@ impl World {
 
     /// Runs the `gpumedic` CLI against this world's namespace; returns stdout.
     fn cli(&self, args: &[&str]) -> String {
-        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let bin = testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
         let out = Command::new(bin)
             .args(args)
             .args(["--namespace", &self.ns])
-            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("KUBECONFIG", testkit::kubeconfig_path())
             .env("GPUMEDIC_OPERATOR", "tester")
             .output()
             .expect("gpumedic runs");
@@ -241,15 +241,15 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
 async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby_can_take_over() {
     let w = World::new().await;
     // The leader reaches the apiserver through a relay; the standby directly.
-    let kubeconfig = std::fs::read_to_string(testbed::kubeconfig_path()).expect("the testbed's kubeconfig");
+    let kubeconfig = std::fs::read_to_string(testkit::kubeconfig_path()).expect("the testbed's kubeconfig");
     let server = kubeconfig
         .lines()
         .find_map(|l| l.trim().strip_prefix("server: https://"))
         .expect("the kubeconfig names its server")
         .trim()
         .to_owned();
-    let relay = testbed::Relay::start(&server).await.expect("the relay starts");
-    let relayed = std::env::temp_dir().join(testbed::unique_name("kubeconfig"));
+    let relay = testkit::Relay::start(&server).await.expect("the relay starts");
+    let relayed = std::env::temp_dir().join(testkit::unique_name("kubeconfig"));
     std::fs::write(&relayed, kubeconfig.replace(&server, &relay.addr().to_string())).unwrap();
     // Renew deadline 6 s: the leader must stop by then; a standby takes over no sooner than 8 s
     // after it last saw the lease change.

@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -26,8 +26,8 @@ struct Store {
 
 impl Store {
     async fn new() -> Self {
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let url = testbed::fresh_database(&admin, &testbed::unique_name("convergence")).await.expect("database");
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let url = testkit::fresh_database(&admin, &testkit::unique_name("convergence")).await.expect("database");
         let pool = gpumedic_runtime::postgres::connect(&url, 2).await.expect("connect");
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/migrations");
         sqlx::migrate::Migrator::new(dir)
@@ -96,16 +96,16 @@ struct World {
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
         let client = admin().await;
         let ns = namespace(&client).await;
         Self {
             client,
             ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
+            fleet: testkit::unique_name("fleet"),
+            verdicts: testkit::unique_name("verdicts"),
+            actions: testkit::unique_name("actions"),
+            group: testkit::unique_name("remediator"),
             bootstrap,
             store: Store::new().await,
         }
@@ -127,7 +127,7 @@ impl World {
             ("GPUMEDIC_GROUP", self.group.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
             ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
             ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
             ("GPUMEDIC_LEASE_DURATION", "4s".into()),
@@ -157,11 +157,11 @@ impl World {
     }
 
     fn cli(&self, args: &[&str]) {
-        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let bin = testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
         let out = Command::new(bin)
             .args(args)
             .args(["--namespace", &self.ns])
-            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("KUBECONFIG", testkit::kubeconfig_path())
             .env("GPUMEDIC_OPERATOR", "tester")
             .output()
             .expect("gpumedic runs");
@@ -276,7 +276,7 @@ async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!cordoned(&get_node(&w.client, &name).await), "a replayed fault does not take a recovered node out");
     let released = eventually("the recovery outcome count", Duration::from_secs(10), async || {
-        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        let body = testkit::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
         body.lines()
             .find(|l| {
                 l.starts_with("gpumedic_remediator_resync_actions_total{")
@@ -324,7 +324,7 @@ async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried
     );
     assert_eq!(pods_left(&w.client, &w.ns).await, ["held"]);
     eventually("the incomplete drain to be counted", Duration::from_secs(10), async || {
-        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        let body = testkit::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
         body.lines()
             .any(|l| l.starts_with("gpumedic_remediator_drains_incomplete_total") && !l.ends_with(" 0"))
             .then_some(())
@@ -414,7 +414,7 @@ async fn two_deferred_incidents_on_one_node_do_not_take_the_deferral_from_each_o
 /// How many times the resync deferred an action (`gpumedic_remediator_resync_actions_total`
 /// with result `deferred`).
 async fn resync_deferrals(r: &ServiceProcess) -> f64 {
-    let (_, text) = testbed::http_get(r.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, text) = testkit::http_get(r.admin_addr(), "/metrics").await.expect("metrics");
     text.lines()
         .filter(|l| l.starts_with("gpumedic_remediator_resync_actions_total") && l.contains("result=\"deferred\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

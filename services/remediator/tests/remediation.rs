@@ -340,7 +340,7 @@ async fn drain_rules_per_namespace_and_priority_class_choose_how_each_pod_leaves
     let name = gpu_node(&client).await;
     let (kept, work) = (namespace(&client).await, namespace(&client).await);
     // A priority class of the test's own, as a cluster would have for its critical serving pods.
-    let class = gpumedic_runtime::testbed::unique_name("critical");
+    let class = gpumedic_testkit::unique_name("critical");
     let classes: Api<k8s_openapi::api::scheduling::v1::PriorityClass> = Api::all(client.clone());
     classes
         .create(
@@ -438,7 +438,7 @@ async fn partial_drain_evicts_only_the_pods_on_the_faulty_gpu() {
 #[tokio::test]
 async fn the_breaker_trips_at_the_configured_share_lets_recoveries_through_and_holds_until_reset() {
     let client = admin().await;
-    let fleet = gpumedic_runtime::testbed::unique_name("fleet");
+    let fleet = gpumedic_testkit::unique_name("fleet");
     let mut names = Vec::new();
     for _ in 0..10 {
         names.push(node(&client, json!({ "gpumedic-test/fleet": fleet }), json!([]), false).await);

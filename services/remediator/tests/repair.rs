@@ -32,8 +32,8 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::hooks;
 use gpumedic_remediator::ladder::LADDER_ANNOTATION;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
@@ -203,18 +203,18 @@ struct World {
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
         let client = admin().await;
         let ns = namespace(&client).await;
-        let dir = std::env::temp_dir().join(testbed::unique_name("repair-test"));
+        let dir = std::env::temp_dir().join(testkit::unique_name("repair-test"));
         std::fs::create_dir_all(&dir).unwrap();
         Self {
             client,
             ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
+            fleet: testkit::unique_name("fleet"),
+            verdicts: testkit::unique_name("verdicts"),
+            actions: testkit::unique_name("actions"),
+            group: testkit::unique_name("remediator"),
             bootstrap,
             dir,
         }
@@ -237,7 +237,7 @@ impl World {
             ("GPUMEDIC_GROUP", self.group.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
             ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
             ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
             ("GPUMEDIC_LEASE_DURATION", "4s".into()),
@@ -472,7 +472,7 @@ async fn a_ladder_annotation_naming_another_node_or_with_no_steps_calls_no_hook_
         assert_eq!(refused, 1, "one Event per annotation value on {name}");
     }
     assert!(r.try_wait().unwrap().is_none(), "the remediator is still running");
-    let body = testbed::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
+    let body = testkit::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
     assert!(body.lines().any(|l| l == "gpumedic_remediator_leader 1"), "still leading");
     let node_b = get_node(&w.client, &b).await;
     assert!(!cordoned(&node_b) && state(&node_b).is_none(), "node B is untouched");

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use chrono::Utc;
 use gpumedic_runtime::kafka::{self, KafkaSettings};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::health::Entity;
 use gpumedic_schemas::verdict::{RecommendedAction, Severity, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -88,12 +88,12 @@ fn node(name: &str, run: &str, zone: &str, quarantined: bool) -> Node {
 
 /// Creates the fleet and the rows.
 pub async fn fleet() -> Fleet {
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let run = testbed::unique_name("console");
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let run = testkit::unique_name("console");
     let db_name = run.replace('-', "_");
-    let database_url = testbed::fresh_database(&admin, &db_name).await.expect("a fresh database");
+    let database_url = testkit::fresh_database(&admin, &db_name).await.expect("a fresh database");
     let db = gpumedic_runtime::postgres::connect(&database_url, 2).await.expect("connect");
     gpumedic_runtime::postgres::migrate(&db, &gpumedic_classifier::MIGRATOR)
         .await
@@ -222,7 +222,7 @@ pub async fn fleet() -> Fleet {
 
 pub fn kafka_settings() -> KafkaSettings {
     KafkaSettings {
-        bootstrap: testbed::kafka_bootstrap(),
+        bootstrap: testkit::kafka_bootstrap(),
         options: vec![],
         schema_registry: None,
         topic_replication: None,
@@ -233,7 +233,7 @@ impl Fleet {
     /// Starts the console on this fleet with `--api-auth auth` and waits until it is ready.
     pub async fn console(&self, auth: &str) -> ServiceProcess {
         let env = [
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", testbed::kafka_bootstrap()),
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", testkit::kafka_bootstrap()),
             ("GPUMEDIC_DATABASE_URL", self.database_url.clone()),
             ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/console-test={}", self.run)),
             ("GPUMEDIC_REMEDIATOR_NAMESPACE", self.namespace.clone()),
@@ -241,7 +241,7 @@ impl Fleet {
             ("GPUMEDIC_API_AUTH", auth.to_owned()),
             ("GPUMEDIC_FLEET_GAUGE_INTERVAL", "500ms".to_owned()),
             ("GPUMEDIC_TOPIC_REPLICATION", "1".to_owned()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ];
         let mut p = ServiceProcess::start(CONSOLE, &[], &env).expect("the console starts");
         p.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));

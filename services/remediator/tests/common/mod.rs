@@ -11,19 +11,19 @@ use gpumedic_remediator::apply::{Remediator, Settings};
 use gpumedic_remediator::drain::{DrainMode, DrainPolicy};
 use gpumedic_remediator::request::{Action, GpuRef, Remediation, Subsystem};
 use gpumedic_remediator::safety::{BreakerLimits, Gate};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Event, Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 /// The admin client, or a panic that says how to start the testbed.
 pub async fn admin() -> kube::Client {
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"))
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A Node with a unique name and `labels`, `taints` and `unschedulable` as given.
 pub async fn node(client: &kube::Client, labels: Value, taints: Value, unschedulable: bool) -> String {
-    let name = testbed::unique_name("rem-node");
+    let name = testkit::unique_name("rem-node");
     let nodes: Api<Node> = Api::all(client.clone());
     let node: Node = serde_json::from_value(json!({
         "metadata": { "name": name, "labels": labels },
@@ -52,7 +52,7 @@ pub async fn set_condition(client: &kube::Client, node: &str, type_: &str, statu
 
 /// A namespace with a unique name.
 pub async fn namespace(client: &kube::Client) -> String {
-    let name = testbed::unique_name("rem-ns");
+    let name = testkit::unique_name("rem-ns");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap())
@@ -180,7 +180,7 @@ pub fn request(node: &str, action: Action) -> Remediation {
         subsystem: Subsystem::Gpu,
         reason: "Xid79".into(),
         message: "GPU has fallen off the bus".into(),
-        verdict_id: testbed::unique_name("verdict"),
+        verdict_id: testkit::unique_name("verdict"),
         incident_id: "i1".into(),
         recovery: false,
         reissue: false,
@@ -216,7 +216,7 @@ pub fn fast_drain(deadline: Duration) -> DrainPolicy {
 /// The admin credentials of the testbed as a client configuration (call [`admin`] first, so an
 /// unreachable testbed fails with the hint to start it).
 pub async fn admin_config() -> kube::Config {
-    let kubeconfig = kube::config::Kubeconfig::read_from(testbed::kubeconfig_path()).expect("kubeconfig");
+    let kubeconfig = kube::config::Kubeconfig::read_from(testkit::kubeconfig_path()).expect("kubeconfig");
     kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig usable")
 }
 
@@ -272,7 +272,7 @@ pub async fn wait_for_outcome(
     id: uuid::Uuid,
     want: impl Fn(&gpumedic_schemas::ActionOutcome) -> bool,
 ) -> gpumedic_schemas::ActionOutcome {
-    let record = testbed::wait_for_record(
+    let record = testkit::wait_for_record(
         actions,
         |r| {
             gpumedic_schemas::decode::<gpumedic_schemas::ActionOutcome>(r.payload.as_deref().unwrap_or_default())
@@ -298,6 +298,6 @@ pub async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncF
 }
 
 /// Whether `process` exports the metric line `line` exactly.
-pub async fn metric(process: &testbed::ServiceProcess, line: &str) -> bool {
-    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
+pub async fn metric(process: &testkit::ServiceProcess, line: &str) -> bool {
+    testkit::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
 }
