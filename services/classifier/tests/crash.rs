@@ -167,11 +167,10 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
     );
 
     let mut classifier = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
-    while count(&pool, "SELECT count(*) FROM health_events").await < EVENTS as i64 {
-        assert!(tokio::time::Instant::now() < deadline, "the classifier did not catch up");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    testkit::eventually("the classifier to catch up", Duration::from_secs(300), async || {
+        (count(&pool, "SELECT count(*) FROM health_events").await >= EVENTS as i64).then_some(())
+    })
+    .await;
     let status = classifier.terminate(Duration::from_secs(30)).await.expect("stops");
     assert!(status.success(), "{status}");
 

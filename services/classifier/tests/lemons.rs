@@ -116,8 +116,8 @@ async fn all_verdicts(topic: &str) -> Vec<Verdict> {
 
 /// Waits until `node` has `want` resolved ECC incidents, or panics after a minute.
 async fn wait_resolved(pool: &PgPool, node: &str, want: i64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let what = format!("{node}: {want} ECC incidents resolved");
+    testkit::eventually_with(&what, Duration::from_secs(60), async || {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM incidents WHERE node = $1 AND rule_id = 'ecc-double-bit' AND resolved_at IS NOT NULL",
         )
@@ -125,12 +125,9 @@ async fn wait_resolved(pool: &PgPool, node: &str, want: i64) {
         .fetch_one(pool)
         .await
         .expect("query");
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{node}: {n} of {want} ECC incidents resolved after a minute");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if n >= want { Ok(()) } else { Err(format!("{n} of {want}")) }
+    })
+    .await;
 }
 
 /// The topics, database and classifier of one test.
@@ -254,16 +251,15 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     // lemon incident closes with a recovery verdict (the remediator then returns the node).
     let new_gpu = format!("GPU-{}", Uuid::new_v4());
     publish(&b.producer, &b.enriched, &node, &inventory(&node, &[&new_gpu], hour(4)), &[]).await.expect("published");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while sqlx::query_scalar::<_, bool>("SELECT open FROM lemons WHERE incident_id = $1")
-        .bind(lemon.incident_id)
-        .fetch_one(&b.pool)
-        .await
-        .expect("the lemon in the view")
-    {
-        assert!(tokio::time::Instant::now() < deadline, "the lemon still open a minute after its GPU was replaced");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    testkit::eventually("the lemon to close after its GPU was replaced", Duration::from_secs(60), async || {
+        let open = sqlx::query_scalar::<_, bool>("SELECT open FROM lemons WHERE incident_id = $1")
+            .bind(lemon.incident_id)
+            .fetch_one(&b.pool)
+            .await
+            .expect("the lemon in the view");
+        (!open).then_some(())
+    })
+    .await;
     let verdicts = all_verdicts(&b.verdicts).await;
     let closed: Vec<&Verdict> = verdicts.iter().filter(|v| v.incident_id == lemon.incident_id && v.recovery).collect();
     assert_eq!(closed.len(), 1, "{verdicts:#?}");

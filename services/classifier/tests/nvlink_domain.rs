@@ -77,15 +77,11 @@ async fn all_verdicts(topic: &str) -> Vec<Verdict> {
 
 /// Waits until `query` (a count) reaches `want`, or panics with `what` after a minute.
 async fn wait_count(pool: &PgPool, query: &'static str, bind: &str, want: i64, what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    testkit::eventually_with(what, Duration::from_secs(60), async || {
         let n: i64 = sqlx::query_scalar(query).bind(bind).fetch_one(pool).await.unwrap();
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: {n} of {want} after a minute");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if n >= want { Ok(()) } else { Err(format!("{n} of {want}")) }
+    })
+    .await;
 }
 
 #[tokio::test]

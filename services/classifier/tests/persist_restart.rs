@@ -177,8 +177,7 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
         bed.send(node, e.clone()).await;
     }
     let pool = gpumedic_runtime::postgres::connect(&bed.url, 1).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let rows = loop {
+    let rows = testkit::eventually_with("the classifier to take in 41 events", Duration::from_secs(60), async || {
         // Every event taken in: the classifier counts them whether or not it records them.
         let (_, text) = testkit::http_get(c.admin_addr(), "/metrics").await.unwrap();
         let consumed = text
@@ -187,17 +186,17 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
             .and_then(|l| l.split_whitespace().last())
             .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or(0.0);
-        if consumed >= 41.0 {
-            let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events WHERE node = $1")
-                .bind(node)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-            break rows;
+        if consumed < 41.0 {
+            return Err(format!("{consumed} of 41 taken in"));
         }
-        assert!(tokio::time::Instant::now() < deadline, "the classifier took in {consumed} of 41 events");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events WHERE node = $1")
+            .bind(node)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        Ok(rows)
+    })
+    .await;
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     // The healthy events' minute was still open: written at shutdown under `evidence`.
     let rolled: Option<i64> = sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1")
@@ -213,10 +212,9 @@ async fn through(persist: &str, node: &str, stream: &Stream) -> (Verdict, Verdic
     bed.send(node, stream.reboot.clone()).await;
     let recovery = bed.verdict(node, |v| v.recovery, "the recovery after the reboot").await;
     // The verdict is published before its batch is written: the row follows within moments.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while bed.incidents(node).await != (1, 1) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let _ =
+        testkit::eventually_or(Duration::from_secs(10), async || (bed.incidents(node).await == (1, 1)).then_some(()))
+            .await;
     assert_eq!(bed.incidents(node).await, (1, 1), "{persist}: one incident, and it is closed");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     std::fs::remove_dir_all(&rules).ok();

@@ -141,13 +141,14 @@ impl Bed {
     /// (incidents, resolved) for `node` in the store, once they are `want` or after 15 s: a
     /// verdict is published before its batch's rows are committed, so the rows may lag it.
     async fn incidents_once(&self, node: &str, want: (i64, i64)) -> (i64, i64) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-        loop {
+        let settled = testkit::eventually_or(Duration::from_secs(15), async || {
             let counts = self.incidents(node).await;
-            if counts == want || tokio::time::Instant::now() >= deadline {
-                return counts;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            (counts == want).then_some(counts)
+        })
+        .await;
+        match settled {
+            Ok(counts) => counts,
+            Err(()) => self.incidents(node).await,
         }
     }
 

@@ -43,11 +43,8 @@ async fn metric(admin: std::net::SocketAddr, needle: &str) -> bool {
 }
 
 async fn wait_for_metric(admin: std::net::SocketAddr, needle: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !metric(admin, needle).await {
-        assert!(tokio::time::Instant::now() < deadline, "no `{needle}` in /metrics within 30 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let what = format!("`{needle}` in /metrics");
+    testkit::eventually(&what, Duration::from_secs(30), async || metric(admin, needle).await.then_some(())).await;
 }
 
 #[tokio::test]

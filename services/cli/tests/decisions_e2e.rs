@@ -22,7 +22,7 @@ use gpumedic_schemas::health::{
     MonitorHealthDetail, MonitorState, Source, SxidDetail, XidDetail,
 };
 use gpumedic_schemas::{HealthEvent, Record as _, Verdict};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
@@ -30,17 +30,6 @@ use serde_json::json;
 
 fn bin(name: &str) -> String {
     testkit::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
-}
-
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 fn cordoned(node: &Node) -> bool {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
@@ -32,17 +32,6 @@ fn bin(name: &str) -> String {
 /// The engine runs on event time: a classifier catching up on a backlog sees 20 s of heartbeats at
 /// once, so a shorter period could quarantine and recover between two looks at the node.
 const QUIET: Duration = Duration::from_secs(20);
-
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
 
 fn gpumedic_taint(node: &Node) -> bool {
     node.spec

@@ -15,7 +15,7 @@ use common::*;
 use gpumedic_remediator::control::{self, StatusClient};
 use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
 use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, PostParams};

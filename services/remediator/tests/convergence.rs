@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use serde_json::json;
 use sqlx::PgPool;
 

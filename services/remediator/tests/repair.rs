@@ -33,7 +33,7 @@ use common::*;
 use gpumedic_remediator::hooks;
 use gpumedic_remediator::ladder::LADDER_ANNOTATION;
 use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;

@@ -37,8 +37,8 @@ async fn settings() -> KafkaSettings {
 async fn wait_committed_to_end(settings: &KafkaSettings, group: &str, topic: &str, partitions: i32, timeout: Duration) {
     let check: BaseConsumer =
         ClientConfig::new().set("bootstrap.servers", &settings.bootstrap).set("group.id", group).create().unwrap();
-    let deadline = Instant::now() + timeout;
-    loop {
+    let what = format!("offsets committed to the end of {topic}");
+    testkit::eventually_with(&what, timeout, async || {
         let mut tpl = rdkafka::TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition(topic, p);
@@ -52,12 +52,9 @@ async fn wait_committed_to_end(settings: &KafkaSettings, group: &str, topic: &st
                 behind.push((p, at, high));
             }
         }
-        if behind.is_empty() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "offsets not committed to the end of {topic}: {behind:?}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        if behind.is_empty() { Ok(()) } else { Err(format!("{behind:?}")) }
+    })
+    .await;
 }
 
 /// Forwards every record to `output`, one after another, failing the batch on the first error.
@@ -277,11 +274,11 @@ async fn a_handler_retrying_past_the_poll_interval_keeps_its_partitions() {
         BatchSettings::new(100, Duration::from_millis(200)),
         token.clone(),
     ));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while handled.lock().unwrap().len() < 5 {
-        assert!(Instant::now() < deadline, "the batch was never handled: {:?}", handled.lock().unwrap());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::eventually_with("the batch to be handled", Duration::from_secs(60), async || {
+        let handled = handled.lock().unwrap();
+        if handled.len() >= 5 { Ok(()) } else { Err(format!("{handled:?}")) }
+    })
+    .await;
     wait_committed_to_end(&settings, &group, &input, 1, Duration::from_secs(30)).await;
     // Time for a rebalance that a missed poll would have caused to show.
     tokio::time::sleep(Duration::from_secs(3)).await;

@@ -2,7 +2,7 @@
 //! timeout (defaults, overridable by the caller and the URL), and readiness turns false when the
 //! server stops answering.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::postgres;
@@ -45,11 +45,8 @@ async fn every_connection_has_a_statement_and_a_lock_timeout() {
 }
 
 async fn wait_ready(flag: &gpumedic_runtime::admin::ReadyFlag, want: bool, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while flag.get() != want {
-        assert!(Instant::now() < deadline, "readiness did not turn {want} within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let what = format!("readiness to turn {want}");
+    gpumedic_testkit::eventually(&what, timeout, async || (flag.get() == want).then_some(())).await;
 }
 
 #[tokio::test]

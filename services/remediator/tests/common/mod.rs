@@ -285,18 +285,6 @@ pub async fn wait_for_outcome(
     gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
 }
 
-/// Polls `check` every 250 ms until it returns a value, failing the test after `timeout`.
-pub async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 /// Whether `process` exports the metric line `line` exactly.
 pub async fn metric(process: &testkit::ServiceProcess, line: &str) -> bool {
     testkit::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))

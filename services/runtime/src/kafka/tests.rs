@@ -135,11 +135,11 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     let batch = BatchSettings::new(16, Duration::from_millis(50));
     let handler = Recorder { seen: seen.clone(), failed_once: false };
     let task = tokio::spawn(run_batch_consumer("test", consumer, producer.clone(), handler, batch, token.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while seen.lock().unwrap().iter().skip(1).map(Vec::len).sum::<usize>() < 50 {
-        assert!(tokio::time::Instant::now() < deadline, "not every record was handled: {:?}", seen.lock().unwrap());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gpumedic_testkit::eventually_with("every record to be handled", Duration::from_secs(60), async || {
+        let seen = seen.lock().unwrap();
+        if seen.iter().skip(1).map(Vec::len).sum::<usize>() >= 50 { Ok(()) } else { Err(format!("{seen:?}")) }
+    })
+    .await;
     // Let the last batch's dead letter and offsets through, then stop (which commits).
     tokio::time::sleep(Duration::from_millis(500)).await;
     token.cancel();
