@@ -196,6 +196,12 @@ impl EnrichedBuilder {
         self
     }
 
+    /// When the enricher published it (now by default).
+    pub fn enriched_at(mut self, at: DateTime<Utc>) -> Self {
+        self.0.enriched_at = at;
+        self
+    }
+
     /// The enriched event.
     pub fn build(self) -> EnrichedHealthEvent {
         self.0

@@ -5,53 +5,12 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, dead_letter_topic, dlq_headers, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
+use gpumedic_schemas::Verdict;
 use gpumedic_schemas::verdict::{RecommendedAction, Severity};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
 use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
-
-fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
-}
-
-fn xid79(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.boot_id = Some("boot-before".into());
-    e
-}
-
-fn healthy(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    // After the reboot: a new boot id is the proof the rule waits for.
-    e.boot_id = Some("boot-after".into());
-    e
-}
 
 fn verdict_for(node: &str, recovery: bool) -> impl FnMut(&gpumedic_runtime::kafka::Record) -> bool + '_ {
     move |r| {
@@ -108,14 +67,10 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
 
     let node = testkit::unique_name("cls-node");
     let producer = settings.producer("classifier-test").unwrap();
-    let fault = xid79(&node);
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
-        .await
-        .unwrap();
+    let fault = testkit::event(&node).xid(79).text("GPU has fallen off the bus.").gpu(GPU).boot("boot-before").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
     // The same event again (a redelivery) must not produce a second verdict.
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
-        .await
-        .unwrap();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
 
     let opened = testkit::wait_for_record(&verdicts_topic, verdict_for(&node, false), Duration::from_secs(60))
         .await
@@ -126,9 +81,9 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     assert_eq!(v.evidence, vec![fault.event_id]);
 
     // Healthy evidence, then the quiet period passes with no fault: a recovery verdict.
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(healthy(&node))).unwrap(), &[])
-        .await
-        .unwrap();
+    // After the reboot: a new boot id is the proof the rule waits for.
+    let healthy = testkit::event(&node).gpu(GPU).boot("boot-after").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(healthy).encode(), &[]).await.unwrap();
     let recovered = testkit::wait_for_record(&verdicts_topic, verdict_for(&node, true), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));

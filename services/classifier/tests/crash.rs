@@ -7,9 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::{EnrichedHealthEvent, Verdict};
 use gpumedic_testkit as testkit;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -20,44 +18,19 @@ const EVENTS: usize = 20_000;
 const NODES: usize = 200;
 const PARTITIONS: i32 = 12;
 
-/// Event `k` of the stream: mostly healthy heartbeats, an Xid 79 every 97th (a critical verdict
-/// the first time on a node), an Xid 13 every 89th.
 fn event(k: usize, prefix: &str, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
     let node = format!("{prefix}-n{}", k % NODES);
     let gpu = format!("GPU-{:08x}-0000-0000-0000-000000000000", k % NODES);
-    let entity = Entity { gpu_uuid: Some(gpu), ..Default::default() };
-    let xid = |code: i32| {
-        Detail::Xid(XidDetail {
-            code,
-            text: format!("Xid {code}"),
-            pid: None,
-            process: None,
-            nvlink5: None,
-            recovery_action: None,
-        })
-    };
-    let (source, detail, healthy) = if k.is_multiple_of(97) {
-        (Source::KernelLog, xid(79), false)
-    } else if k.is_multiple_of(89) {
-        (Source::KernelLog, xid(13), false)
-    } else {
-        let d = MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None };
-        (Source::Nvml, Detail::MonitorHealth(d), true)
-    };
-    let mut e = HealthEvent::new(node, source, Component::Gpu, entity, detail);
-    e.healthy = healthy;
     // Strictly increasing event time, so a rebuild from Postgres replays each node in order.
-    e.observed_at = base + chrono::Duration::milliseconds(k as i64);
-    EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: base,
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    let e = testkit::event(node).gpu(gpu).at(base + chrono::Duration::milliseconds(k as i64));
+    let e = if k.is_multiple_of(97) {
+        e.xid(79)
+    } else if k.is_multiple_of(89) {
+        e.xid(13)
+    } else {
+        e
+    };
+    e.enriched().enriched_at(base).build()
 }
 
 async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {

@@ -7,9 +7,7 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::{HealthEvent, Verdict};
 use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
@@ -19,39 +17,12 @@ const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
 /// the test needs no boot ids).
 const RULE: &str = "rules:\n  - id: xid-79-test\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n    severity: critical\n    action: cordon\n    clear: {evidence: {healthy: true}, quiet: 3s}\n";
 
-fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
-}
-
 fn xid(node: &str, code: i32, pid: i32) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: "GPU has fallen off the bus.".into(),
-        pid: Some(pid),
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+    testkit::event(node).xid(code).text("GPU has fallen off the bus.").pid(pid).gpu(GPU).build()
 }
 
 fn healthy(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    e
+    testkit::event(node).gpu(GPU).build()
 }
 
 struct Bed {
@@ -104,7 +75,7 @@ impl Bed {
     }
 
     async fn send(&self, e: &HealthEvent) {
-        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        let bytes = testkit::enriched(e.clone()).encode();
         publish(&self.producer, &self.enriched, &e.node, &bytes, &[]).await.unwrap();
     }
 
@@ -207,7 +178,7 @@ async fn an_old_event_published_again_produces_no_second_verdict() {
     // code no rule matches), so neither the id window nor the repeated-line window holds the fault.
     let others: Vec<HealthEvent> = (0..1100).map(|pid| xid(&node, 63, 1000 + pid)).collect();
     let sends = others.iter().map(|e| {
-        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        let bytes = testkit::enriched(e.clone()).encode();
         let (producer, topic, key) = (&bed.producer, &bed.enriched, e.node.clone());
         async move { publish(producer, topic, &key, &bytes, &[]).await }
     });

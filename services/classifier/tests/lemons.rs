@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
+use gpumedic_schemas::Verdict;
 use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, Source};
+use gpumedic_schemas::health::{Detail, EccDetail, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
 use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
@@ -22,9 +22,7 @@ use uuid::Uuid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
-/// An NVML ECC reading of `gpu` on `node` at `at`, as the enricher hands it on.
 fn ecc(node: &str, gpu: &str, volatile: i64, aggregate: i64, at: DateTime<Utc>) -> Vec<u8> {
-    let entity = Entity { gpu_uuid: Some(gpu.into()), gpu_index: Some(2), ..Default::default() };
     let detail = Detail::Ecc(EccDetail {
         single_bit_volatile: Some(0),
         double_bit_volatile: Some(volatile),
@@ -32,30 +30,16 @@ fn ecc(node: &str, gpu: &str, volatile: i64, aggregate: i64, at: DateTime<Utc>) 
         double_bit_aggregate: Some(aggregate),
         location: None,
     });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.healthy = volatile == 0;
-    e.boot_id = Some(format!("boot-{node}"));
     let identity = GpuIdentity {
         index: Some(2),
         uuid: Some(gpu.into()),
         serial: Some(format!("serial-{gpu}")),
         ..GpuIdentity::default()
     };
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(identity),
-        gpu_unresolved: false,
-    })
-    .expect("encodes")
+    let e = testkit::event(node).detail(Source::Nvml, detail).healthy_flag(volatile == 0).gpu(gpu).gpu_index(2);
+    e.at(at).boot(format!("boot-{node}")).enriched().gpu(identity).encode()
 }
 
-/// The GPU inventory of `node` at `at`: `gpus` present, as many as expected.
 fn inventory(node: &str, gpus: &[&str], at: DateTime<Utc>) -> Vec<u8> {
     let identities: Vec<GpuIdentity> = gpus
         .iter()
@@ -68,21 +52,8 @@ fn inventory(node: &str, gpus: &[&str], at: DateTime<Utc>) -> Vec<u8> {
         .collect();
     let expected = i32::try_from(gpus.len()).ok();
     let detail = Detail::GpuInventory(GpuInventoryDetail { gpus: identities, reason: "change".into(), expected });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, Entity::default(), detail);
-    e.observed_at = at;
-    e.healthy = true;
-    e.boot_id = Some(format!("boot-{node}"));
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext { expected_gpus: expected, ..NodeContext::default() },
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    })
-    .expect("encodes")
+    let e = testkit::event(node).detail(Source::Nvml, detail).healthy_flag(true).at(at).boot(format!("boot-{node}"));
+    e.enriched().context(NodeContext { expected_gpus: expected, ..NodeContext::default() }).encode()
 }
 
 /// One fault of `gpu` on `node` from `t` and its repair: the counter up (held past the rule's

@@ -9,9 +9,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::health::GpuIdentity;
+use gpumedic_schemas::{HealthEvent, Verdict};
 use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
@@ -19,38 +18,15 @@ use uuid::Uuid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
-/// An Xid on `gpu` of `node`, observed at `at`, as the enricher hands it on: the GPU resolved,
-/// with its node's NVLink domain.
 fn xid(node: &str, gpu: &str, domain: &str, code: i32, at: DateTime<Utc>) -> (HealthEvent, Vec<u8>) {
-    let entity = Entity { gpu_uuid: Some(gpu.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.boot_id = Some("boot-1".into());
+    let e = testkit::event(node).xid(code).gpu(gpu).boot("boot-1").at(at).build();
     let identity = GpuIdentity {
         index: Some(0),
         uuid: Some(gpu.into()),
         nvlink_domain: Some(domain.into()),
         ..GpuIdentity::default()
     };
-    let bytes = gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e.clone(),
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(identity),
-        gpu_unresolved: false,
-    })
-    .unwrap();
+    let bytes = testkit::enriched(e.clone()).gpu(identity).encode();
     (e, bytes)
 }
 

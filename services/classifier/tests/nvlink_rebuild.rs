@@ -10,35 +10,16 @@ use gpumedic_classifier::observe;
 use gpumedic_classifier::rules::{Decision, Engine, defaults};
 use gpumedic_classifier::store::{self, Batch, DecisionRows};
 use gpumedic_schemas::EnrichedHealthEvent;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, HealthEvent, Source, XidDetail};
+use gpumedic_schemas::health::GpuIdentity;
 use gpumedic_testkit as testkit;
 
 const DOMAIN: &str = "5e1f0000-0000-4000-8000-000000000001.3";
 
 fn xid(node: &str, code: i32, at: DateTime<Utc>) -> EnrichedHealthEvent {
     let gpu = format!("GPU-{node}-0");
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some(gpu.clone()), ..Default::default() };
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.boot_id = Some("boot-1".into());
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(GpuIdentity { uuid: Some(gpu), nvlink_domain: Some(DOMAIN.into()), ..GpuIdentity::default() }),
-        gpu_unresolved: false,
-    }
+    let identity =
+        GpuIdentity { uuid: Some(gpu.clone()), nvlink_domain: Some(DOMAIN.into()), ..GpuIdentity::default() };
+    testkit::event(node).xid(code).gpu(gpu).boot("boot-1").at(at).enriched().gpu(identity).build()
 }
 
 /// What one batch of the live classifier does with `events`, written as it writes them.

@@ -8,51 +8,19 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::{HealthEvent, Verdict};
 use gpumedic_testkit::{self as testkit, ServiceProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-0000000b-bbbb-cccc-dddd-eeeeeeeeeeee";
 
-fn enriched(event: HealthEvent) -> Vec<u8> {
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    })
-    .unwrap()
-}
-
 fn xid(node: &str, code: i32) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("NVRM: Xid (PCI:0000:18:00): {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.boot_id = Some("boot-before".into());
-    e
+    let text = format!("NVRM: Xid (PCI:0000:18:00): {code}");
+    testkit::event(node).xid(code).text(text).gpu(GPU).boot("boot-before").build()
 }
 
 fn healthy(node: &str, boot: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    e.boot_id = Some(boot.into());
-    e
+    testkit::event(node).gpu(GPU).boot(boot).build()
 }
 
 /// Xid 79 quarantines the node until a reboot; its quiet period is short for the test.
@@ -114,7 +82,7 @@ impl Bed {
     }
 
     async fn send(&self, node: &str, e: HealthEvent) {
-        publish(&self.producer, &self.enriched, node, &enriched(e), &[]).await.unwrap();
+        publish(&self.producer, &self.enriched, node, &testkit::enriched(e).encode(), &[]).await.unwrap();
     }
 
     /// The first verdict for `node` that `want` accepts.

@@ -5,9 +5,7 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::Verdict;
 use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
@@ -15,27 +13,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const XID_79: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 30m}\n";
 
 fn xid(node: &str, code: i32) -> Vec<u8> {
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some("GPU-11111111-2222-3333-4444-555555555555".into()), ..Default::default() };
-    let event = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    let enriched = EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    };
-    gpumedic_schemas::encode(&enriched).expect("encodes")
+    testkit::event(node).xid(code).gpu("GPU-11111111-2222-3333-4444-555555555555").enriched().encode()
 }
 
 async fn metric(admin: std::net::SocketAddr, needle: &str) -> bool {

@@ -9,53 +9,12 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::Verdict;
 use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-0000000a-bbbb-cccc-dddd-eeeeeeeeeeee";
-
-fn enriched(event: HealthEvent) -> Vec<u8> {
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    })
-    .unwrap()
-}
-
-fn xid79(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.boot_id = Some("boot-before".into());
-    e
-}
-
-fn healthy(node: &str, boot: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    e.boot_id = Some(boot.into());
-    e
-}
 
 /// The verdicts for `node` on `topic`, read until it has been quiet for a few seconds.
 async fn verdicts_for(topic: &str, node: &str) -> Vec<Verdict> {
@@ -136,8 +95,8 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
 
     let node = testkit::unique_name("replicas-node");
     let producer = settings.producer("replicas-test").unwrap();
-    let fault = xid79(&node);
-    publish(&producer, &enriched_topic, &node, &enriched(fault.clone()), &[]).await.unwrap();
+    let fault = testkit::event(&node).xid(79).text("GPU has fallen off the bus.").gpu(GPU).boot("boot-before").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
     let opened = testkit::wait_for_record(
         &verdicts_topic,
         |r| r.key.as_deref() == Some(node.as_bytes()),
@@ -163,7 +122,15 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
 
     // The proof of repair reaches the survivor: after the quiet period, one recovery.
     let repaired_at = chrono::Utc::now();
-    publish(&producer, &enriched_topic, &node, &enriched(healthy(&node, "boot-after")), &[]).await.unwrap();
+    publish(
+        &producer,
+        &enriched_topic,
+        &node,
+        &testkit::event(&node).gpu(GPU).boot("boot-after").enriched().encode(),
+        &[],
+    )
+    .await
+    .unwrap();
     testkit::wait_for_record(
         &verdicts_topic,
         |r| {

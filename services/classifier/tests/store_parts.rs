@@ -3,25 +3,13 @@
 
 use gpumedic_classifier::store::{self, Batch};
 use gpumedic_schemas::EnrichedHealthEvent;
-use gpumedic_schemas::health::{Component, Detail, Entity, HealthEvent, Source, TemperatureDetail};
+use gpumedic_schemas::health::{Detail, Source, TemperatureDetail};
 use gpumedic_testkit as testkit;
 
 fn event(node: &str, celsius: i32) -> EnrichedHealthEvent {
     let detail =
         Detail::Temperature(TemperatureDetail { celsius, slowdown_celsius: Some(90), shutdown_celsius: Some(95) });
-    let entity = Entity { gpu_uuid: Some(format!("GPU-{node}")), ..Default::default() };
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    testkit::event(node).detail(Source::Nvml, detail).healthy_flag(true).gpu(format!("GPU-{node}")).enriched().build()
 }
 
 #[tokio::test]
