@@ -21,6 +21,7 @@ pub struct NodeBuilder {
     taints: Vec<Value>,
     unschedulable: bool,
     capacity: BTreeMap<String, String>,
+    allocatable: BTreeMap<String, String>,
 }
 
 impl NodeBuilder {
@@ -32,6 +33,7 @@ impl NodeBuilder {
             taints: vec![],
             unschedulable: false,
             capacity: BTreeMap::new(),
+            allocatable: BTreeMap::new(),
         }
     }
 
@@ -68,14 +70,20 @@ impl NodeBuilder {
         self
     }
 
-    /// The Node.
+    /// Sets the Node's status allocatable of `resource` to `quantity`.
+    pub fn allocatable(mut self, resource: impl Into<String>, quantity: impl Into<String>) -> Self {
+        self.allocatable.insert(resource.into(), quantity.into());
+        self
+    }
+
+    /// The Node. A Node takes its status when created (kubelets register so).
     pub fn build(self) -> Node {
         let mut node = json!({
             "metadata": { "name": self.name, "labels": self.labels },
             "spec": { "taints": self.taints, "unschedulable": self.unschedulable },
         });
-        if !self.capacity.is_empty() {
-            node["status"] = json!({ "capacity": self.capacity });
+        if !self.capacity.is_empty() || !self.allocatable.is_empty() {
+            node["status"] = json!({ "capacity": self.capacity, "allocatable": self.allocatable });
         }
         serde_json::from_value(node).expect("a valid Node")
     }
@@ -104,6 +112,7 @@ mod tests {
             .taint("k", None, "NoExecute")
             .unschedulable(true)
             .capacity("nvidia.com/gpu", "8")
+            .allocatable("nvidia.com/gpu", "7")
             .build();
         let labels = node.metadata.labels.unwrap_or_default();
         assert_eq!((labels["a"].as_str(), labels["b"].as_str()), ("1", "2"));
@@ -112,7 +121,8 @@ mod tests {
         let taints = spec.taints.unwrap_or_default();
         assert_eq!(taints[0].value.as_deref(), Some("xid"));
         assert_eq!((taints[1].key.as_str(), taints[1].value.as_deref()), ("k", None));
-        let capacity = node.status.and_then(|s| s.capacity).unwrap_or_default();
-        assert_eq!(capacity["nvidia.com/gpu"].0, "8");
+        let status = node.status.unwrap_or_default();
+        assert_eq!(status.capacity.unwrap_or_default()["nvidia.com/gpu"].0, "8");
+        assert_eq!(status.allocatable.unwrap_or_default()["nvidia.com/gpu"].0, "7");
     }
 }

@@ -161,15 +161,12 @@ impl Pipeline {
     /// A GPU node of this test's fleet with `gpus` GPUs.
     async fn node(&self, gpus: u32) -> String {
         let name = testkit::unique_name("decisions-gpu");
-        let node = json!({ "metadata": { "name": name, "labels": { "gpumedic.io/e2e": self.ns } } });
-        let nodes: Api<Node> = Api::all(self.client.clone());
-        nodes.create(&PostParams::default(), &serde_json::from_value(node).unwrap()).await.expect("node");
-        let status = json!({ "status": { "capacity": { "nvidia.com/gpu": gpus.to_string() },
-            "allocatable": { "nvidia.com/gpu": gpus.to_string() } } });
-        nodes
-            .patch_status(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(status))
-            .await
-            .expect("node capacity");
+        testkit::NodeBuilder::new(&name)
+            .label("gpumedic.io/e2e", &self.ns)
+            .capacity("nvidia.com/gpu", gpus.to_string())
+            .allocatable("nvidia.com/gpu", gpus.to_string())
+            .create(&self.client)
+            .await;
         name
     }
 

@@ -64,12 +64,14 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     let other = testkit::unique_name("e2e-gpu");
     let repeat = testkit::unique_name("e2e-gpu");
     let ns = testkit::unique_name("e2e-ns");
-    let nodes: Api<Node> = Api::all(client.clone());
     for n in [&faulty, &other, &repeat] {
-        let node =
-            json!({ "metadata": { "name": n, "labels": { "nvidia.com/gpu.present": "true", "gpumedic.io/e2e": ns } } });
-        nodes.create(&PostParams::default(), &serde_json::from_value(node).unwrap()).await.expect("node");
+        testkit::NodeBuilder::new(n)
+            .label("nvidia.com/gpu.present", "true")
+            .label("gpumedic.io/e2e", &ns)
+            .create(&client)
+            .await;
     }
+    let nodes: Api<Node> = Api::all(client.clone());
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())

@@ -96,19 +96,15 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     // A labelled GPU node with a GPU pod on it.
     let node = testkit::unique_name("enr-node");
     let ns = testkit::unique_name("enr-ns");
-    let nodes: Api<Node> = Api::all(client.clone());
-    nodes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": node, "labels": {
-                "node.kubernetes.io/instance-type": "p5.48xlarge", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "topology.kubernetes.io/zone": "us-east-1a", "nvidia.com/cuda.driver-version.full": "570.86.15" } },
-                // Nodes take their status on create (kubelets register that way).
-                "status": { "capacity": { "nvidia.com/gpu": "8" }, "allocatable": { "nvidia.com/gpu": "8" } } }))
-            .unwrap(),
-        )
-        .await
-        .expect("node");
+    testkit::NodeBuilder::new(&node)
+        .label("node.kubernetes.io/instance-type", "p5.48xlarge")
+        .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
+        .label("topology.kubernetes.io/zone", "us-east-1a")
+        .label("nvidia.com/cuda.driver-version.full", "570.86.15")
+        .capacity("nvidia.com/gpu", "8")
+        .allocatable("nvidia.com/gpu", "8")
+        .create(&client)
+        .await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
@@ -227,6 +223,6 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
-    nodes.delete(&node, &DeleteParams::default()).await.unwrap();
+    Api::<Node>::all(client.clone()).delete(&node, &DeleteParams::default()).await.unwrap();
     namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
 }

@@ -97,12 +97,8 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     let ns = testkit::unique_name("nodeauth");
     let (node_a, node_b) = (testkit::unique_name("nodeauth-a"), testkit::unique_name("nodeauth-b"));
-    let nodes: Api<Node> = Api::all(client.clone());
     for n in [&node_a, &node_b] {
-        nodes
-            .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": n } })).unwrap())
-            .await
-            .expect("node");
+        testkit::NodeBuilder::new(n).create(&client).await;
     }
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
@@ -298,7 +294,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
     for n in [&node_a, &node_b] {
-        nodes.delete(n, &DeleteParams::default()).await.unwrap();
+        Api::<Node>::all(client.clone()).delete(n, &DeleteParams::default()).await.unwrap();
     }
     namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
 }

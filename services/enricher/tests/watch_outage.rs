@@ -15,7 +15,6 @@ use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 
@@ -91,9 +90,7 @@ async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealth
 }
 
 fn labelled_node(name: &str) -> Node {
-    serde_json::from_value(json!({ "metadata": { "name": name, "labels": {
-        "node.kubernetes.io/instance-type": "p5.48xlarge" } } }))
-    .unwrap()
+    testkit::NodeBuilder::new(name).label("node.kubernetes.io/instance-type", "p5.48xlarge").build()
 }
 
 #[tokio::test]

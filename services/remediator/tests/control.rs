@@ -52,7 +52,7 @@ impl World {
     }
 
     async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
     }
 
     /// Starts a remediator replica named `identity`, with short lease timings and `extra` env.
@@ -136,27 +136,6 @@ impl World {
     }
 }
 
-fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, severity: Severity, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: Default::default(),
-        severity,
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: "GPU has fallen off the bus".into(),
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
-    }
-}
-
 /// Waits until `node` carries no deferred action.
 async fn plan_removed(client: &kube::Client, node: &str) {
     eventually("the deferred action to be removed", Duration::from_secs(15), async || {
@@ -190,7 +169,7 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
     assert!(metric(first.as_ref().unwrap(), "gpumedic_remediator_leader 1").await);
     assert!(metric(&second, "gpumedic_remediator_leader 0").await, "the standby is ready but does not lead");
 
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).build();
     w.publish(&v).await;
     // Mid-drain: cordoned, tainted, draining, the PodDisruptionBudget holding the pod.
     eventually("the leader to start draining", Duration::from_secs(60), async || {
@@ -293,7 +272,7 @@ async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby
 
     // The new leader acts; the old one, its apiserver back, stands by and writes nothing.
     let name = w.node().await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     relay.hold(false);
@@ -323,7 +302,8 @@ async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gp
     let mut r = w.start("rem-a", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     let incidents: Vec<uuid::Uuid> = nodes.iter().map(|_| uuid::Uuid::new_v4()).collect();
-    let cordon = |i: usize| verdict(&nodes[i], incidents[i], RecommendedAction::Cordon, Severity::Critical, false);
+    let cordon =
+        |i: usize| testkit::verdict(&nodes[i]).incident(incidents[i]).action(RecommendedAction::Cordon).build();
     for i in 0..2 {
         let v = cordon(i);
         w.publish(&v).await;
@@ -347,7 +327,7 @@ async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gp
     assert!(!cordoned(&get_node(&w.client, &nodes[3]).await));
 
     // Recoveries proceed while it is open.
-    let v = verdict(&nodes[0], incidents[0], RecommendedAction::None, Severity::Info, true);
+    let v = testkit::verdict(&nodes[0]).incident(incidents[0]).severity(Severity::Info).recovery(true).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(!cordoned(&get_node(&w.client, &nodes[0]).await), "recovered while the breaker is open");
@@ -380,11 +360,11 @@ async fn a_failover_does_not_refresh_the_breaker_budget_even_after_the_quarantin
     let mut r = w.start("rem-a", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     let incident = uuid::Uuid::new_v4();
-    let v = verdict(&first, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&first).incident(incident).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     // It recovers: gpumedic's taint, which a new leader used to count the budget from, is gone.
-    let v = verdict(&first, incident, RecommendedAction::None, Severity::Info, true);
+    let v = testkit::verdict(&first).incident(incident).severity(Severity::Info).recovery(true).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(gpumedic_taints(&get_node(&w.client, &first).await).is_empty());
@@ -394,7 +374,7 @@ async fn a_failover_does_not_refresh_the_breaker_budget_even_after_the_quarantin
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     let mut r = w.start("rem-b", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
-    let v = verdict(&second, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&second).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     let o = w.outcome(v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::BlockedByBreaker, "the new leader counts the first quarantine: {}", o.detail);
@@ -417,7 +397,7 @@ async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through
     .await;
     let before = get_node(&w.client, &name).await;
     let incident = uuid::Uuid::new_v4();
-    let v = verdict(&name, incident, RecommendedAction::Drain, Severity::Critical, false);
+    let v = testkit::verdict(&name).incident(incident).action(RecommendedAction::Drain).build();
     w.publish(&v).await;
     let o = w.outcome(v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::SkippedByMode);
@@ -433,7 +413,7 @@ async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through
         metric(&r, "gpumedic_remediator_paused 0").await.then_some(())
     })
     .await;
-    let v = verdict(&name, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&name).incident(incident).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(cordoned(&get_node(&w.client, &name).await));
@@ -457,9 +437,9 @@ async fn a_non_urgent_drain_waits_for_the_maintenance_window_and_runs_when_it_op
     );
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let v = verdict(&waits, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let v = testkit::verdict(&waits).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     w.publish(&v).await;
-    let critical = verdict(&urgent, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    let critical = testkit::verdict(&urgent).action(RecommendedAction::Drain).build();
     w.publish(&critical).await;
     let deferred = w.outcome(v.verdict_id, |_| true).await;
     assert!(
@@ -500,12 +480,12 @@ async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_p
 
     // The provider's window starts soon; the classifier's not_before is its start less the lead.
     let not_before = chrono::Utc::now() + chrono::Duration::seconds(25);
-    let mut v = verdict(&scheduled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut v = testkit::verdict(&scheduled).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     v.rule_id = "cloud-maintenance".into();
     v.not_before = Some(not_before);
     w.publish(&v).await;
     // A notice whose not_before has already come acts at once.
-    let mut now = verdict(&due, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut now = testkit::verdict(&due).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     now.rule_id = "cloud-maintenance".into();
     now.not_before = Some(chrono::Utc::now() - chrono::Duration::seconds(5));
     w.publish(&now).await;
@@ -529,13 +509,9 @@ async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_p
     let record = gpumedic_remediator::maintenance::Deferred {
         verdict_id: uuid::Uuid::new_v4(),
         action: RecommendedAction::Drain,
-        request: gpumedic_remediator::verdicts::remediation(&verdict(
-            &victim,
-            uuid::Uuid::new_v4(),
-            RecommendedAction::Drain,
-            Severity::Critical,
-            false,
-        )),
+        request: gpumedic_remediator::verdicts::remediation(
+            &testkit::verdict(&victim).action(RecommendedAction::Drain).build(),
+        ),
         deferred_at: chrono::Utc::now(),
         not_before: chrono::Utc::now(),
         until: gpumedic_remediator::maintenance::Until::Time,
@@ -583,7 +559,7 @@ async fn a_deferrable_reset_waits_until_no_workload_uses_the_gpu_and_a_cancelled
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
     // A contained ECC error: reset the GPU when convenient.
-    let mut v = verdict(&busy, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, Severity::Warning, false);
+    let mut v = testkit::verdict(&busy).action(RecommendedAction::ResetGpu).severity(Severity::Warning).build();
     v.rule_id = "xid-94-contained-memory-error".into();
     v.deferrable = true;
     v.entity.gpu_uuid = Some("GPU-aaa".into());
@@ -610,12 +586,13 @@ async fn a_deferrable_reset_waits_until_no_workload_uses_the_gpu_and_a_cancelled
     assert_eq!(pods_left(&w.client, &w.ns).await, vec!["on-another-gpu".to_owned()]);
 
     // A notice that the provider then cancels: the recovery removes the plan before its time.
-    let mut notice = verdict(&cancelled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut notice = testkit::verdict(&cancelled).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     notice.rule_id = "cloud-maintenance".into();
     notice.not_before = Some(chrono::Utc::now() + chrono::Duration::hours(47));
     w.publish(&notice).await;
     w.outcome(notice.verdict_id, |o| o.status == ActionStatus::SkippedByMode).await;
-    let mut over = verdict(&cancelled, notice.incident_id, RecommendedAction::None, Severity::Info, true);
+    let mut over =
+        testkit::verdict(&cancelled).incident(notice.incident_id).severity(Severity::Info).recovery(true).build();
     over.rule_id = "cloud-maintenance".into();
     w.publish(&over).await;
     w.outcome(over.verdict_id, |_| true).await;

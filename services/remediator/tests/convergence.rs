@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionStatus, RecommendedAction, Verdict};
 use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use serde_json::json;
 use sqlx::PgPool;
@@ -112,7 +112,7 @@ impl World {
     }
 
     async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
     }
 
     /// Starts the remediator in `mode`, resyncing every second.
@@ -169,27 +169,6 @@ impl World {
     }
 }
 
-fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: Default::default(),
-        severity: Severity::Critical,
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: "GPU has fallen off the bus".into(),
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
-    }
-}
-
 #[tokio::test]
 async fn a_verdict_refused_while_paused_is_acted_on_after_the_resume_while_its_incident_is_open() {
     let w = World::new().await;
@@ -200,15 +179,15 @@ async fn a_verdict_refused_while_paused_is_acted_on_after_the_resume_while_its_i
         metric(&r, "gpumedic_remediator_paused 1").await.then_some(())
     })
     .await;
-    let open = verdict(&open_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
-    let closed = verdict(&closed_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let open = testkit::verdict(&open_node).action(RecommendedAction::Cordon).build();
+    let closed = testkit::verdict(&closed_node).action(RecommendedAction::Cordon).build();
     for v in [&open, &closed] {
         w.issue(v).await;
         let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
         assert_eq!(o.status, ActionStatus::SkippedByMode, "{}", o.detail);
     }
     // The second incident resolves while paused; its recovery verdict finds nothing to undo.
-    let recovered = verdict(&closed_node, closed.incident_id, RecommendedAction::None, true);
+    let recovered = testkit::verdict(&closed_node).incident(closed.incident_id).recovery(true).build();
     w.issue(&recovered).await;
     wait_for_outcome(&w.actions, recovered.verdict_id, |_| true).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -230,7 +209,7 @@ async fn switching_monitor_only_to_cordon_drain_acts_on_the_incidents_already_op
     let w = World::new().await;
     let name = w.node().await;
     let mut r = w.start("monitor-only").await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.issue(&v).await;
     let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::DryRun, "{}", o.detail);
@@ -253,13 +232,13 @@ async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and
     let w = World::new().await;
     let name = w.node().await;
     let mut r = w.start("cordon-drain").await;
-    let fault = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let fault = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.issue(&fault).await;
     wait_for_outcome(&w.actions, fault.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(cordoned(&get_node(&w.client, &name).await));
 
     // The incident resolves in the store; its recovery verdict never reaches the remediator.
-    let recovery = verdict(&name, fault.incident_id, RecommendedAction::None, true);
+    let recovery = testkit::verdict(&name).incident(fault.incident_id).recovery(true).build();
     w.store.record(&recovery).await;
     let o = wait_for_outcome(&w.actions, recovery.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(o.detail.starts_with("resync"), "{}", o.detail);
@@ -312,7 +291,7 @@ async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried
     pdbs.patch_status("held", &PatchParams::default(), &Patch::Merge(status)).await.expect("pdb status");
 
     let mut r = w.start_with("cordon-drain", &[("GPUMEDIC_DRAIN_DEADLINE", "1s".into())]).await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).build();
     w.issue(&v).await;
     let o = wait_for_outcome(&w.actions, v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     // The verdict's own outcome, or the resync's when it reached the stored incident first.
@@ -366,7 +345,7 @@ async fn a_deferred_action_once_carried_out_is_not_deferred_again_by_the_resync(
     let name = w.node().await;
     // Deferrals checked every second, as the resync runs: a loop between them shows in seconds.
     let mut r = w.start_with("cordon-drain", &[("GPUMEDIC_MAINTENANCE_CHECK", "1s".into())]).await;
-    let v = Verdict { deferrable: true, ..verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false) };
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).deferrable(true).build();
     w.issue(&v).await;
     // The node runs no workload: the deferral is due at once, and the drain is carried out.
     eventually("the deferred drain to be carried out", Duration::from_secs(60), async || {
@@ -395,10 +374,7 @@ async fn two_deferred_incidents_on_one_node_do_not_take_the_deferral_from_each_o
     let mut r = w.start("cordon-drain").await;
     let later = chrono::Utc::now() + chrono::Duration::hours(2);
     for _ in 0..2 {
-        let v = Verdict {
-            not_before: Some(later),
-            ..verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false)
-        };
+        let v = testkit::verdict(&name).action(RecommendedAction::Drain).not_before(later).build();
         w.issue(&v).await;
         wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
     }

@@ -227,7 +227,7 @@ impl World {
     }
 
     async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
     }
 
     /// Starts a full-remediation remediator with fast checks and `extra` env.
@@ -269,30 +269,17 @@ impl World {
     }
 }
 
+/// A verdict about GPU-aaa on `node`; a recovery is for the record, after the GPU's healthy time.
 fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: gpumedic_schemas::health::Entity {
-            gpu_uuid: Some("GPU-aaa".into()),
-            gpu_index: Some(0),
-            pci_bus_id: Some("0000:3b:00.0".into()),
-            ..Default::default()
-        },
-        severity: if recovery { Severity::Info } else { Severity::Critical },
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: if recovery { "healthy for 10 min".into() } else { "GPU has fallen off the bus".into() },
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
-    }
+    let gpu = gpumedic_schemas::health::Entity {
+        gpu_uuid: Some("GPU-aaa".into()),
+        gpu_index: Some(0),
+        pci_bus_id: Some("0000:3b:00.0".into()),
+        ..Default::default()
+    };
+    let v = testkit::verdict(node).incident(incident).action(action).entity(gpu).recovery(recovery);
+    let v = if recovery { v.severity(Severity::Info).reason("healthy for 10 min") } else { v };
+    v.build()
 }
 
 fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
@@ -623,7 +610,6 @@ async fn the_custom_resource_is_created_once_and_its_succeeded_phase_remediates_
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
-/// Xid 45 alone: a custom action, `restart-fabric-manager`, informational.
 fn custom_verdict(node: &str, incident: uuid::Uuid) -> Verdict {
     Verdict {
         severity: Severity::Info,

@@ -16,12 +16,7 @@ async fn node_cordon_condition_and_rbac_refusal() {
     // A Node, cordoned, with a condition written through the status subresource.
     let name = testkit::unique_name("smoke-node");
     let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": { "nvidia.com/gpu.present": "true" } },
-        "spec": {}
-    }))
-    .unwrap();
-    nodes.create(&PostParams::default(), &node).await.expect("node created");
+    testkit::NodeBuilder::new(&name).label("nvidia.com/gpu.present", "true").create(&client).await;
     nodes
         .patch(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "unschedulable": true } })))
         .await

@@ -12,9 +12,8 @@ use std::time::Duration;
 
 use chrono::Utc;
 use gpumedic_runtime::kafka::{self, KafkaSettings};
-use gpumedic_schemas::health::Entity;
-use gpumedic_schemas::verdict::{RecommendedAction, Severity, Verdict};
-use gpumedic_testkit::{self as testkit, ServiceProcess};
+use gpumedic_schemas::verdict::RecommendedAction;
+use gpumedic_testkit::{self as testkit, NodeBuilder, ServiceProcess};
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -70,20 +69,22 @@ impl Drop for Created {
 }
 
 fn node(name: &str, run: &str, zone: &str, quarantined: bool) -> Node {
-    let mut labels = json!({
-        "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-        "nvidia.com/gpu.count": "8",
-        "topology.kubernetes.io/zone": zone,
-        "gpumedic.io/console-test": run,
-    });
-    let mut spec = json!({});
-    if quarantined {
-        labels["gpumedic.io/state"] = json!("quarantined");
-        spec = json!({ "unschedulable": true, "taints": [
-            { "key": "gpumedic.io/unhealthy", "value": "gpu", "effect": "NoSchedule" } ] });
-    }
-    serde_json::from_value(json!({ "metadata": { "name": name, "labels": labels }, "spec": spec })).expect("a node")
+    let node = NodeBuilder::new(name)
+        .label("nvidia.com/gpu.present", "true")
+        .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
+        .label("nvidia.com/gpu.count", "8")
+        .label("topology.kubernetes.io/zone", zone)
+        .label("gpumedic.io/console-test", run);
+    let node = if quarantined {
+        node.label("gpumedic.io/state", "quarantined").unschedulable(true).taint(
+            "gpumedic.io/unhealthy",
+            Some("gpu"),
+            "NoSchedule",
+        )
+    } else {
+        node
+    };
+    node.build()
 }
 
 /// Creates the fleet and the rows.
@@ -250,25 +251,12 @@ impl Fleet {
 
     /// Publishes a verdict about `node` on the run's topic, as the classifier does.
     pub async fn publish_verdict(&self, node: &str, reason: &str) -> Uuid {
-        let id = Uuid::new_v4();
-        let v = Verdict {
-            verdict_id: id,
-            incident_id: Uuid::new_v4(),
-            node: node.to_owned(),
-            entity: Entity::default(),
-            severity: Severity::Critical,
-            rule_id: "xid-48-double-bit-ecc".into(),
-            rule_version: 1,
-            action: RecommendedAction::Cordon,
-            custom_action: None,
-            reason: reason.to_owned(),
-            evidence: vec![],
-            issued_at: Utc::now(),
-            recovery: false,
-            not_before: None,
-            deferrable: false,
-            workload: None,
-        };
+        let v = testkit::verdict(node)
+            .rule("xid-48-double-bit-ecc", 1)
+            .action(RecommendedAction::Cordon)
+            .reason(reason)
+            .build();
+        let id = v.verdict_id;
         let payload = gpumedic_schemas::Codec::embedded().encode(&v).expect("encode");
         let producer = kafka_settings().producer("console-test").expect("producer");
         kafka::publish(&producer, &self.topic, node, &payload, &[]).await.expect("publish the verdict");

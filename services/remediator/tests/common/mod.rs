@@ -11,7 +11,7 @@ use gpumedic_remediator::apply::{Remediator, Settings};
 use gpumedic_remediator::drain::{DrainMode, DrainPolicy};
 use gpumedic_remediator::request::{Action, GpuRef, Remediation, Subsystem};
 use gpumedic_remediator::safety::{BreakerLimits, Gate};
-use gpumedic_testkit as testkit;
+use gpumedic_testkit::{self as testkit, NodeBuilder};
 use k8s_openapi::api::core::v1::{Event, Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -21,22 +21,16 @@ pub async fn admin() -> kube::Client {
     testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A Node with a unique name and `labels`, `taints` and `unschedulable` as given.
-pub async fn node(client: &kube::Client, labels: Value, taints: Value, unschedulable: bool) -> String {
+/// A Node with a unique name, as `build` makes it from a builder of that name.
+pub async fn node(client: &kube::Client, build: impl FnOnce(NodeBuilder) -> NodeBuilder) -> String {
     let name = testkit::unique_name("rem-node");
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": labels },
-        "spec": { "taints": taints, "unschedulable": unschedulable }
-    }))
-    .expect("node fixture");
-    nodes.create(&PostParams::default(), &node).await.expect("node created");
+    build(NodeBuilder::new(&name)).create(client).await;
     name
 }
 
 /// A plain GPU node.
 pub async fn gpu_node(client: &kube::Client) -> String {
-    node(client, json!({ "nvidia.com/gpu.present": "true" }), json!([]), false).await
+    node(client, |n| n.label("nvidia.com/gpu.present", "true")).await
 }
 
 /// Sets a condition the way another controller would, through the status subresource.
