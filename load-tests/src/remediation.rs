@@ -313,6 +313,23 @@ impl World {
         }
     }
 
+    /// The testbed's Kafka, as the scenarios' producers and topic set-up reach it.
+    fn kafka(&self) -> KafkaSettings {
+        KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+    }
+
+    /// A new verdict topic of the default partition count, for one scenario's remediator alone.
+    async fn fresh_verdict_topic(&self) -> anyhow::Result<String> {
+        let topic = testkit::unique_name("bench-verdicts");
+        self.kafka().ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)]).await?;
+        Ok(topic)
+    }
+
     async fn namespace(&self) -> anyhow::Result<String> {
         let name = testkit::unique_name("bench-ns");
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
@@ -331,13 +348,7 @@ impl World {
     /// Produces `verdicts`, keyed by node, as fast as Kafka takes them; returns when the first was
     /// sent.
     async fn produce_verdicts(&self, topic: &str, verdicts: &[Verdict]) -> anyhow::Result<Instant> {
-        let producer = KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .producer("bench")?;
+        let producer = self.kafka().producer("bench")?;
         let records: Vec<(String, Vec<u8>)> = verdicts
             .iter()
             .map(|v| Ok((v.node.clone(), gpumedic_schemas::encode(v)?)))
@@ -355,15 +366,7 @@ impl World {
 
     async fn mass_quarantine(&self, fleet: &str, names: &[String]) -> anyhow::Result<Scenario> {
         let ns = self.namespace().await?;
-        let topic = testkit::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self.start_remediator(&ns, fleet, &topic, "cordon-drain", "mass-quarantine.log").await?;
         // Watch before producing, so no cordon is missed.
         let nodes: Api<Node> = Api::all(self.client.clone());
@@ -446,15 +449,7 @@ impl World {
             .map(|(i, n, g)| dra::rule_name(n, &uuid(i, g)))
             .collect();
         let ns = self.namespace().await?;
-        let topic = testkit::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self
             .start_remediator_with(
                 &ns,
@@ -539,15 +534,7 @@ impl World {
         .try_collect::<Vec<()>>()
         .await?;
         println!("mass-drain: {} pods created in {:.1} s", n * per_node, made.elapsed().as_secs_f64());
-        let topic = testkit::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self.start_remediator(&ns, &fleet, &topic, "cordon-drain", "mass-drain.log").await?;
         let mut stream = watcher(pods.clone(), watcher::Config::default()).boxed();
         let mut live: HashSet<String> = HashSet::new();
