@@ -31,5 +31,5 @@ pub use relay::Relay;
 pub use testbed::{
     START_HINT, Unreachable, database_url, fresh_database, group_at_end, kafka_bootstrap, kubeconfig_path,
     require_kafka, require_kubernetes, require_postgres, require_schema_registry, require_tracing, unique_name,
-    wait_for_record, wait_group_stable,
+    wait_for_event, wait_for_record, wait_group_stable,
 };

@@ -302,6 +302,22 @@ pub async fn wait_for_record(
     }
 }
 
+/// [`wait_for_record`] for the record of one health event: the one whose event id header
+/// ([`record_headers::EVENT_ID`](gpumedic_runtime::kafka::record_headers::EVENT_ID)) is `event_id`.
+pub async fn wait_for_event(
+    topic: &str,
+    event_id: impl std::fmt::Display,
+    timeout: Duration,
+) -> Result<Record, String> {
+    let id = event_id.to_string();
+    wait_for_record(
+        topic,
+        |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(id.as_bytes()),
+        timeout,
+    )
+    .await
+}
+
 /// `lookup` retried for up to 30 s while the broker answers with an error (a topic created
 /// moments ago has no partition leader yet); the last error if it never succeeds.
 fn settled<T>(mut lookup: impl FnMut() -> rdkafka::error::KafkaResult<T>) -> Result<T, String> {

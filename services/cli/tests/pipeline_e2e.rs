@@ -252,13 +252,9 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     .await;
 
     // One fault, one trace: the raw record's trace holds spans from all four services.
-    let raw = testkit::wait_for_record(
-        gpumedic_schemas::topics::HEALTH_RAW,
-        |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(fault_id.as_bytes()),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let raw = testkit::wait_for_event(gpumedic_schemas::topics::HEALTH_RAW, &fault_id, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let traceparent = String::from_utf8_lossy(raw.header("traceparent").expect("a traceparent")).into_owned();
     let trace_id = traceparent.split('-').nth(1).expect("a W3C traceparent").to_owned();
     let services = eventually(

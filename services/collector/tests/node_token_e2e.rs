@@ -46,13 +46,9 @@ async fn inject(addr: std::net::SocketAddr) -> String {
 
 /// The node token header of the raw record of event `id`.
 async fn token_of(id: &str) -> Vec<u8> {
-    let record = testkit::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let record = testkit::wait_for_event(topics::HEALTH_RAW, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     record.header(record_headers::NODE_TOKEN).expect("a node token header").to_vec()
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use gpumedic_collector::publisher::{Publisher, PublisherSettings};
 use gpumedic_collector::spool::{Spool, SpoolRecord};
-use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, record_headers};
+use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
 use gpumedic_schemas::health::Detail;
 use gpumedic_testkit as testkit;
 use tokio_util::sync::CancellationToken;
@@ -62,13 +62,9 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     let token = CancellationToken::new();
     let task = tokio::spawn(publisher.run(token.clone()));
 
-    let behind = testkit::wait_for_record(
-        &topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(&b"behind"[..]),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the event behind the refused one was never published: {e}"));
+    let behind = testkit::wait_for_event(&topic, "behind", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the event behind the refused one was never published: {e}"));
     assert_eq!(behind.offset, 1, "published after 'first', the refused one in between left no record");
 
     // Handed over directly, an event that large is refused by the broker after it left: it is
@@ -85,13 +81,9 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     let (big, small) = (big(), small);
     let outcomes = tokio::join!(sink.emit(&big), sink.emit(&small));
     assert!(outcomes.0.is_ok() && outcomes.1.is_ok(), "{outcomes:?}");
-    testkit::wait_for_record(
-        &topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(wanted.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
+    testkit::wait_for_event(&topic, &wanted, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
 
     token.cancel();
     task.await.expect("joins").expect("publisher stops cleanly");

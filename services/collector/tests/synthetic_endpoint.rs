@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::record_headers;
 use gpumedic_schemas::health::Source;
 use gpumedic_schemas::{HealthEvent, Kind, topics};
 use gpumedic_testkit as testkit;
@@ -91,13 +90,9 @@ async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
         assert!(answer.contains("simulated GPU backend only"), "{answer}");
     }
 
-    let record = testkit::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| r.header(record_headers::EVENT_ID) == Some(ids[1].as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let record = testkit::wait_for_event(topics::HEALTH_RAW, &ids[1], Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(record.key.as_deref(), Some(node.as_bytes()));
     let event: HealthEvent = gpumedic_schemas::decode(record.payload.as_deref().unwrap()).expect("decodes");
     assert!(event.synthetic);

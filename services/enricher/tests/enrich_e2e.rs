@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::Record;
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source, XidDetail};
+use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -21,16 +21,8 @@ const GPU_A: &str = "GPU-aaaaaaaa-1b1b-1b1b-1b1b-000000000000";
 const GPU_B: &str = "GPU-bbbbbbbb-2a2a-2a2a-2a2a-000000000000";
 
 fn xid_event(node: &str, code: i32) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some("GPU-11111111-2222-3333-4444-555555555555".into()), ..Default::default() };
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+    let gpu = "GPU-11111111-2222-3333-4444-555555555555";
+    testkit::event(node).xid(code).text("GPU has fallen off the bus.").gpu(gpu).build()
 }
 
 /// A kernel-log Xid: the kernel names the GPU by PCI bus id only.
@@ -65,13 +57,9 @@ async fn send(producer: &Producer, key: &str, payload: &[u8]) {
 /// The enriched record of `event`, found by its event id (a node's records share its key).
 async fn enriched_of(event: &HealthEvent) -> (Record, EnrichedHealthEvent) {
     let id = event.event_id.to_string();
-    let out = testkit::wait_for_record(
-        topics::HEALTH_ENRICHED,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let enriched = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes");
     (out, enriched)
 }

@@ -11,7 +11,6 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
@@ -23,15 +22,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 const COLLECTOR_SA: &str = "gpumedic-collector";
 
 fn xid(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 /// A token of `sa` bound to Pod `pod` (audience gpumedic), as the kubelet projects it.
@@ -70,13 +61,9 @@ async fn send(producer: &Producer, topic: &str, key: &str, event: &HealthEvent, 
 /// The dead-letter reason of `event`'s record.
 async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
     let id = event.event_id.to_string();
-    let dead = testkit::wait_for_record(
-        dlq,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{} was not dead-lettered: {e}", event.node));
+    let dead = testkit::wait_for_event(dlq, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{} was not dead-lettered: {e}", event.node));
     assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
     String::from_utf8_lossy(dead.header(dlq_headers::REASON).expect("reason")).into_owned()
 }
@@ -198,13 +185,9 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     // A's record with A's token is enriched.
     let id = good_a.event_id.to_string();
-    let out = testkit::wait_for_record(
-        &enriched_topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("A's own record is enriched: {e}"));
+    let out = testkit::wait_for_event(&enriched_topic, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("A's own record is enriched: {e}"));
     let enriched: EnrichedHealthEvent = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).unwrap();
     assert_eq!(enriched.event, good_a);
 
@@ -230,13 +213,9 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     .unwrap_or_else(|e| panic!("B's own record with B's token is enriched: {e}"));
     assert!(leaked.is_empty(), "records without a valid token of their node were enriched: {leaked:?}");
     let operator_id = operator_b.event_id.to_string();
-    testkit::wait_for_record(
-        &enriched_topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(operator_id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the operator may speak for any node: {e}"));
+    testkit::wait_for_event(&enriched_topic, &operator_id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the operator may speak for any node: {e}"));
 
     // Each refused record is dead-lettered with its reason.
     assert_eq!(

@@ -9,8 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish, record_headers};
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
+use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
@@ -63,15 +62,7 @@ impl Gate {
 }
 
 fn xid_event(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealthEvent {
@@ -79,13 +70,9 @@ async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealth
         .await
         .expect("produced");
     let id = event.event_id.to_string();
-    let out = testkit::wait_for_record(
-        topics::HEALTH_ENRICHED,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes")
 }
 

@@ -10,7 +10,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, dead_letter_topic, record_headers};
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
@@ -265,15 +264,7 @@ async fn produce_problems(kafka: &SecureKafka, user: &str) -> Vec<String> {
 }
 
 fn xid_event(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 fn header(m: &rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<Vec<u8>> {
