@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::control::{self, StatusClient};
 use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
-use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity};
 use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -25,69 +25,26 @@ use serde_json::json;
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
 
 /// One test's world: its namespace, fleet label, topics and group.
-struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+struct World(Fleet);
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.0
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
-        Self {
-            client,
-            ns,
-            fleet: testkit::unique_name("fleet"),
-            verdicts: testkit::unique_name("verdicts"),
-            actions: testkit::unique_name("actions"),
-            group: testkit::unique_name("remediator"),
-            bootstrap,
-        }
-    }
-
-    async fn node(&self) -> String {
-        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
+        Self(Fleet::new().await)
     }
 
     /// Starts a remediator replica named `identity`, with short lease timings and `extra` env.
     fn start(&self, identity: &str, extra: &[(&str, String)]) -> ServiceProcess {
-        let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", identity.to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
-            ("GPUMEDIC_MODE", "cordon-drain".into()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
-        ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        ServiceProcess::start(BIN, &[], &env).expect("the remediator starts")
-    }
-
-    async fn publish(&self, verdict: &Verdict) {
-        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
-    }
-
-    /// Waits for the outcome of verdict `id` that `want` accepts.
-    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
-        wait_for_outcome(&self.actions, id, want).await
+        let mut env = vec![("GPUMEDIC_CONTROL_POLL", "500ms".to_owned())];
+        env.extend(extra.iter().cloned());
+        ServiceProcess::start(BIN, &[], &self.env(identity, "cordon-drain", &env)).expect("the remediator starts")
     }
 
     /// Every outcome on the actions topic, read until it has been quiet for a few seconds.

@@ -84,35 +84,21 @@ impl Store {
 
 /// One test's world: namespace, fleet label, topics, group and incident store.
 struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+    base: Fleet,
     store: Store,
+}
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.base
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
-        Self {
-            client,
-            ns,
-            fleet: testkit::unique_name("fleet"),
-            verdicts: testkit::unique_name("verdicts"),
-            actions: testkit::unique_name("actions"),
-            group: testkit::unique_name("remediator"),
-            bootstrap,
-            store: Store::new().await,
-        }
-    }
-
-    async fn node(&self) -> String {
-        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
+        Self { base: Fleet::new().await, store: Store::new().await }
     }
 
     /// Starts the remediator in `mode`, resyncing every second.
@@ -123,29 +109,12 @@ impl World {
     /// [`World::start`] with `extra` settings.
     async fn start_with(&self, mode: &str, extra: &[(&str, String)]) -> ServiceProcess {
         let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
-            ("GPUMEDIC_MODE", mode.to_owned()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+            ("GPUMEDIC_CONTROL_POLL", "500ms".to_owned()),
             ("GPUMEDIC_INCIDENT_DATABASE_URL", self.store.url.clone()),
             ("GPUMEDIC_RESYNC_INTERVAL", "1s".into()),
         ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        let mut r = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        env.extend(extra.iter().cloned());
+        let mut r = ServiceProcess::start(BIN, &[], &self.env("rem-a", mode, &env)).expect("the remediator starts");
         r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
         r
     }

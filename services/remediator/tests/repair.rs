@@ -32,7 +32,7 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::hooks;
 use gpumedic_remediator::ladder::LADDER_ANNOTATION;
-use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
 use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -191,33 +191,23 @@ async fn start_receiver(r: &Receiver) -> (String, String) {
 /// One test's world: namespace, fleet label, topics, group, and a folder for files it hands the
 /// remediator.
 struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+    base: Fleet,
     dir: std::path::PathBuf,
+}
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.base
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
         let dir = std::env::temp_dir().join(testkit::unique_name("repair-test"));
         std::fs::create_dir_all(&dir).unwrap();
-        Self {
-            client,
-            ns,
-            fleet: testkit::unique_name("fleet"),
-            verdicts: testkit::unique_name("verdicts"),
-            actions: testkit::unique_name("actions"),
-            group: testkit::unique_name("remediator"),
-            bootstrap,
-            dir,
-        }
+        Self { base: Fleet::new().await, dir }
     }
 
     fn file(&self, name: &str, contents: &str) -> String {
@@ -226,46 +216,15 @@ impl World {
         path.display().to_string()
     }
 
-    async fn node(&self) -> String {
-        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
-    }
-
     /// Starts a full-remediation remediator with fast checks and `extra` env.
     async fn start(&self, extra: &[(&str, String)]) -> ServiceProcess {
-        let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_MODE", "full-remediation".into()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
-            ("GPUMEDIC_REPAIR_CHECK", "500ms".into()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", "100ms".into()),
-        ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        let mut p = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        let mut env =
+            vec![("GPUMEDIC_REPAIR_CHECK", "500ms".to_owned()), ("GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", "100ms".into())];
+        env.extend(extra.iter().cloned());
+        let mut p = ServiceProcess::start(BIN, &[], &self.env("rem-a", "full-remediation", &env))
+            .expect("the remediator starts");
         p.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
         p
-    }
-
-    async fn publish(&self, verdict: &Verdict) {
-        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
-    }
-
-    /// Waits for an outcome of verdict `id` that `want` accepts.
-    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
-        wait_for_outcome(&self.actions, id, want).await
     }
 }
 

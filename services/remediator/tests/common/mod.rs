@@ -283,3 +283,80 @@ pub async fn wait_for_outcome(
 pub async fn metric(process: &testkit::ServiceProcess, line: &str) -> bool {
     testkit::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
 }
+
+/// One test's remediators on the testbed: a namespace (their Lease and status object), a fleet
+/// label their node selector picks, verdict and actions topics and a consumer group, all unique.
+/// A test file's own world derefs to it.
+pub struct Fleet {
+    pub client: kube::Client,
+    pub ns: String,
+    pub fleet: String,
+    pub verdicts: String,
+    pub actions: String,
+    pub group: String,
+    pub bootstrap: String,
+}
+
+impl Fleet {
+    /// A fresh fleet, or a panic that says how to start the testbed.
+    pub async fn new() -> Self {
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = admin().await;
+        let ns = namespace(&client).await;
+        Self {
+            client,
+            ns,
+            fleet: testkit::unique_name("fleet"),
+            verdicts: testkit::unique_name("verdicts"),
+            actions: testkit::unique_name("actions"),
+            group: testkit::unique_name("remediator"),
+            bootstrap,
+        }
+    }
+
+    /// A Node of the fleet.
+    pub async fn node(&self) -> String {
+        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
+    }
+
+    /// The settings of a remediator of the fleet named `identity` in `mode`: short lease timings,
+    /// no breaker in the way, immediate evictions; then `extra`, each replacing a setting of the
+    /// same name.
+    pub fn env<'a>(&self, identity: &str, mode: &str, extra: &[(&'a str, String)]) -> Vec<(&'a str, String)> {
+        let mut env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
+            ("GPUMEDIC_GROUP", self.group.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
+            ("GPUMEDIC_IDENTITY", identity.to_owned()),
+            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
+            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
+            ("GPUMEDIC_MODE", mode.to_owned()),
+            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
+            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
+            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
+            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+        ];
+        for (k, v) in extra {
+            env.retain(|(key, _)| key != k);
+            env.push((k, v.clone()));
+        }
+        env
+    }
+
+    /// Publishes `verdict` on the fleet's verdict topic.
+    pub async fn publish(&self, verdict: &gpumedic_schemas::Verdict) {
+        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
+    }
+
+    /// Waits for the outcome of verdict `id` that `want` accepts.
+    pub async fn outcome(
+        &self,
+        id: uuid::Uuid,
+        want: impl Fn(&gpumedic_schemas::ActionOutcome) -> bool,
+    ) -> gpumedic_schemas::ActionOutcome {
+        wait_for_outcome(&self.actions, id, want).await
+    }
+}
