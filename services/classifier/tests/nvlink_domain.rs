@@ -136,6 +136,8 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     testkit::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(e.as_bytes()), Duration::from_secs(60))
         .await
         .unwrap_or_else(|err| panic!("E's own incident: {err}"));
+    // The verdict is published before its batch is committed: E's row follows within moments.
+    wait_count(&pool, "SELECT count(*) FROM incidents WHERE node = $1", &e, 1, "E's incident recorded").await;
     for node in [&b, &c] {
         wait_count(&pool, "SELECT count(*) FROM health_events WHERE node = $1", node, 1, "peer event recorded").await;
     }

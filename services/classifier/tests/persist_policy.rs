@@ -36,16 +36,7 @@ fn event(n: usize, g: Option<usize>, source: Source, detail: Detail, healthy: bo
 }
 
 fn enriched(e: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    testkit::enriched(e).build()
 }
 
 fn xid(code: i32) -> Detail {
