@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
@@ -48,10 +48,10 @@ pub struct Result {
 
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
+    let bootstrap = testkit::require_kafka().await?;
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    let topic = testbed::unique_name("bench-backtest");
+    let topic = testkit::unique_name("bench-backtest");
     settings.ensure_topics(&[TopicSpec::new(&topic, o.partitions)]).await?;
     let bin = match &o.gpumedic_bin {
         Some(b) => b.clone(),

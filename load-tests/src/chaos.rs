@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use gpumedic_runtime::kafka::{KafkaSettings, dead_letter_topic, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Verdict, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::{BaseRecord, Producer as _, ProducerContext, ThreadedProducer};
@@ -212,7 +212,7 @@ impl Service {
     }
 
     fn start(&mut self) -> anyhow::Result<()> {
-        self.admin = testbed::free_local_addr()?;
+        self.admin = testkit::free_local_addr()?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = std::process::Command::new(&self.binary)
             .env("GPUMEDIC_ADMIN_ADDR", self.admin.to_string())
@@ -247,7 +247,7 @@ impl Service {
             if let Some(status) = self.exited() {
                 anyhow::bail!("the {} exited with {status} before it was ready; see {}", self.name, self.log.display());
             }
-            match testbed::http_get(self.admin, "/readyz").await {
+            match testkit::http_get(self.admin, "/readyz").await {
                 Ok((200, _)) => return Ok(started.elapsed()),
                 Ok((code, body)) => last = format!("{code} {}", body.trim()),
                 Err(e) => last = e.to_string(),
@@ -313,7 +313,7 @@ fn read_topic(bootstrap: &str, topic: &str) -> anyhow::Result<Vec<Vec<u8>>> {
     let consumer: &'static BaseConsumer = Box::leak(Box::new(
         rdkafka::ClientConfig::new()
             .set("bootstrap.servers", bootstrap)
-            .set("group.id", testbed::unique_name("chaos-reader"))
+            .set("group.id", testkit::unique_name("chaos-reader"))
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "false")
             .create()?,
@@ -430,7 +430,7 @@ async fn awaiting_time(services: &[Service]) -> anyhow::Result<f64> {
     let mut total = 0.0;
     for s in services.iter().filter(|s| s.name.starts_with("classifier")) {
         let (status, text) =
-            testbed::http_get(s.admin, "/metrics").await.with_context(|| format!("{} /metrics", s.name))?;
+            testkit::http_get(s.admin, "/metrics").await.with_context(|| format!("{} /metrics", s.name))?;
         anyhow::ensure!(status == 200, "{} /metrics answered {status}", s.name);
         anyhow::ensure!(
             text.contains("gpumedic_classifier_nodes_awaiting_time "),
@@ -552,7 +552,7 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                     ("GPUMEDIC_HEARTBEAT_INTERVAL", "5s".to_owned()),
                     ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
                     ("GPUMEDIC_STATE_DIR", bed.state_dir().join("collector").display().to_string()),
-                    ("GPUMEDIC_SYNTHETIC_ADDR", testbed::free_local_addr()?.to_string()),
+                    ("GPUMEDIC_SYNTHETIC_ADDR", testkit::free_local_addr()?.to_string()),
                     ("GPUMEDIC_INGEST_SOCKET", bed.state_dir().join("collector/ingest.sock").display().to_string()),
                 ]);
                 env

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use gpumedic_classifier::store;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::enriched::NodeContext;
 use gpumedic_schemas::health::{
     Component, Detail, EccDetail, Entity, MonitorHealthDetail, MonitorState, PowerDetail, Source, TemperatureDetail,
     XidDetail,
 };
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use gpumedic_testkit as testkit;
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 /// Options of the scenario.
@@ -160,13 +160,13 @@ fn xid(code: i32) -> Detail {
 
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let admin = testbed::require_postgres().await?;
+    let bootstrap = testkit::require_kafka().await?;
+    let admin = testkit::require_postgres().await?;
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    let enriched = testbed::unique_name("bench-enriched");
-    let verdicts = testbed::unique_name("bench-verdicts");
-    let actions = testbed::unique_name("bench-actions");
+    let enriched = testkit::unique_name("bench-enriched");
+    let verdicts = testkit::unique_name("bench-verdicts");
+    let actions = testkit::unique_name("bench-actions");
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], o.partitions)).await?;
 
     let base = chrono::Utc::now() - chrono::Duration::minutes(10);
@@ -185,8 +185,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     println!("  kafka consume (raw):            {kafka_per_sec:>9.0} events/s");
 
     // (b) The raw Postgres insert rate: the classifier's batch statement, rows built beforehand.
-    let raw_db = testbed::unique_name("bench_raw").replace('-', "_");
-    let raw_url = testbed::fresh_database(&admin, &raw_db).await?;
+    let raw_db = testkit::unique_name("bench_raw").replace('-', "_");
+    let raw_url = testkit::fresh_database(&admin, &raw_db).await?;
     let pool = gpumedic_classifier::connect_and_migrate(&raw_url, 1).await?;
     let batches: Vec<store::Batch> = events
         .chunks(o.batch_max.max(1))
@@ -212,14 +212,14 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         None => std::env::current_exe()?.with_file_name("gpumedic-classifier"),
     };
     anyhow::ensure!(bin.is_file(), "{} is missing: `cargo build --release -p gpumedic-classifier`", bin.display());
-    let db = testbed::unique_name("bench_classify").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await?;
-    let mut classifier = testbed::ServiceProcess::start(
+    let db = testkit::unique_name("bench_classify").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await?;
+    let mut classifier = testkit::ServiceProcess::start(
         bin.to_str().context("binary path")?,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-            ("GPUMEDIC_GROUP", testbed::unique_name("bench-classifier")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("bench-classifier")),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             // Every event recorded, as the Postgres ceiling beside it writes every event.
             ("GPUMEDIC_PERSIST", "all".into()),
@@ -235,7 +235,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(900);
     let metrics = loop {
-        let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
+        let (_, text) = testkit::http_get(classifier.admin_addr(), "/metrics").await?;
         if metric(&text, "gpumedic_classifier_events_total") >= o.events as f64 {
             break text;
         }

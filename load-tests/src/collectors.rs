@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use futures::{StreamExt as _, TryStreamExt as _};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -34,7 +34,7 @@ impl Collectors {
     /// time), and mints each Pod's token. On an error, what was created is deleted again.
     pub(crate) async fn create(client: &kube::Client, nodes: &[String], concurrency: usize) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let namespace = testbed::unique_name("bench-pipeline-auth");
+        let namespace = testkit::unique_name("bench-pipeline-auth");
         let namespaces: Api<Namespace> = Api::all(client.clone());
         namespaces
             .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": namespace } }))?)

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use futures::{StreamExt as _, TryStreamExt as _};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -65,7 +65,7 @@ async fn time_http(addr: std::net::SocketAddr, path: &str, n: usize) -> anyhow::
     let mut out = Vec::with_capacity(n);
     for i in 0..n + 2 {
         let t = Instant::now();
-        let (code, body) = testbed::http_get(addr, path).await?;
+        let (code, body) = testkit::http_get(addr, path).await?;
         let took = t.elapsed();
         anyhow::ensure!(code == 200, "GET {path}: {code} {body}");
         if i >= 2 {
@@ -91,11 +91,11 @@ async fn time_sql(db: &sqlx::PgPool, statements: &[String], n: usize) -> anyhow:
 
 /// Runs the scenario.
 pub async fn run(o: Options) -> anyhow::Result<Summary> {
-    let client = testbed::require_kubernetes().await?;
-    let admin = testbed::require_postgres().await?;
-    testbed::require_kafka().await?;
-    let run = testbed::unique_name("console-load");
-    let database_url = testbed::fresh_database(&admin, &run.replace('-', "_")).await?;
+    let client = testkit::require_kubernetes().await?;
+    let admin = testkit::require_postgres().await?;
+    testkit::require_kafka().await?;
+    let run = testkit::unique_name("console-load");
+    let database_url = testkit::fresh_database(&admin, &run.replace('-', "_")).await?;
     let db =
         gpumedic_runtime::postgres::connect_with_settings(&database_url, 4, &[("statement_timeout", "30min")]).await?;
     gpumedic_runtime::postgres::migrate(&db, &gpumedic_classifier::MIGRATOR).await?;
@@ -195,19 +195,19 @@ pub async fn run(o: Options) -> anyhow::Result<Summary> {
 
 async fn measure(o: &Options, run: &str, database_url: &str, db: &sqlx::PgPool) -> anyhow::Result<Vec<Timing>> {
     let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", testbed::kafka_bootstrap()),
+        ("GPUMEDIC_KAFKA_BOOTSTRAP", testkit::kafka_bootstrap()),
         ("GPUMEDIC_DATABASE_URL", database_url.to_owned()),
         ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/console-load={run}")),
         ("GPUMEDIC_API_AUTH", "none".to_owned()),
         ("GPUMEDIC_LOG", "warn".to_owned()),
-        ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+        ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
     ];
-    let mut console = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-console")?, &[], &env)?;
+    let mut console = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-console")?, &[], &env)?;
     console.wait_ready(Duration::from_secs(300)).await.map_err(anyhow::Error::msg)?;
     let addr = console.admin_addr();
     let n = o.requests;
     let first_page: Vec<String> = {
-        let (_, body) = testbed::http_get(addr, "/api/v1/nodes?limit=100").await?;
+        let (_, body) = testkit::http_get(addr, "/api/v1/nodes?limit=100").await?;
         let v: serde_json::Value = serde_json::from_str(&body)?;
         v["items"].as_array().context("items")?.iter().filter_map(|n| n["name"].as_str().map(str::to_owned)).collect()
     };

@@ -534,7 +534,7 @@ pub async fn create_in_apiserver(
     concurrency: usize,
 ) -> anyhow::Result<String> {
     create_nodes(client, fleet, names, concurrency).await?;
-    let ns = gpumedic_runtime::testbed::unique_name("bench-fleet");
+    let ns = gpumedic_testkit::unique_name("bench-fleet");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } }))?).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
@@ -578,11 +578,11 @@ pub async fn delete_from_apiserver(client: &kube::Client, names: &[String], ns: 
 
 /// The `fleet` command: the simulator on its own, into Kafka (and the apiserver).
 pub async fn run(o: Options) -> anyhow::Result<Summary> {
-    let bootstrap = gpumedic_runtime::testbed::require_kafka().await?;
-    let id = gpumedic_runtime::testbed::unique_name("fleet");
+    let bootstrap = gpumedic_testkit::require_kafka().await?;
+    let id = gpumedic_testkit::unique_name("fleet");
     let mut fleet = Fleet::new(&id, o.nodes, o.rate, o.faults_per_minute, o.seed);
     let fleet_label = if o.create_nodes {
-        let client = gpumedic_runtime::testbed::require_kubernetes().await?;
+        let client = gpumedic_testkit::require_kubernetes().await?;
         let made = Instant::now();
         let ns = create_in_apiserver(&client, &id, fleet.nodes(), o.pods_per_node, 32).await?;
         println!(

@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures::{StreamExt as _, TryStreamExt as _};
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, TemperatureDetail, XidDetail};
 use gpumedic_schemas::{HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
@@ -83,12 +83,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let client = testbed::require_kubernetes().await?;
-    let admin_db = testbed::require_postgres().await?;
+    let bootstrap = testkit::require_kafka().await?;
+    let client = testkit::require_kubernetes().await?;
+    let admin_db = testkit::require_postgres().await?;
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    let run = testbed::unique_name("bench-latency");
+    let run = testkit::unique_name("bench-latency");
     let verdicts = format!("{run}.verdicts");
     let actions = format!("{run}.actions");
     settings
@@ -125,15 +125,15 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         floor.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     floor.sort_by(f64::total_cmp);
-    let ns = testbed::unique_name("bench-latency-ns");
+    let ns = testkit::unique_name("bench-latency-ns");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } }))?).await?;
 
     // The services.
-    let db = testbed::unique_name("bench_latency").replace('-', "_");
-    let url = testbed::fresh_database(&admin_db, &db).await?;
+    let db = testkit::unique_name("bench_latency").replace('-', "_");
+    let url = testkit::fresh_database(&admin_db, &db).await?;
     let common = async |group: &str| crate::service_env(&bootstrap, group).await;
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         &crate::release_binary("gpumedic-enricher")?,
         &[],
         &common("bench-enricher").await?,
@@ -144,7 +144,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
         ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
     ]);
-    let mut classifier = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut classifier = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
     let mut env = common("bench-remediator").await?;
     env.extend([
         ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
@@ -156,7 +156,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ("GPUMEDIC_BREAKER_MAX_COUNT", "100000".to_owned()),
         ("GPUMEDIC_QUARANTINES_PER_MINUTE", "100000".to_owned()),
     ]);
-    let mut remediator = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
+    let mut remediator = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
     for s in [&mut enricher, &mut classifier, &mut remediator] {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }

@@ -47,7 +47,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::Consumer as _;
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer as _, ThreadedProducer};
 
@@ -219,7 +219,7 @@ pub(crate) fn scratch_producer(bootstrap: &str) -> anyhow::Result<ThreadedProduc
 pub(crate) async fn raw_consume_rate(settings: &KafkaSettings, topic: &str, records: usize) -> anyhow::Result<f64> {
     let readiness = Readiness::default();
     let consumer =
-        settings.consumer("load-tests", &testbed::unique_name("bench-raw"), &[topic], readiness.register("a"))?;
+        settings.consumer("load-tests", &testkit::unique_name("bench-raw"), &[topic], readiness.register("a"))?;
     let start = Instant::now();
     for _ in 0..records {
         tokio::time::timeout(Duration::from_secs(60), consumer.recv()).await.context("consume stalled")??;
@@ -240,12 +240,12 @@ pub(crate) fn release_binary(name: &str) -> anyhow::Result<String> {
 /// group named after `group` and committed at the end of the pipeline topics (so it reads only
 /// this scenario's records, and every one of them), warnings only, the testbed's kubeconfig.
 pub(crate) async fn service_env(bootstrap: &str, group: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
-    let group = testbed::group_at_end(group, &gpumedic_schemas::topics::ALL).await?;
+    let group = testkit::group_at_end(group, &gpumedic_schemas::topics::ALL).await?;
     Ok(vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.to_owned()),
         ("GPUMEDIC_GROUP", group),
         ("GPUMEDIC_LOG", "warn".to_owned()),
-        ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+        ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
     ])
 }
 
@@ -267,10 +267,10 @@ pub(crate) fn send(
 }
 
 pub(crate) async fn kafka_ceiling(records: usize, size: usize, partitions: i32) -> anyhow::Result<CeilingResult> {
-    let bootstrap = testbed::require_kafka().await?;
+    let bootstrap = testkit::require_kafka().await?;
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    let topic = testbed::unique_name("ceiling");
+    let topic = testkit::unique_name("ceiling");
     settings.ensure_topics(&[TopicSpec::new(&topic, partitions)]).await?;
 
     // The same producer settings the services use (idempotent, acks=all, lz4), with a threaded
@@ -288,7 +288,7 @@ pub(crate) async fn kafka_ceiling(records: usize, size: usize, partitions: i32) 
     let readiness = Readiness::default();
     let consumer = settings.consumer(
         "load-tests",
-        &testbed::unique_name("ceiling"),
+        &testkit::unique_name("ceiling"),
         &[topic.as_str()],
         readiness.register("a"),
     )?;

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use gpumedic_runtime::kafka::{self, KafkaSettings, node_proof, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
@@ -146,9 +146,9 @@ pub struct Run {
 
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let client = testbed::require_kubernetes().await?;
-    let admin_db = testbed::require_postgres().await?;
+    let bootstrap = testkit::require_kafka().await?;
+    let client = testkit::require_kubernetes().await?;
+    let admin_db = testkit::require_postgres().await?;
     let spacing = chrono::Duration::microseconds(o.event_spacing_us);
     // The stream ends ten minutes ago, whatever time it spans.
     let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
@@ -244,8 +244,8 @@ async fn pass(
     collectors: Option<(&Collectors, NodeProof)>,
 ) -> anyhow::Result<Run> {
     let events = raw.len();
-    let raw_topic = testbed::unique_name("bench-pipeline-raw");
-    let enriched_topic = testbed::unique_name("bench-pipeline-enriched");
+    let raw_topic = testkit::unique_name("bench-pipeline-raw");
+    let enriched_topic = testkit::unique_name("bench-pipeline-enriched");
     let settings = KafkaSettings {
         bootstrap: bootstrap.to_owned(),
         options: vec![],
@@ -257,7 +257,7 @@ async fn pass(
         .await?;
     // Built before the clock starts, as the collector holds its token before it sends (and signs
     // each record on its own node).
-    let directory = testbed::unique_name("bench-pipeline-node-tokens");
+    let directory = testkit::unique_name("bench-pipeline-node-tokens");
     let headers: Vec<Option<OwnedHeaders>> = match collectors {
         None => vec![None; events],
         Some((c, NodeProof::Token)) => raw
@@ -298,8 +298,8 @@ async fn pass(
         }
     };
 
-    let db = testbed::unique_name("bench_pipeline").replace('-', "_");
-    let url = testbed::fresh_database(admin_db, &db).await?;
+    let db = testkit::unique_name("bench_pipeline").replace('-', "_");
+    let url = testkit::fresh_database(admin_db, &db).await?;
     let common = async |group: &str| crate::service_env(bootstrap, group).await;
     let mut env = common("bench-pipeline-enricher").await?;
     env.extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
@@ -311,16 +311,16 @@ async fn pass(
             ("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone()),
         ]),
     }
-    let mut enricher = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
+    let mut enricher = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
     let mut env = common("bench-pipeline-classifier").await?;
     env.extend([
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         ("GPUMEDIC_PERSIST", persist.to_owned()),
         ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
-        ("GPUMEDIC_VERDICTS_TOPIC", testbed::unique_name("bench-pipeline-verdicts")),
-        ("GPUMEDIC_ACTIONS_TOPIC", testbed::unique_name("bench-pipeline-actions")),
+        ("GPUMEDIC_VERDICTS_TOPIC", testkit::unique_name("bench-pipeline-verdicts")),
+        ("GPUMEDIC_ACTIONS_TOPIC", testkit::unique_name("bench-pipeline-actions")),
     ]);
-    let mut classifier = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut classifier = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
     for s in [&mut enricher, &mut classifier] {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
@@ -351,7 +351,7 @@ async fn pass(
     let mut producing = Some(producing);
     let mut classified = 0.0;
     for poll in 0u64.. {
-        let (_, text) = testbed::http_get(classifier.admin_addr(), "/metrics").await?;
+        let (_, text) = testkit::http_get(classifier.admin_addr(), "/metrics").await?;
         classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
         // Queued minus still in librdkafka's queue or awaiting acknowledgement: what Kafka has
         // taken. Read in this order, a record queued between the two reads can only lower it.
@@ -367,7 +367,7 @@ async fn pass(
         }
         // Once a second: a record the enricher dead-lettered is never classified, so stop early.
         if poll % 10 == 9 {
-            let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+            let (_, text) = testkit::http_get(enricher.admin_addr(), "/metrics").await?;
             let refused = dead_lettered(&text);
             anyhow::ensure!(refused == 0.0, "the enricher dead-lettered {refused} records: {}", refusals(&text));
         }
@@ -381,7 +381,7 @@ async fn pass(
     }
     let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
-    let (_, text) = testbed::http_get(enricher.admin_addr(), "/metrics").await?;
+    let (_, text) = testkit::http_get(enricher.admin_addr(), "/metrics").await?;
     let token_reviews = crate::classify::metric(&text, "gpumedic_enricher_token_reviews_total") as u64;
     for s in [&mut enricher, &mut classifier] {
         let _ = s.terminate(Duration::from_secs(20)).await;

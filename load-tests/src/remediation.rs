@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures::{StreamExt as _, TryStreamExt as _};
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{RecommendedAction, Severity, Verdict};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
@@ -102,8 +102,8 @@ struct Report {
 
 /// Runs the floor and the chosen scenarios; prints one line each and writes `remediation.json`.
 pub async fn run(args: Args, out_dir: &Path) -> anyhow::Result<()> {
-    let client = testbed::require_kubernetes().await.map_err(anyhow::Error::msg)?;
-    let bootstrap = testbed::require_kafka().await.map_err(anyhow::Error::msg)?;
+    let client = testkit::require_kubernetes().await.map_err(anyhow::Error::msg)?;
+    let bootstrap = testkit::require_kafka().await.map_err(anyhow::Error::msg)?;
     std::fs::create_dir_all(out_dir)?;
     let binary = match &args.remediator {
         Some(p) => p.clone(),
@@ -114,7 +114,7 @@ pub async fn run(args: Args, out_dir: &Path) -> anyhow::Result<()> {
         World { client, bootstrap, binary, out_dir: out_dir.to_owned(), extra_env: args.remediator_env.clone() };
 
     let mut scenarios = Vec::new();
-    let fleet = testbed::unique_name("bench-fleet");
+    let fleet = testkit::unique_name("bench-fleet");
     let names = world.make_nodes(&fleet, args.nodes, args.concurrency).await?;
     let floor = world.floor(&names, args.concurrency).await?;
     println!(
@@ -267,16 +267,16 @@ impl World {
         log: &str,
         env: &[(&str, &str)],
     ) -> anyhow::Result<Remediator> {
-        let admin = testbed::free_local_addr()?;
+        let admin = testkit::free_local_addr()?;
         let logfile = std::fs::File::create(self.out_dir.join(log))?;
         let mut cmd = std::process::Command::new(&self.binary);
         cmd.env("GPUMEDIC_ADMIN_ADDR", admin.to_string())
             .env("GPUMEDIC_LOG", "info")
             .env("GPUMEDIC_KAFKA_BOOTSTRAP", &self.bootstrap)
-            .env("GPUMEDIC_GROUP", testbed::unique_name("bench-remediator"))
+            .env("GPUMEDIC_GROUP", testkit::unique_name("bench-remediator"))
             .env("GPUMEDIC_VERDICTS_TOPIC", verdicts)
             .env("GPUMEDIC_ACTIONS_TOPIC", format!("{verdicts}.actions"))
-            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("KUBECONFIG", testkit::kubeconfig_path())
             .env("GPUMEDIC_LEASE_NAMESPACE", ns)
             .env("GPUMEDIC_MODE", mode)
             .env("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-bench/fleet={fleet}"))
@@ -299,7 +299,7 @@ impl World {
         let mut r = Remediator { child };
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            if testbed::http_get(admin, "/readyz").await.is_ok_and(|(status, _)| status == 200) {
+            if testkit::http_get(admin, "/readyz").await.is_ok_and(|(status, _)| status == 200) {
                 return Ok(r);
             }
             if let Some(status) = r.child.try_wait()? {
@@ -313,8 +313,25 @@ impl World {
         }
     }
 
+    /// The testbed's Kafka, as the scenarios' producers and topic set-up reach it.
+    fn kafka(&self) -> KafkaSettings {
+        KafkaSettings {
+            bootstrap: self.bootstrap.clone(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+    }
+
+    /// A new verdict topic of the default partition count, for one scenario's remediator alone.
+    async fn fresh_verdict_topic(&self) -> anyhow::Result<String> {
+        let topic = testkit::unique_name("bench-verdicts");
+        self.kafka().ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)]).await?;
+        Ok(topic)
+    }
+
     async fn namespace(&self) -> anyhow::Result<String> {
-        let name = testbed::unique_name("bench-ns");
+        let name = testkit::unique_name("bench-ns");
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
         namespaces
             .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": name } }))?)
@@ -331,13 +348,7 @@ impl World {
     /// Produces `verdicts`, keyed by node, as fast as Kafka takes them; returns when the first was
     /// sent.
     async fn produce_verdicts(&self, topic: &str, verdicts: &[Verdict]) -> anyhow::Result<Instant> {
-        let producer = KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .producer("bench")?;
+        let producer = self.kafka().producer("bench")?;
         let records: Vec<(String, Vec<u8>)> = verdicts
             .iter()
             .map(|v| Ok((v.node.clone(), gpumedic_schemas::encode(v)?)))
@@ -355,15 +366,7 @@ impl World {
 
     async fn mass_quarantine(&self, fleet: &str, names: &[String]) -> anyhow::Result<Scenario> {
         let ns = self.namespace().await?;
-        let topic = testbed::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self.start_remediator(&ns, fleet, &topic, "cordon-drain", "mass-quarantine.log").await?;
         // Watch before producing, so no cordon is missed.
         let nodes: Api<Node> = Api::all(self.client.clone());
@@ -410,7 +413,7 @@ impl World {
         use k8s_openapi::api::resource::v1beta2::DeviceTaintRule;
         const GPUS: usize = 8;
         const PER_NODE: usize = 4;
-        let fleet = testbed::unique_name("bench-dra");
+        let fleet = testkit::unique_name("bench-dra");
         let names = self.make_nodes(&fleet, quarantines.div_ceil(PER_NODE), concurrency).await?;
         let uuid = |node: usize, gpu: usize| format!("GPU-{node:08x}-0000-4000-8000-{gpu:012x}");
         let slices: Api<ResourceSlice> = Api::all(self.client.clone());
@@ -446,15 +449,7 @@ impl World {
             .map(|(i, n, g)| dra::rule_name(n, &uuid(i, g)))
             .collect();
         let ns = self.namespace().await?;
-        let topic = testbed::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self
             .start_remediator_with(
                 &ns,
@@ -518,7 +513,7 @@ impl World {
     }
 
     async fn mass_drain(&self, n: usize, per_node: usize, concurrency: usize) -> anyhow::Result<Scenario> {
-        let fleet = testbed::unique_name("bench-drain");
+        let fleet = testkit::unique_name("bench-drain");
         let names = self.make_nodes(&fleet, n, concurrency).await?;
         let ns = self.namespace().await?;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
@@ -539,15 +534,7 @@ impl World {
         .try_collect::<Vec<()>>()
         .await?;
         println!("mass-drain: {} pods created in {:.1} s", n * per_node, made.elapsed().as_secs_f64());
-        let topic = testbed::unique_name("bench-verdicts");
-        KafkaSettings {
-            bootstrap: self.bootstrap.clone(),
-            options: vec![],
-            schema_registry: None,
-            topic_replication: None,
-        }
-        .ensure_topics(&[TopicSpec::new(&topic, gpumedic_schemas::topics::DEFAULT_PARTITIONS)])
-        .await?;
+        let topic = self.fresh_verdict_topic().await?;
         let mut remediator = self.start_remediator(&ns, &fleet, &topic, "cordon-drain", "mass-drain.log").await?;
         let mut stream = watcher(pods.clone(), watcher::Config::default()).boxed();
         let mut live: HashSet<String> = HashSet::new();

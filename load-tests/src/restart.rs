@@ -19,9 +19,9 @@ use anyhow::Context as _;
 use futures::TryStreamExt as _;
 use gpumedic_classifier::store;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use gpumedic_testkit as testkit;
 
 use crate::classify::metric;
 
@@ -205,12 +205,12 @@ async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc
 
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let admin = testbed::require_postgres().await?;
+    let bootstrap = testkit::require_kafka().await?;
+    let admin = testkit::require_postgres().await?;
     let now = chrono::Utc::now();
     let (db, url, events, faults, write_seconds) = match &o.reuse_database {
         Some(db) => {
-            let base = testbed::database_url();
+            let base = testkit::database_url();
             let url = format!("{}/{db}", base.rsplit_once('/').map_or(base.as_str(), |(p, _)| p));
             let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
             let events: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
@@ -221,8 +221,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             (db.clone(), url, events as u64, faults as u64, 0.0)
         }
         None => {
-            let db = testbed::unique_name("bench_restart").replace('-', "_");
-            let url = testbed::fresh_database(&admin, &db).await?;
+            let db = testkit::unique_name("bench_restart").replace('-', "_");
+            let url = testkit::fresh_database(&admin, &db).await?;
             let (events, faults, write_seconds) = write_history(&o, &url, now).await?;
             println!("  database {db}");
             (db, url, events, faults, write_seconds)
@@ -270,17 +270,17 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     anyhow::ensure!(bin.is_file(), "{} is missing: `cargo build --release -p gpumedic-classifier`", bin.display());
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    let enriched_topic = testbed::unique_name("bench-restart-enriched");
-    let verdicts = testbed::unique_name("bench-restart-verdicts");
-    let actions = testbed::unique_name("bench-restart-actions");
+    let enriched_topic = testkit::unique_name("bench-restart-enriched");
+    let verdicts = testkit::unique_name("bench-restart-verdicts");
+    let actions = testkit::unique_name("bench-restart-actions");
     settings.ensure_topics(&stage_topics(&[&enriched_topic, &actions], &[&verdicts], 12)).await?;
     let started = Instant::now();
-    let mut classifier = testbed::ServiceProcess::start(
+    let mut classifier = testkit::ServiceProcess::start(
         bin.to_str().context("binary path")?,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-            ("GPUMEDIC_GROUP", testbed::unique_name("bench-restart")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("bench-restart")),
             ("GPUMEDIC_DATABASE_URL", url.clone()),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
@@ -306,11 +306,11 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             anyhow::bail!("the classifier exited during the rebuild with {status}");
         }
         if ready_seconds.is_none()
-            && matches!(testbed::http_get(classifier.admin_addr(), "/readyz").await, Ok((200, _)))
+            && matches!(testkit::http_get(classifier.admin_addr(), "/readyz").await, Ok((200, _)))
         {
             ready_seconds = Some(started.elapsed().as_secs_f64());
         }
-        if let Ok((_, text)) = testbed::http_get(classifier.admin_addr(), "/metrics").await
+        if let Ok((_, text)) = testkit::http_get(classifier.admin_addr(), "/metrics").await
             && metric(&text, "gpumedic_classifier_rebuild_seconds_count") >= 1.0
         {
             break text;

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::topics;
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 
 use crate::fleet::{self, Fleet};
 
@@ -143,10 +143,10 @@ fn flatness(samples: &[Sample], rate: u64) -> Vec<Flatness> {
 
 /// Runs the scenario and prints one line per sample and per verdict.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let bootstrap = testbed::require_kafka().await?;
-    let client = testbed::require_kubernetes().await?;
-    let admin_db = testbed::require_postgres().await?;
-    let id = testbed::unique_name("soak");
+    let bootstrap = testkit::require_kafka().await?;
+    let client = testkit::require_kubernetes().await?;
+    let admin_db = testkit::require_postgres().await?;
+    let id = testkit::unique_name("soak");
     let mut fleet = Fleet::new(&id, o.nodes, o.rate, o.faults_per_minute, 1);
     let names = fleet.nodes().to_vec();
     let ns = fleet::create_in_apiserver(&client, &id, &names, o.pods_per_node, 32).await?;
@@ -161,7 +161,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     );
 
     let db = id.replace('-', "_");
-    let url = testbed::fresh_database(&admin_db, &db).await?;
+    let url = testkit::fresh_database(&admin_db, &db).await?;
     // Topics of this run only: other users of the testbed's Kafka neither feed nor read this run.
     let [raw, enriched, verdicts, actions] = ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
     KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None }
@@ -216,7 +216,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                     anyhow::bail!("the {name} exited with {status} during the soak");
                 }
                 rss_mib.insert(*name, self::rss_mib(s.pid()));
-                let (_, text) = testbed::http_get(s.admin_addr(), "/metrics").await?;
+                let (_, text) = testkit::http_get(s.admin_addr(), "/metrics").await?;
                 lag.insert(*name, crate::classify::metric(&text, &format!("gpumedic_{name}_consumer_lag")));
                 if *name == "classifier" {
                     classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");

@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use gpumedic_classifier::store::{self, Batch, EventRows};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 /// Options of the scenario.
 #[derive(Debug, clap::Args)]
@@ -55,7 +55,7 @@ pub struct Result {
 
 /// Runs the scenario and prints one line per method.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
-    let admin = testbed::require_postgres().await?;
+    let admin = testkit::require_postgres().await?;
     let base = chrono::Utc::now() - chrono::Duration::minutes(30);
     let mut batches: Vec<EventRows> = Vec::new();
     for chunk in (0..o.events).collect::<Vec<_>>().chunks(o.batch.max(1)) {
@@ -69,8 +69,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     const METHODS: [&str; 4] = ["unnest", "copy-staging", "batch", "copy-unchecked"];
     let mut pools = Vec::new();
     for method in METHODS {
-        let db = testbed::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await?;
+        let db = testkit::unique_name(&format!("bench_writes_{method}")).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await?;
         let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
         gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
         pools.push((db, pool));
@@ -166,7 +166,7 @@ pub struct PolicyResult {
 pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
     use gpumedic_classifier::persist::{Keeper, Policy as Persist};
     use gpumedic_classifier::rules::{Engine, defaults};
-    let admin = testbed::require_postgres().await?;
+    let admin = testkit::require_postgres().await?;
     let fleet_rate = o.rate_per_node * o.nodes as f64;
     let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
     let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
@@ -187,8 +187,8 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
     );
     let mut policies = Vec::new();
     for (name, persist) in [("all", Persist::All), ("evidence", Persist::Evidence)] {
-        let db = testbed::unique_name(&format!("bench_persist_{name}")).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await?;
+        let db = testkit::unique_name(&format!("bench_persist_{name}")).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await?;
         let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
         gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
         let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);

@@ -5,53 +5,12 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, dead_letter_topic, dlq_headers, publish, stage_topics};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
+use gpumedic_schemas::Verdict;
 use gpumedic_schemas::verdict::{RecommendedAction, Severity};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
-
-fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
-}
-
-fn xid79(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.boot_id = Some("boot-before".into());
-    e
-}
-
-fn healthy(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    // After the reboot: a new boot id is the proof the rule waits for.
-    e.boot_id = Some("boot-after".into());
-    e
-}
 
 fn verdict_for(node: &str, recovery: bool) -> impl FnMut(&gpumedic_runtime::kafka::Record) -> bool + '_ {
     move |r| {
@@ -63,13 +22,13 @@ fn verdict_for(node: &str, recovery: bool) -> impl FnMut(&gpumedic_runtime::kafk
 
 #[tokio::test]
 async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("classify").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let enriched_topic = testbed::unique_name("classify-enriched");
-    let verdicts_topic = testbed::unique_name("classify-verdicts");
-    let actions_topic = testbed::unique_name("classify-actions");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("classify").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let enriched_topic = testkit::unique_name("classify-enriched");
+    let verdicts_topic = testkit::unique_name("classify-verdicts");
+    let actions_topic = testkit::unique_name("classify-actions");
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -78,7 +37,7 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
         .expect("topics");
 
     // The default Xid 79 rule, with a quiet period short enough for a test.
-    let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+    let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
     std::fs::create_dir_all(&rules).unwrap();
     std::fs::write(
         rules.join("79.yaml"),
@@ -86,13 +45,13 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     )
     .unwrap();
 
-    let mut classifier = testbed::ServiceProcess::start(
+    let mut classifier = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             // Topics of its own: not behind the traffic other tests put on the shared ones.
-            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts_topic.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", actions_topic.clone()),
@@ -106,18 +65,14 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     .expect("starts");
     classifier.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let node = testbed::unique_name("cls-node");
+    let node = testkit::unique_name("cls-node");
     let producer = settings.producer("classifier-test").unwrap();
-    let fault = xid79(&node);
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
-        .await
-        .unwrap();
+    let fault = testkit::event(&node).xid(79).text("GPU has fallen off the bus.").gpu(GPU).boot("boot-before").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
     // The same event again (a redelivery) must not produce a second verdict.
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(fault.clone())).unwrap(), &[])
-        .await
-        .unwrap();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
 
-    let opened = testbed::wait_for_record(&verdicts_topic, verdict_for(&node, false), Duration::from_secs(60))
+    let opened = testkit::wait_for_record(&verdicts_topic, verdict_for(&node, false), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let v: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
@@ -126,10 +81,10 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     assert_eq!(v.evidence, vec![fault.event_id]);
 
     // Healthy evidence, then the quiet period passes with no fault: a recovery verdict.
-    publish(&producer, &enriched_topic, &node, &gpumedic_schemas::encode(&enriched(healthy(&node))).unwrap(), &[])
-        .await
-        .unwrap();
-    let recovered = testbed::wait_for_record(&verdicts_topic, verdict_for(&node, true), Duration::from_secs(60))
+    // After the reboot: a new boot id is the proof the rule waits for.
+    let healthy = testkit::event(&node).gpu(GPU).boot("boot-after").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(healthy).encode(), &[]).await.unwrap();
+    let recovered = testkit::wait_for_record(&verdicts_topic, verdict_for(&node, true), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let r: Verdict = gpumedic_schemas::decode(recovered.payload.as_deref().unwrap()).unwrap();
@@ -162,12 +117,12 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
     // The incident history API on the admin port tells the same story, and refuses bad filters.
     let admin = classifier.admin_addr();
     let (code, body) =
-        testbed::http_get(admin, &format!("/api/v1/incidents?node={node}&status=resolved")).await.unwrap();
+        testkit::http_get(admin, &format!("/api/v1/incidents?node={node}&status=resolved")).await.unwrap();
     assert_eq!(code, 200, "{body}");
     let list: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
     assert_eq!(list.len(), 1, "{body}");
     assert_eq!(list[0]["incident_id"], v.incident_id.to_string());
-    let (code, body) = testbed::http_get(admin, &format!("/api/v1/incidents/{}", v.incident_id)).await.unwrap();
+    let (code, body) = testkit::http_get(admin, &format!("/api/v1/incidents/{}", v.incident_id)).await.unwrap();
     assert_eq!(code, 200, "{body}");
     let detail: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(detail["verdicts"].as_array().map(Vec::len), Some(2), "{body}");
@@ -178,17 +133,17 @@ async fn xid79_opens_an_incident_and_healthy_evidence_resolves_it() {
         "/api/v1/incidents?color=red",
         "/api/v1/incidents/not-a-uuid",
     ] {
-        let (code, body) = testbed::http_get(admin, bad).await.unwrap();
+        let (code, body) = testkit::http_get(admin, bad).await.unwrap();
         assert_eq!(code, 400, "{bad}: {body}");
         assert!(body.contains("error"), "{body}");
     }
-    let (code, _) = testbed::http_get(admin, &format!("/api/v1/incidents/{}", uuid::Uuid::new_v4())).await.unwrap();
+    let (code, _) = testkit::http_get(admin, &format!("/api/v1/incidents/{}", uuid::Uuid::new_v4())).await.unwrap();
     assert_eq!(code, 404);
 
     // Garbage on the enriched topic goes to its dead-letter topic; the classifier carries on.
     let garbage_key = format!("{node}-garbage");
     publish(&producer, &enriched_topic, &garbage_key, b"garbage", &[]).await.unwrap();
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &dead_letter_topic(&enriched_topic),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(60),

@@ -7,10 +7,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::{EnrichedHealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use uuid::Uuid;
@@ -20,44 +18,19 @@ const EVENTS: usize = 20_000;
 const NODES: usize = 200;
 const PARTITIONS: i32 = 12;
 
-/// Event `k` of the stream: mostly healthy heartbeats, an Xid 79 every 97th (a critical verdict
-/// the first time on a node), an Xid 13 every 89th.
 fn event(k: usize, prefix: &str, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
     let node = format!("{prefix}-n{}", k % NODES);
     let gpu = format!("GPU-{:08x}-0000-0000-0000-000000000000", k % NODES);
-    let entity = Entity { gpu_uuid: Some(gpu), ..Default::default() };
-    let xid = |code: i32| {
-        Detail::Xid(XidDetail {
-            code,
-            text: format!("Xid {code}"),
-            pid: None,
-            process: None,
-            nvlink5: None,
-            recovery_action: None,
-        })
-    };
-    let (source, detail, healthy) = if k.is_multiple_of(97) {
-        (Source::KernelLog, xid(79), false)
-    } else if k.is_multiple_of(89) {
-        (Source::KernelLog, xid(13), false)
-    } else {
-        let d = MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None };
-        (Source::Nvml, Detail::MonitorHealth(d), true)
-    };
-    let mut e = HealthEvent::new(node, source, Component::Gpu, entity, detail);
-    e.healthy = healthy;
     // Strictly increasing event time, so a rebuild from Postgres replays each node in order.
-    e.observed_at = base + chrono::Duration::milliseconds(k as i64);
-    EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: base,
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    let e = testkit::event(node).gpu(gpu).at(base + chrono::Duration::milliseconds(k as i64));
+    let e = if k.is_multiple_of(97) {
+        e.xid(79)
+    } else if k.is_multiple_of(89) {
+        e.xid(13)
+    } else {
+        e
+    };
+    e.enriched().enriched_at(base).build()
 }
 
 async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {
@@ -68,7 +41,7 @@ async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {
 async fn published_verdicts(bootstrap: &str, topic: &str) -> HashMap<Uuid, usize> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", testbed::unique_name("crash-reader"))
+        .set("group.id", testkit::unique_name("crash-reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -94,19 +67,19 @@ async fn published_verdicts(bootstrap: &str, topic: &str) -> HashMap<Uuid, usize
 
 #[tokio::test]
 async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("crash").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let enriched = testbed::unique_name("crash-enriched");
-    let verdicts = testbed::unique_name("crash-verdicts");
-    let actions = testbed::unique_name("crash-actions");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("crash").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let enriched = testkit::unique_name("crash-enriched");
+    let verdicts = testkit::unique_name("crash-verdicts");
+    let actions = testkit::unique_name("crash-actions");
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], PARTITIONS)).await.expect("topics");
 
     // The whole stream is on the topic before the classifier starts, so it is always mid-stream.
-    let prefix = testbed::unique_name("crash");
+    let prefix = testkit::unique_name("crash");
     let base = chrono::Utc::now() - chrono::Duration::minutes(30);
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
@@ -131,7 +104,7 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
 
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone()),
-        ("GPUMEDIC_GROUP", testbed::unique_name("crash-classifier")),
+        ("GPUMEDIC_GROUP", testkit::unique_name("crash-classifier")),
         ("GPUMEDIC_DATABASE_URL", url.clone()),
         // Every event recorded, so each one's exactly-once recording can be checked.
         ("GPUMEDIC_PERSIST", "all".into()),
@@ -146,7 +119,7 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
     let mut kills = Vec::new();
     for share in [5, 35, 65] {
         let threshold = (EVENTS * share / 100) as i64;
-        let classifier = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+        let classifier = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
         loop {
             // The schema appears once the classifier has migrated the fresh database.
@@ -166,12 +139,11 @@ async fn killed_mid_batch_and_restarted_it_loses_and_duplicates_nothing() {
         "every kill must land before the end of the stream to test anything: rows at each kill {kills:?}"
     );
 
-    let mut classifier = testbed::ServiceProcess::start(BIN, &[], &env).expect("restarts");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
-    while count(&pool, "SELECT count(*) FROM health_events").await < EVENTS as i64 {
-        assert!(tokio::time::Instant::now() < deadline, "the classifier did not catch up");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let mut classifier = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
+    testkit::eventually("the classifier to catch up", Duration::from_secs(300), async || {
+        (count(&pool, "SELECT count(*) FROM health_events").await >= EVENTS as i64).then_some(())
+    })
+    .await;
     let status = classifier.terminate(Duration::from_secs(30)).await.expect("stops");
     assert!(status.success(), "{status}");
 

@@ -7,10 +7,8 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::{HealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
@@ -19,43 +17,16 @@ const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
 /// the test needs no boot ids).
 const RULE: &str = "rules:\n  - id: xid-79-test\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n    severity: critical\n    action: cordon\n    clear: {evidence: {healthy: true}, quiet: 3s}\n";
 
-fn enriched(event: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
-}
-
 fn xid(node: &str, code: i32, pid: i32) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: "GPU has fallen off the bus.".into(),
-        pid: Some(pid),
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+    testkit::event(node).xid(code).text("GPU has fallen off the bus.").pid(pid).gpu(GPU).build()
 }
 
 fn healthy(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    e
+    testkit::event(node).gpu(GPU).build()
 }
 
 struct Bed {
-    classifier: testbed::ServiceProcess,
+    classifier: testkit::ServiceProcess,
     producer: Producer,
     enriched: String,
     verdicts: String,
@@ -65,13 +36,13 @@ struct Bed {
 
 impl Bed {
     async fn start(name: &str) -> Bed {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let db = testbed::unique_name(name).replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await.expect("database");
-        let enriched = testbed::unique_name(&format!("{name}-enriched"));
-        let verdicts = testbed::unique_name(&format!("{name}-verdicts"));
-        let actions = testbed::unique_name(&format!("{name}-actions"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testkit::unique_name(name).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await.expect("database");
+        let enriched = testkit::unique_name(&format!("{name}-enriched"));
+        let verdicts = testkit::unique_name(&format!("{name}-verdicts"));
+        let actions = testkit::unique_name(&format!("{name}-actions"));
         let settings = KafkaSettings {
             bootstrap: bootstrap.clone(),
             options: vec![],
@@ -79,15 +50,15 @@ impl Bed {
             topic_replication: None,
         };
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 12)).await.expect("topics");
-        let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+        let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
         std::fs::create_dir_all(&rules).unwrap();
         std::fs::write(rules.join("79.yaml"), RULE).unwrap();
-        let classifier = testbed::ServiceProcess::start(
+        let classifier = testkit::ServiceProcess::start(
             BIN,
             &[],
             &[
                 ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-                ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+                ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
                 ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
                 ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
                 ("GPUMEDIC_ACTIONS_TOPIC", actions),
@@ -104,14 +75,14 @@ impl Bed {
     }
 
     async fn send(&self, e: &HealthEvent) {
-        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        let bytes = testkit::enriched(e.clone()).encode();
         publish(&self.producer, &self.enriched, &e.node, &bytes, &[]).await.unwrap();
     }
 
     /// Waits up to `wait` for a verdict about `node` that `pick` accepts.
     async fn verdict(&self, node: &str, wait: Duration, pick: impl Fn(&Verdict) -> bool) -> Option<Verdict> {
         let found =
-            testbed::wait_for_record(&self.verdicts, |r: &Record| of_node(r, node).is_some_and(|v| pick(&v)), wait)
+            testkit::wait_for_record(&self.verdicts, |r: &Record| of_node(r, node).is_some_and(|v| pick(&v)), wait)
                 .await
                 .ok()?;
         of_node(&found, node)
@@ -120,7 +91,7 @@ impl Bed {
     /// Every verdict record about `node` on the topic (after `wait` for more to arrive).
     async fn verdicts(&self, node: &str, wait: Duration) -> Vec<Verdict> {
         let mut all = Vec::new();
-        let _ = testbed::wait_for_record(
+        let _ = testkit::wait_for_record(
             &self.verdicts,
             |r| {
                 all.extend(of_node(r, node));
@@ -133,7 +104,7 @@ impl Bed {
     }
 
     async fn metric(&self, name: &str) -> f64 {
-        let Ok((_, body)) = testbed::http_get(self.classifier.admin_addr(), "/metrics").await else { return 0.0 };
+        let Ok((_, body)) = testkit::http_get(self.classifier.admin_addr(), "/metrics").await else { return 0.0 };
         body.lines()
             .filter(|l| l.starts_with(name))
             .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
@@ -155,7 +126,7 @@ fn of_node(r: &Record, node: &str) -> Option<Verdict> {
 #[tokio::test]
 async fn an_event_from_a_day_ahead_does_not_move_the_node_clock() {
     let bed = Bed::start("skew").await;
-    let node = testbed::unique_name("skew-node");
+    let node = testkit::unique_name("skew-node");
 
     // A node whose clock is a day fast stamps both times of its event a day ahead.
     let mut ahead = healthy(&node);
@@ -195,7 +166,7 @@ async fn an_event_from_a_day_ahead_does_not_move_the_node_clock() {
 #[tokio::test]
 async fn an_old_event_published_again_produces_no_second_verdict() {
     let bed = Bed::start("replay").await;
-    let node = testbed::unique_name("replay-node");
+    let node = testkit::unique_name("replay-node");
 
     let fault = xid(&node, 79, 1);
     bed.send(&fault).await;
@@ -207,7 +178,7 @@ async fn an_old_event_published_again_produces_no_second_verdict() {
     // code no rule matches), so neither the id window nor the repeated-line window holds the fault.
     let others: Vec<HealthEvent> = (0..1100).map(|pid| xid(&node, 63, 1000 + pid)).collect();
     let sends = others.iter().map(|e| {
-        let bytes = gpumedic_schemas::encode(&enriched(e.clone())).unwrap();
+        let bytes = testkit::enriched(e.clone()).encode();
         let (producer, topic, key) = (&bed.producer, &bed.enriched, e.node.clone());
         async move { publish(producer, topic, &key, &bytes, &[]).await }
     });
@@ -216,11 +187,10 @@ async fn an_old_event_published_again_produces_no_second_verdict() {
     // The same fault again (same id and time): a replay, a re-publish, a re-read log line.
     let before = bed.metric("gpumedic_classifier_duplicate_events_total").await;
     bed.send(&fault).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while bed.metric("gpumedic_classifier_duplicate_events_total").await <= before {
-        assert!(tokio::time::Instant::now() < deadline, "the replayed event was not handled within 60 s");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    testkit::eventually("the replayed event to be handled", Duration::from_secs(60), async || {
+        (bed.metric("gpumedic_classifier_duplicate_events_total").await > before).then_some(())
+    })
+    .await;
     let opened: Vec<Verdict> =
         bed.verdicts(&node, Duration::from_secs(3)).await.into_iter().filter(|v| !v.recovery).collect();
     assert_eq!(opened.len(), 1, "the replayed fault produced another verdict: {opened:#?}");

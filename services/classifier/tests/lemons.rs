@@ -11,20 +11,18 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, Record, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_schemas::Verdict;
 use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, Source};
+use gpumedic_schemas::health::{Detail, EccDetail, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::verdict::RecommendedAction;
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
-/// An NVML ECC reading of `gpu` on `node` at `at`, as the enricher hands it on.
 fn ecc(node: &str, gpu: &str, volatile: i64, aggregate: i64, at: DateTime<Utc>) -> Vec<u8> {
-    let entity = Entity { gpu_uuid: Some(gpu.into()), gpu_index: Some(2), ..Default::default() };
     let detail = Detail::Ecc(EccDetail {
         single_bit_volatile: Some(0),
         double_bit_volatile: Some(volatile),
@@ -32,30 +30,16 @@ fn ecc(node: &str, gpu: &str, volatile: i64, aggregate: i64, at: DateTime<Utc>) 
         double_bit_aggregate: Some(aggregate),
         location: None,
     });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.healthy = volatile == 0;
-    e.boot_id = Some(format!("boot-{node}"));
     let identity = GpuIdentity {
         index: Some(2),
         uuid: Some(gpu.into()),
         serial: Some(format!("serial-{gpu}")),
         ..GpuIdentity::default()
     };
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(identity),
-        gpu_unresolved: false,
-    })
-    .expect("encodes")
+    let e = testkit::event(node).detail(Source::Nvml, detail).healthy_flag(volatile == 0).gpu(gpu).gpu_index(2);
+    e.at(at).boot(format!("boot-{node}")).enriched().gpu(identity).encode()
 }
 
-/// The GPU inventory of `node` at `at`: `gpus` present, as many as expected.
 fn inventory(node: &str, gpus: &[&str], at: DateTime<Utc>) -> Vec<u8> {
     let identities: Vec<GpuIdentity> = gpus
         .iter()
@@ -68,21 +52,8 @@ fn inventory(node: &str, gpus: &[&str], at: DateTime<Utc>) -> Vec<u8> {
         .collect();
     let expected = i32::try_from(gpus.len()).ok();
     let detail = Detail::GpuInventory(GpuInventoryDetail { gpus: identities, reason: "change".into(), expected });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, Entity::default(), detail);
-    e.observed_at = at;
-    e.healthy = true;
-    e.boot_id = Some(format!("boot-{node}"));
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e,
-        node_context: NodeContext { expected_gpus: expected, ..NodeContext::default() },
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    })
-    .expect("encodes")
+    let e = testkit::event(node).detail(Source::Nvml, detail).healthy_flag(true).at(at).boot(format!("boot-{node}"));
+    e.enriched().context(NodeContext { expected_gpus: expected, ..NodeContext::default() }).encode()
 }
 
 /// One fault of `gpu` on `node` from `t` and its repair: the counter up (held past the rule's
@@ -99,8 +70,8 @@ async fn fault_and_repair(p: &Producer, topic: &str, node: &str, gpu: &str, t: D
 /// Every verdict on `topic`, read until it has been quiet for a few seconds.
 async fn all_verdicts(topic: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -116,8 +87,8 @@ async fn all_verdicts(topic: &str) -> Vec<Verdict> {
 
 /// Waits until `node` has `want` resolved ECC incidents, or panics after a minute.
 async fn wait_resolved(pool: &PgPool, node: &str, want: i64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let what = format!("{node}: {want} ECC incidents resolved");
+    testkit::eventually_with(&what, Duration::from_secs(60), async || {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM incidents WHERE node = $1 AND rule_id = 'ecc-double-bit' AND resolved_at IS NOT NULL",
         )
@@ -125,12 +96,9 @@ async fn wait_resolved(pool: &PgPool, node: &str, want: i64) {
         .fetch_one(pool)
         .await
         .expect("query");
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{node}: {n} of {want} ECC incidents resolved after a minute");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if n >= want { Ok(()) } else { Err(format!("{n} of {want}")) }
+    })
+    .await;
 }
 
 /// The topics, database and classifier of one test.
@@ -143,11 +111,11 @@ struct Bed {
 }
 
 async fn bed(name: &str) -> Bed {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let url = testbed::fresh_database(&admin, &testbed::unique_name(name).replace('-', "_")).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let url = testkit::fresh_database(&admin, &testkit::unique_name(name).replace('-', "_")).await.expect("database");
     let [enriched, verdicts, actions] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("{name}-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("{name}-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
@@ -156,7 +124,7 @@ async fn bed(name: &str) -> Bed {
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", actions),
@@ -181,7 +149,7 @@ fn lemons_of<'a>(verdicts: &'a [Verdict], node: &str) -> Vec<&'a Verdict> {
 #[tokio::test]
 async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     let mut b = bed("lemons").await;
-    let node = testbed::unique_name("lemon-node");
+    let node = testkit::unique_name("lemon-node");
     let gpu = format!("GPU-{}", Uuid::new_v4());
     // Six hours ago, so the faults' own times are an hour apart, all within the 30-day window.
     let t0 = DateTime::from_timestamp_micros((Utc::now() - chrono::Duration::hours(6)).timestamp_micros()).unwrap();
@@ -242,7 +210,7 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     assert_eq!(listed, faults.iter().map(Uuid::to_string).collect::<Vec<_>>());
 
     // What `gpumedic incidents --lemons` prints from.
-    let (code, body) = testbed::http_get(b.classifier.admin_addr(), "/api/v1/lemons?status=open").await.unwrap();
+    let (code, body) = testkit::http_get(b.classifier.admin_addr(), "/api/v1/lemons?status=open").await.unwrap();
     assert_eq!(code, 200, "{body}");
     let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
     let mine: Vec<&serde_json::Value> =
@@ -254,16 +222,15 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
     // lemon incident closes with a recovery verdict (the remediator then returns the node).
     let new_gpu = format!("GPU-{}", Uuid::new_v4());
     publish(&b.producer, &b.enriched, &node, &inventory(&node, &[&new_gpu], hour(4)), &[]).await.expect("published");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while sqlx::query_scalar::<_, bool>("SELECT open FROM lemons WHERE incident_id = $1")
-        .bind(lemon.incident_id)
-        .fetch_one(&b.pool)
-        .await
-        .expect("the lemon in the view")
-    {
-        assert!(tokio::time::Instant::now() < deadline, "the lemon still open a minute after its GPU was replaced");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    testkit::eventually("the lemon to close after its GPU was replaced", Duration::from_secs(60), async || {
+        let open = sqlx::query_scalar::<_, bool>("SELECT open FROM lemons WHERE incident_id = $1")
+            .bind(lemon.incident_id)
+            .fetch_one(&b.pool)
+            .await
+            .expect("the lemon in the view");
+        (!open).then_some(())
+    })
+    .await;
     let verdicts = all_verdicts(&b.verdicts).await;
     let closed: Vec<&Verdict> = verdicts.iter().filter(|v| v.incident_id == lemon.incident_id && v.recovery).collect();
     assert_eq!(closed.len(), 1, "{verdicts:#?}");
@@ -276,8 +243,8 @@ async fn the_third_repaired_fault_on_one_gpu_keeps_it_out_and_says_why() {
 #[tokio::test]
 async fn a_gpu_moved_to_another_node_keeps_its_history() {
     let mut b = bed("lemon-moved").await;
-    let first = testbed::unique_name("lemon-from");
-    let second = testbed::unique_name("lemon-to");
+    let first = testkit::unique_name("lemon-from");
+    let second = testkit::unique_name("lemon-to");
     let gpu = format!("GPU-{}", Uuid::new_v4());
     let t0 = DateTime::from_timestamp_micros((Utc::now() - chrono::Duration::hours(6)).timestamp_micros()).unwrap();
     let hour = |h: i64| t0 + chrono::Duration::hours(h);

@@ -3,22 +3,22 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
 #[tokio::test]
 async fn starts_reports_ready_and_stops_on_sigterm() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("lifecycle").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database created");
-    testbed::assert_service_lifecycle(
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("lifecycle").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database created");
+    testkit::assert_service_lifecycle(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("classifier")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
             ("GPUMEDIC_DATABASE_URL", url),
         ],
         Duration::from_secs(60),
@@ -29,7 +29,7 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 
 #[test]
 fn invalid_config_lists_every_problem_and_exits_64() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &["--kafka-bootstrap", "nohost", "--database-url", "mysql://x", "--database-pool", "0"],
     );
@@ -42,7 +42,7 @@ fn invalid_config_lists_every_problem_and_exits_64() {
 
 #[test]
 fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",
@@ -79,7 +79,7 @@ fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
 
 #[test]
 fn invalid_api_auth_flags_are_each_listed() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",

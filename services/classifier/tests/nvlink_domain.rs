@@ -9,48 +9,24 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, record_headers, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::health::GpuIdentity;
+use gpumedic_schemas::{HealthEvent, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
-/// An Xid on `gpu` of `node`, observed at `at`, as the enricher hands it on: the GPU resolved,
-/// with its node's NVLink domain.
 fn xid(node: &str, gpu: &str, domain: &str, code: i32, at: DateTime<Utc>) -> (HealthEvent, Vec<u8>) {
-    let entity = Entity { gpu_uuid: Some(gpu.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.boot_id = Some("boot-1".into());
+    let e = testkit::event(node).xid(code).gpu(gpu).boot("boot-1").at(at).build();
     let identity = GpuIdentity {
         index: Some(0),
         uuid: Some(gpu.into()),
         nvlink_domain: Some(domain.into()),
         ..GpuIdentity::default()
     };
-    let bytes = gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event: e.clone(),
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(identity),
-        gpu_unresolved: false,
-    })
-    .unwrap();
+    let bytes = testkit::enriched(e.clone()).gpu(identity).encode();
     (e, bytes)
 }
 
@@ -60,8 +36,8 @@ type PeerRow = (Uuid, String, Option<String>, String, Option<String>);
 /// Every verdict on `topic`, read until it has been quiet for a few seconds.
 async fn all_verdicts(topic: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -77,32 +53,28 @@ async fn all_verdicts(topic: &str) -> Vec<Verdict> {
 
 /// Waits until `query` (a count) reaches `want`, or panics with `what` after a minute.
 async fn wait_count(pool: &PgPool, query: &'static str, bind: &str, want: i64, what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    testkit::eventually_with(what, Duration::from_secs(60), async || {
         let n: i64 = sqlx::query_scalar(query).bind(bind).fetch_one(pool).await.unwrap();
-        if n >= want {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: {n} of {want} after a minute");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if n >= want { Ok(()) } else { Err(format!("{n} of {want}")) }
+    })
+    .await;
 }
 
 #[tokio::test]
 async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_incident() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("nvlink").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("nvlink").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let [enriched_topic, verdicts_topic, actions_topic] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("nvlink-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("nvlink-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await
         .expect("topics");
-    let group = testbed::unique_name("classifier");
+    let group = testkit::unique_name("classifier");
     let start = || {
         ServiceProcess::start(
             BIN,
@@ -129,9 +101,9 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     }
     // Both hold partitions before anything is written: no record is caught in the rebalance the
     // second replica started.
-    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let [a, b, c, e] = ["a", "b", "c", "e"].map(|n| testbed::unique_name(&format!("nvl72-{n}")));
+    let [a, b, c, e] = ["a", "b", "c", "e"].map(|n| testkit::unique_name(&format!("nvl72-{n}")));
     let domain = format!("{}.1", Uuid::new_v4());
     let other_domain = format!("{}.2", Uuid::new_v4());
     let gpu = |node: &str| format!("GPU-{}", Uuid::new_v5(&Uuid::NAMESPACE_OID, node.as_bytes()));
@@ -142,7 +114,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     let (root, bytes) = xid(&a, &gpu(&a), &domain, 149, t0);
     publish(&producer, &enriched_topic, &a, &bytes, &[]).await.unwrap();
     let opened =
-        testbed::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(a.as_bytes()), Duration::from_secs(60))
+        testkit::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(a.as_bytes()), Duration::from_secs(60))
             .await
             .unwrap_or_else(|e| panic!("{e}"));
     // The verdict's record carries a traceparent; its trace id is recorded with the verdict.
@@ -165,9 +137,11 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
         peers.push(event);
     }
     // E's own incident opens; B's and C's events are recorded as the root's evidence.
-    testbed::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(e.as_bytes()), Duration::from_secs(60))
+    testkit::wait_for_record(&verdicts_topic, |r| r.key.as_deref() == Some(e.as_bytes()), Duration::from_secs(60))
         .await
         .unwrap_or_else(|err| panic!("E's own incident: {err}"));
+    // The verdict is published before its batch is committed: E's row follows within moments.
+    wait_count(&pool, "SELECT count(*) FROM incidents WHERE node = $1", &e, 1, "E's incident recorded").await;
     for node in [&b, &c] {
         wait_count(&pool, "SELECT count(*) FROM health_events WHERE node = $1", node, 1, "peer event recorded").await;
     }
@@ -215,7 +189,7 @@ async fn peers_on_other_nodes_of_the_domain_are_evidence_on_the_one_root_inciden
     // The incident API (what `gpumedic incidents show` reads) lists the peers.
     let mut listed = None;
     for r in &replicas {
-        let (code, body) = testbed::http_get(r.admin_addr(), &format!("/api/v1/incidents/{root_id}")).await.unwrap();
+        let (code, body) = testkit::http_get(r.admin_addr(), &format!("/api/v1/incidents/{root_id}")).await.unwrap();
         assert_eq!(code, 200, "{body}");
         listed = Some(serde_json::from_str::<serde_json::Value>(&body).unwrap());
     }

@@ -9,36 +9,17 @@ use gpumedic_classifier::nvlink::Roots;
 use gpumedic_classifier::observe;
 use gpumedic_classifier::rules::{Decision, Engine, defaults};
 use gpumedic_classifier::store::{self, Batch, DecisionRows};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::EnrichedHealthEvent;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, HealthEvent, Source, XidDetail};
+use gpumedic_schemas::health::GpuIdentity;
+use gpumedic_testkit as testkit;
 
 const DOMAIN: &str = "5e1f0000-0000-4000-8000-000000000001.3";
 
 fn xid(node: &str, code: i32, at: DateTime<Utc>) -> EnrichedHealthEvent {
     let gpu = format!("GPU-{node}-0");
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some(gpu.clone()), ..Default::default() };
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.observed_at = at;
-    e.boot_id = Some("boot-1".into());
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: Some(GpuIdentity { uuid: Some(gpu), nvlink_domain: Some(DOMAIN.into()), ..GpuIdentity::default() }),
-        gpu_unresolved: false,
-    }
+    let identity =
+        GpuIdentity { uuid: Some(gpu.clone()), nvlink_domain: Some(DOMAIN.into()), ..GpuIdentity::default() };
+    testkit::event(node).xid(code).gpu(gpu).boot("boot-1").at(at).enriched().gpu(identity).build()
 }
 
 /// What one batch of the live classifier does with `events`, written as it writes them.
@@ -65,9 +46,9 @@ async fn live(pool: &sqlx::PgPool, engine: &mut Engine, events: &[EnrichedHealth
 
 #[tokio::test]
 async fn a_rebuild_makes_the_domain_decisions_that_were_made_live() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let name = testbed::unique_name("nvrebuild").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &name).await.expect("database created");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let name = testkit::unique_name("nvrebuild").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &name).await.expect("database created");
     let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrations applied");
     let rules = defaults::rule_set().expect("the default rules load");
     let t0 = DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();

@@ -13,12 +13,12 @@ use gpumedic_classifier::persist::{Keeper, Policy};
 use gpumedic_classifier::rules::{Engine, defaults};
 use gpumedic_classifier::store::{self, Batch};
 use gpumedic_classifier::{connect_and_migrate, observe};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::EnrichedHealthEvent;
 use gpumedic_schemas::health::{
     Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail, HealthEvent, MonitorHealthDetail,
     MonitorState, PowerDetail, Source, TemperatureDetail, XidDetail,
 };
+use gpumedic_testkit as testkit;
 
 const NODES: usize = 3;
 const GPUS: usize = 4;
@@ -36,16 +36,7 @@ fn event(n: usize, g: Option<usize>, source: Source, detail: Detail, healthy: bo
 }
 
 fn enriched(e: HealthEvent) -> EnrichedHealthEvent {
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    testkit::enriched(e).build()
 }
 
 fn xid(code: i32) -> Detail {
@@ -121,9 +112,9 @@ fn stream(base: DateTime<Utc>) -> Vec<EnrichedHealthEvent> {
 /// The stream through an engine and a keeper for `policy`, written to a fresh database in batches
 /// of 500 as the handler writes them; returns the pool, the live engine and the rows recorded.
 async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (sqlx::PgPool, Engine, usize) {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name(name).replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name(name).replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let pool = connect_and_migrate(&url, 4).await.expect("migrated");
     let mut engine = Engine::new(defaults::rule_set().expect("default rules"));
     let mut keeper = Keeper::new(policy);

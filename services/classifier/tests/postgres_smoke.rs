@@ -1,14 +1,14 @@
 //! Smoke test against the testbed's real PostgreSQL: the classifier's migrations run into a fresh
 //! database made for the test, a row round-trips, and running the migrations again changes nothing.
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use sqlx::Row as _;
 
 #[tokio::test]
 async fn migrations_apply_to_a_fresh_database_and_a_row_round_trips() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let name = testbed::unique_name("test").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &name).await.expect("database created");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let name = testkit::unique_name("test").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &name).await.expect("database created");
 
     let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrations applied");
     let id = uuid::Uuid::now_v7();

@@ -5,73 +5,48 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, publish, stage_topics};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::Verdict;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 
 const XID_79: &str = "rules:\n  - id: xid-79\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match: {kind: xid, xid: [79]}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 30m}\n";
 
 fn xid(node: &str, code: i32) -> Vec<u8> {
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: format!("Xid {code}"),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some("GPU-11111111-2222-3333-4444-555555555555".into()), ..Default::default() };
-    let event = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    let enriched = EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    };
-    gpumedic_schemas::encode(&enriched).expect("encodes")
+    testkit::event(node).xid(code).gpu("GPU-11111111-2222-3333-4444-555555555555").enriched().encode()
 }
 
 async fn metric(admin: std::net::SocketAddr, needle: &str) -> bool {
-    testbed::http_get(admin, "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l.starts_with(needle)))
+    testkit::http_get(admin, "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l.starts_with(needle)))
 }
 
 async fn wait_for_metric(admin: std::net::SocketAddr, needle: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !metric(admin, needle).await {
-        assert!(tokio::time::Instant::now() < deadline, "no `{needle}` in /metrics within 30 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let what = format!("`{needle}` in /metrics");
+    testkit::eventually(&what, Duration::from_secs(30), async || metric(admin, needle).await.then_some(())).await;
 }
 
 #[tokio::test]
 async fn rules_reload_on_change_and_a_bad_file_is_refused() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("reload").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let enriched = testbed::unique_name("reload-enriched");
-    let verdicts = testbed::unique_name("reload-verdicts");
-    let actions = testbed::unique_name("reload-actions");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("reload").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let enriched = testkit::unique_name("reload-enriched");
+    let verdicts = testkit::unique_name("reload-verdicts");
+    let actions = testkit::unique_name("reload-actions");
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 3)).await.expect("topics");
-    let rules = std::env::temp_dir().join(testbed::unique_name("reload-rules"));
+    let rules = std::env::temp_dir().join(testkit::unique_name("reload-rules"));
     std::fs::create_dir_all(&rules).unwrap();
     std::fs::write(rules.join("10-xid-79.yaml"), XID_79).unwrap();
 
-    let mut classifier = testbed::ServiceProcess::start(
+    let mut classifier = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("reload")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("reload")),
             ("GPUMEDIC_DATABASE_URL", url),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
@@ -84,7 +59,7 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
     classifier.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let addr = classifier.admin_addr();
     let producer = settings.producer("reload-test").unwrap();
-    let node = testbed::unique_name("reload-node");
+    let node = testkit::unique_name("reload-node");
     let verdict_with_rule = |rule: &'static str| {
         let node = node.clone();
         move |r: &gpumedic_runtime::kafka::Record| {
@@ -94,7 +69,7 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
         }
     };
     publish(&producer, &enriched, &node, &xid(&node, 79), &[]).await.unwrap();
-    let opened = testbed::wait_for_record(&verdicts, verdict_with_rule("xid-79"), Duration::from_secs(60))
+    let opened = testkit::wait_for_record(&verdicts, verdict_with_rule("xid-79"), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let opened: Verdict = gpumedic_schemas::decode(opened.payload.as_deref().unwrap()).unwrap();
@@ -110,11 +85,11 @@ async fn rules_reload_on_change_and_a_bad_file_is_refused() {
     wait_for_metric(addr, "gpumedic_classifier_rule_reloads_total{result=\"ok\"} 1").await;
     publish(&producer, &enriched, &node, &xid(&node, 79), &[]).await.unwrap();
     publish(&producer, &enriched, &node, &xid(&node, 62), &[]).await.unwrap();
-    testbed::wait_for_record(&verdicts, verdict_with_rule("xid-62"), Duration::from_secs(60))
+    testkit::wait_for_record(&verdicts, verdict_with_rule("xid-62"), Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("the reloaded rule did not fire: {e}"));
     let mut xid79 = 0;
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &verdicts,
         |r| {
             if let Ok(v) = gpumedic_schemas::decode::<Verdict>(r.payload.as_deref().unwrap_or_default())

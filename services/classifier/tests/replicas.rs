@@ -9,59 +9,18 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, Record, publish, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{Component, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail};
-use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_schemas::Verdict;
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-classifier");
 const GPU: &str = "GPU-0000000a-bbbb-cccc-dddd-eeeeeeeeeeee";
 
-fn enriched(event: HealthEvent) -> Vec<u8> {
-    gpumedic_schemas::encode(&EnrichedHealthEvent {
-        event,
-        node_context: NodeContext::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    })
-    .unwrap()
-}
-
-fn xid79(node: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let mut e = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
-    e.boot_id = Some("boot-before".into());
-    e
-}
-
-fn healthy(node: &str, boot: &str) -> HealthEvent {
-    let entity = Entity { gpu_uuid: Some(GPU.into()), ..Default::default() };
-    let detail =
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: "nvml".into(), state: MonitorState::Ok, message: None });
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    e.boot_id = Some(boot.into());
-    e
-}
-
 /// The verdicts for `node` on `topic`, read until it has been quiet for a few seconds.
 async fn verdicts_for(topic: &str, node: &str) -> Vec<Verdict> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", testbed::kafka_bootstrap())
-        .set("group.id", testbed::unique_name("reader"))
+        .set("bootstrap.servers", testkit::kafka_bootstrap())
+        .set("group.id", testkit::unique_name("reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
@@ -79,7 +38,7 @@ async fn verdicts_for(topic: &str, node: &str) -> Vec<Verdict> {
 
 /// How many verdicts a replica says it published.
 async fn published(replica: &ServiceProcess) -> u64 {
-    let Ok((_, body)) = testbed::http_get(replica.admin_addr(), "/metrics").await else { return 0 };
+    let Ok((_, body)) = testkit::http_get(replica.admin_addr(), "/metrics").await else { return 0 };
     body.lines()
         .filter(|l| l.starts_with("gpumedic_classifier_verdicts_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -88,26 +47,26 @@ async fn published(replica: &ServiceProcess) -> u64 {
 
 #[tokio::test]
 async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_released_once() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("replicas").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("replicas").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let [enriched_topic, verdicts_topic, actions_topic] =
-        ["enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("replicas-{t}")));
+        ["enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("replicas-{t}")));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
         .ensure_topics(&stage_topics(&[&enriched_topic, &actions_topic], &[&verdicts_topic], 12))
         .await
         .expect("topics");
-    let rules = std::env::temp_dir().join(testbed::unique_name("rules"));
+    let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
     std::fs::create_dir_all(&rules).unwrap();
     std::fs::write(
         rules.join("79.yaml"),
         "rules:\n  - id: xid-79-fallen-off-the-bus\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n      - {kind: gpu_lost}\n    severity: critical\n    action: reboot_node\n    clear: {evidence: {healthy: true}, proof: reboot, quiet: 3s}\n",
     )
     .unwrap();
-    let group = testbed::unique_name("classifier");
+    let group = testkit::unique_name("classifier");
     let start = || {
         ServiceProcess::start(
             BIN,
@@ -132,13 +91,13 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
     }
     // Both hold partitions before anything is written: no record is caught in the rebalance the
     // second replica started.
-    testbed::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::wait_group_stable(&group, 2, Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let node = testbed::unique_name("replicas-node");
+    let node = testkit::unique_name("replicas-node");
     let producer = settings.producer("replicas-test").unwrap();
-    let fault = xid79(&node);
-    publish(&producer, &enriched_topic, &node, &enriched(fault.clone()), &[]).await.unwrap();
-    let opened = testbed::wait_for_record(
+    let fault = testkit::event(&node).xid(79).text("GPU has fallen off the bus.").gpu(GPU).boot("boot-before").build();
+    publish(&producer, &enriched_topic, &node, &testkit::enriched(fault.clone()).encode(), &[]).await.unwrap();
+    let opened = testkit::wait_for_record(
         &verdicts_topic,
         |r| r.key.as_deref() == Some(node.as_bytes()),
         Duration::from_secs(60),
@@ -163,8 +122,16 @@ async fn a_node_that_moves_to_the_other_replica_keeps_its_incident_and_is_releas
 
     // The proof of repair reaches the survivor: after the quiet period, one recovery.
     let repaired_at = chrono::Utc::now();
-    publish(&producer, &enriched_topic, &node, &enriched(healthy(&node, "boot-after")), &[]).await.unwrap();
-    testbed::wait_for_record(
+    publish(
+        &producer,
+        &enriched_topic,
+        &node,
+        &testkit::event(&node).gpu(GPU).boot("boot-after").enriched().encode(),
+        &[],
+    )
+    .await
+    .unwrap();
+    testkit::wait_for_record(
         &verdicts_topic,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())

@@ -5,7 +5,7 @@
 
 use chrono::{Days, Utc};
 use gpumedic_classifier::retention::{self, DAYS_AHEAD, partition_name};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -33,9 +33,9 @@ async fn partition_of(pool: &sqlx::PgPool, id: Uuid) -> Option<String> {
 
 #[tokio::test]
 async fn partitions_are_created_ahead_and_expired_days_dropped() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("retention").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("retention").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrated");
     let now = Utc::now();
     let today = now.date_naive();
@@ -80,9 +80,9 @@ async fn partitions_are_created_ahead_and_expired_days_dropped() {
 
 #[tokio::test]
 async fn telemetry_rollups_expire_with_the_events() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("retention-rollups").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("retention-rollups").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrated");
     let now = Utc::now();
     for days in [0, 31] {

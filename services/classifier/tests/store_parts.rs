@@ -2,33 +2,21 @@
 //! every event exactly once, and writing it again (a retried batch) adds nothing.
 
 use gpumedic_classifier::store::{self, Batch};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::EnrichedHealthEvent;
-use gpumedic_schemas::health::{Component, Detail, Entity, HealthEvent, Source, TemperatureDetail};
+use gpumedic_schemas::health::{Detail, Source, TemperatureDetail};
+use gpumedic_testkit as testkit;
 
 fn event(node: &str, celsius: i32) -> EnrichedHealthEvent {
     let detail =
         Detail::Temperature(TemperatureDetail { celsius, slowdown_celsius: Some(90), shutdown_celsius: Some(95) });
-    let entity = Entity { gpu_uuid: Some(format!("GPU-{node}")), ..Default::default() };
-    let mut e = HealthEvent::new(node, Source::Nvml, Component::Gpu, entity, detail);
-    e.healthy = true;
-    EnrichedHealthEvent {
-        event: e,
-        node_context: Default::default(),
-        node_unknown: false,
-        xid_catalog: None,
-        workloads: vec![],
-        enriched_at: chrono::Utc::now(),
-        gpu: None,
-        gpu_unresolved: false,
-    }
+    testkit::event(node).detail(Source::Nvml, detail).healthy_flag(true).gpu(format!("GPU-{node}")).enriched().build()
 }
 
 #[tokio::test]
 async fn parts_written_at_once_land_every_event_once_and_a_retry_adds_nothing() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let name = testbed::unique_name("parts").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &name).await.expect("database created");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let name = testkit::unique_name("parts").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &name).await.expect("database created");
     let pool = gpumedic_classifier::connect_and_migrate(&url, 4).await.expect("migrations applied");
 
     // The classifier's connections carry the work_mem its batch statements need.

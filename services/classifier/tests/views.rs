@@ -2,7 +2,7 @@
 //! the real PostgreSQL: a fresh database seeded with a small, realistic history, and each view
 //! asked what an operator would ask.
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use uuid::Uuid;
 
 /// rule, resolved, open, and mean, median and max minutes to resolve.
@@ -73,9 +73,9 @@ impl Seed<'_> {
 
 #[tokio::test]
 async fn each_view_answers_its_question() {
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("views").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("views").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
     let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrated");
     let seed = Seed { pool: &pool };
 

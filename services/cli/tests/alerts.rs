@@ -42,7 +42,7 @@ fn promtool() -> PathBuf {
 
 /// A folder holding the rules file made from the PrometheusRule and a copy of the unit tests.
 fn rules_workspace() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(gpumedic_runtime::testbed::unique_name("alerts"));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(gpumedic_testkit::unique_name("alerts"));
     std::fs::create_dir_all(&dir).expect("a scratch folder");
     let rules = serde_yaml::to_string(&observability::rule_groups()).expect("YAML");
     std::fs::write(dir.join("gpumedic.rules.yaml"), rules).expect("write the rules file");

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
+use gpumedic_testkit::{self as testkit, ServiceProcess};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 const GPUMEDIC: &str = env!("CARGO_BIN_EXE_gpumedic");
 
 fn bin(name: &str) -> String {
-    testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
+    testkit::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
 /// The ClusterRole `name` as `k8s/base/classifier.yaml` ships it.
@@ -54,7 +54,7 @@ impl Drop for Cleanup {
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
             rt.block_on(async {
-                let Ok(client) = testbed::require_kubernetes().await else { return };
+                let Ok(client) = testkit::require_kubernetes().await else { return };
                 let dp = DeleteParams::default();
                 for r in &roles {
                     let _ = Api::<ClusterRoleBinding>::all(client.clone()).delete(r, &dp).await;
@@ -99,7 +99,7 @@ async fn token_for(accounts: &Api<ServiceAccount>, name: &str) -> String {
 
 /// A kubeconfig for `server` with the testbed's CA and `token`.
 fn kubeconfig(dir: &std::path::Path, name: &str, server: &str, token: &str) -> std::path::PathBuf {
-    let testbed = kube::config::Kubeconfig::read_from(testbed::kubeconfig_path()).expect("testbed kubeconfig");
+    let testbed = kube::config::Kubeconfig::read_from(testkit::kubeconfig_path()).expect("testbed kubeconfig");
     let ca = testbed.clusters[0]
         .cluster
         .as_ref()
@@ -131,13 +131,13 @@ fn incidents(api: &str, args: &[&str], env: &[(&str, &str)]) -> (bool, String, S
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_incident_api_wants_a_token_whose_user_rbac_lets_read_incidents() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let url = testbed::fresh_database(&admin, &testbed::unique_name("apiauth").replace('-', "_")).await.expect("db");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let url = testkit::fresh_database(&admin, &testkit::unique_name("apiauth").replace('-', "_")).await.expect("db");
 
     // Three ServiceAccounts in a namespace of the test's own.
-    let ns = testbed::unique_name("apiauth");
+    let ns = testkit::unique_name("apiauth");
     let mut cleanup = Cleanup { namespace: ns.clone(), roles: vec![] };
     Api::<Namespace>::all(client.clone())
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
@@ -171,27 +171,27 @@ async fn the_incident_api_wants_a_token_whose_user_rbac_lets_read_incidents() {
     let stranger = token_for(&accounts, "stranger").await;
 
     // The classifier reaches the apiserver through a relay, as its own ServiceAccount.
-    let dir = std::env::temp_dir().join(testbed::unique_name("apiauth"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("apiauth"));
     std::fs::create_dir_all(&dir).unwrap();
     let testbed_config =
-        kube::config::Kubeconfig::read_from(testbed::kubeconfig_path()).expect("the testbed's kubeconfig");
+        kube::config::Kubeconfig::read_from(testkit::kubeconfig_path()).expect("the testbed's kubeconfig");
     let server = testbed_config.clusters[0].cluster.as_ref().and_then(|c| c.server.clone()).expect("server");
     let upstream = server.trim_start_matches("https://").trim_end_matches('/').to_owned();
-    let relay = testbed::Relay::start(&upstream).await.expect("relay");
+    let relay = testkit::Relay::start(&upstream).await.expect("relay");
     let classifier_kubeconfig =
         kubeconfig(&dir, "classifier", &format!("https://127.0.0.1:{}", relay.addr().port()), &classifier_token);
 
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     let topics: Vec<String> =
-        ["enriched", "verdicts", "actions"].iter().map(|t| testbed::unique_name(&format!("apiauth-{t}"))).collect();
+        ["enriched", "verdicts", "actions"].iter().map(|t| testkit::unique_name(&format!("apiauth-{t}"))).collect();
     settings.ensure_topics(&stage_topics(&[&topics[0], &topics[2]], &[&topics[1]], 1)).await.expect("topics");
     let mut classifier = ServiceProcess::start(
         &bin("gpumedic-classifier"),
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("apiauth")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("apiauth")),
             ("GPUMEDIC_ENRICHED_TOPIC", topics[0].clone()),
             ("GPUMEDIC_VERDICTS_TOPIC", topics[1].clone()),
             ("GPUMEDIC_ACTIONS_TOPIC", topics[2].clone()),
@@ -252,7 +252,7 @@ async fn the_incident_api_wants_a_token_whose_user_rbac_lets_read_incidents() {
     let api = format!("http://{admin}");
     let reader_file = dir.join("reader.token");
     std::fs::write(&reader_file, format!("{reader}\n")).unwrap();
-    let testbed_kubeconfig = testbed::kubeconfig_path().display().to_string();
+    let testbed_kubeconfig = testkit::kubeconfig_path().display().to_string();
     let reader_file_arg = reader_file.display().to_string();
     let (ok, out, err) = incidents(
         &api,

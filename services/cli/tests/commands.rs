@@ -3,8 +3,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic");
 
@@ -14,7 +14,7 @@ fn rules_check_accepts_the_defaults_and_lists_every_problem_with_its_line() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok: "));
 
-    let dir = std::env::temp_dir().join(testbed::unique_name("rules-check"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("rules-check"));
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.yaml");
     std::fs::write(
@@ -34,8 +34,8 @@ fn rules_check_accepts_the_defaults_and_lists_every_problem_with_its_line() {
 
 #[tokio::test]
 async fn inject_publishes_a_synthetic_event_on_the_raw_topic() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("inject-node");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("inject-node");
     let out = Command::new(BIN).args(["topics", "create", "--kafka-bootstrap", &bootstrap]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = Command::new(BIN)
@@ -44,7 +44,7 @@ async fn inject_publishes_a_synthetic_event_on_the_raw_topic() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    let record = testbed::wait_for_record(
+    let record = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| r.key.as_deref() == Some(node.as_bytes()),
         Duration::from_secs(30),

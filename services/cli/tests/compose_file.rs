@@ -62,7 +62,7 @@ fn environment(service: &Value) -> BTreeMap<String, String> {
 }
 
 fn help(binary: &str) -> String {
-    let path = gpumedic_runtime::testbed::workspace_binary(binary).unwrap_or_else(|e| panic!("{e}"));
+    let path = gpumedic_testkit::workspace_binary(binary).unwrap_or_else(|e| panic!("{e}"));
     let out = Command::new(&path).arg("--help").output().expect("the binary runs");
     assert!(out.status.success(), "{binary} --help failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()

@@ -17,30 +17,19 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{self, Envelope, KafkaSettings, Record};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::health::{
     CloudMaintenanceDetail, CloudProvider, Component, Detail, EccDetail, Entity, GpuIdentity, GpuInventoryDetail,
     MonitorHealthDetail, MonitorState, Source, SxidDetail, XidDetail,
 };
 use gpumedic_schemas::{HealthEvent, Record as _, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use serde_json::json;
 
 fn bin(name: &str) -> String {
-    testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
-}
-
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    testkit::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
 fn cordoned(node: &Node) -> bool {
@@ -77,18 +66,18 @@ impl Pipeline {
     /// Starts the enricher, `classifiers` classifier replicas (one group) and the remediator in
     /// cordon-drain mode, with `classifier_env` added to the classifiers' environment.
     async fn start(classifiers: usize, classifier_env: &[(&str, String)]) -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-        let db = testbed::unique_name("decisions").replace('-', "_");
-        let url = testbed::fresh_database(&admin, &db).await.expect("database");
-        let ns = testbed::unique_name("decisions");
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+        let db = testkit::unique_name("decisions").replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await.expect("database");
+        let ns = testkit::unique_name("decisions");
         Api::<Namespace>::all(client.clone())
             .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
             .await
             .expect("namespace");
         let [raw, enriched, verdicts, actions] =
-            ["raw", "enriched", "verdicts", "actions"].map(|t| testbed::unique_name(&format!("decisions-{t}")));
+            ["raw", "enriched", "verdicts", "actions"].map(|t| testkit::unique_name(&format!("decisions-{t}")));
         // The topics exist before the services start, as in a deployment.
         let settings = KafkaSettings {
             bootstrap: bootstrap.clone(),
@@ -110,15 +99,15 @@ impl Pipeline {
                 &[],
                 &[
                     kafka.clone(),
-                    ("GPUMEDIC_GROUP", testbed::unique_name("enricher")),
+                    ("GPUMEDIC_GROUP", testkit::unique_name("enricher")),
                     ("GPUMEDIC_RAW_TOPIC", raw.clone()),
                     ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
-                    ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+                    ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
                 ],
             )
             .unwrap(),
         ];
-        let group = testbed::unique_name("classifier");
+        let group = testkit::unique_name("classifier");
         for _ in 0..classifiers {
             let mut env = vec![
                 kafka.clone(),
@@ -139,10 +128,10 @@ impl Pipeline {
                 &[],
                 &[
                     kafka,
-                    ("GPUMEDIC_GROUP", testbed::unique_name("remediator")),
+                    ("GPUMEDIC_GROUP", testkit::unique_name("remediator")),
                     ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
                     ("GPUMEDIC_ACTIONS_TOPIC", actions),
-                    ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+                    ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
                     ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
                     ("GPUMEDIC_MODE", "cordon-drain".into()),
                     ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/e2e={ns}")),
@@ -171,16 +160,13 @@ impl Pipeline {
 
     /// A GPU node of this test's fleet with `gpus` GPUs.
     async fn node(&self, gpus: u32) -> String {
-        let name = testbed::unique_name("decisions-gpu");
-        let node = json!({ "metadata": { "name": name, "labels": { "gpumedic.io/e2e": self.ns } } });
-        let nodes: Api<Node> = Api::all(self.client.clone());
-        nodes.create(&PostParams::default(), &serde_json::from_value(node).unwrap()).await.expect("node");
-        let status = json!({ "status": { "capacity": { "nvidia.com/gpu": gpus.to_string() },
-            "allocatable": { "nvidia.com/gpu": gpus.to_string() } } });
-        nodes
-            .patch_status(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(status))
-            .await
-            .expect("node capacity");
+        let name = testkit::unique_name("decisions-gpu");
+        testkit::NodeBuilder::new(&name)
+            .label("gpumedic.io/e2e", &self.ns)
+            .capacity("nvidia.com/gpu", gpus.to_string())
+            .allocatable("nvidia.com/gpu", gpus.to_string())
+            .create(&self.client)
+            .await;
         name
     }
 
@@ -205,8 +191,8 @@ impl Pipeline {
     /// Every verdict on this test's verdict topic, read until it has been quiet for a few seconds.
     async fn all_verdicts(&self) -> Vec<Verdict> {
         let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", testbed::kafka_bootstrap())
-            .set("group.id", testbed::unique_name("reader"))
+            .set("bootstrap.servers", testkit::kafka_bootstrap())
+            .set("group.id", testkit::unique_name("reader"))
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "false")
             .create()

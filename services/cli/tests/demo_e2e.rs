@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::{Api, ListParams};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -32,12 +32,12 @@ struct Demo {
 impl Demo {
     fn start() -> Self {
         let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let mut cmd = Command::new(testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}")));
+        let mut cmd = Command::new(testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}")));
         cmd.args(["demo", "--repo"]).arg(&repo).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
         // compose/env names the testbed's folder from GPUMEDIC_TESTBED, else the checkout's
         // .testbed: the one whose kubeconfig the tests use.
         if std::env::var_os("GPUMEDIC_TESTBED").is_none()
-            && let Some(dir) = testbed::kubeconfig_path().parent()
+            && let Some(dir) = testkit::kubeconfig_path().parent()
         {
             cmd.env("GPUMEDIC_TESTBED", dir);
         }
@@ -111,7 +111,7 @@ impl Demo {
 
 /// Asserts that nothing of run `run_id` is left: Nodes, namespace, consumer groups, state folders.
 async fn assert_cleaned_up(run_id: &str) {
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let nodes = Api::<Node>::all(client.clone())
         .list(&ListParams::default().labels(&format!("gpumedic.io/demo={run_id}")))
         .await
@@ -122,12 +122,12 @@ async fn assert_cleaned_up(run_id: &str) {
     let left = Api::<Namespace>::all(client).get_opt(&ns).await.expect("get namespace");
     assert!(left.is_none(), "run {run_id} left namespace {ns}: {left:?}");
 
-    let bootstrap = testbed::kafka_bootstrap();
+    let bootstrap = testkit::kafka_bootstrap();
     let run = run_id.to_owned();
     let groups = tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &bootstrap)
-            .set("group.id", testbed::unique_name("demo-e2e-lister"))
+            .set("group.id", testkit::unique_name("demo-e2e-lister"))
             .create()
             .expect("Kafka client");
         let list = consumer.fetch_group_list(None, Duration::from_secs(20)).expect("list consumer groups");

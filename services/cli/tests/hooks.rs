@@ -6,7 +6,7 @@ use std::io::Write as _;
 use std::process::{Command, Output, Stdio};
 
 use gpumedic_remediator::hooks::{self, Key, Secret};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic");
 const BODY: &str = r#"{"verdictId":"7b2c","node":"gpu-17","action":"reset_gpu","step":1}"#;
@@ -18,7 +18,7 @@ struct Keys {
 
 impl Keys {
     fn new() -> Self {
-        let dir = std::env::temp_dir().join(testbed::unique_name("hooks-cli"));
+        let dir = std::env::temp_dir().join(testkit::unique_name("hooks-cli"));
         std::fs::create_dir_all(&dir).unwrap();
         Self { dir }
     }

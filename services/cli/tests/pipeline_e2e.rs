@@ -15,9 +15,9 @@ mod observability;
 use std::process::Command;
 use std::time::Duration;
 
-use gpumedic_runtime::testbed::{self, ServiceProcess};
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
@@ -25,24 +25,13 @@ use serde_json::json;
 const GPUMEDIC: &str = env!("CARGO_BIN_EXE_gpumedic");
 
 fn bin(name: &str) -> String {
-    testbed::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
+    testkit::workspace_binary(name).unwrap_or_else(|e| panic!("{e}")).display().to_string()
 }
 
 /// Every rule's quiet period is capped at this (`GPUMEDIC_MAX_QUIET`) so recovery fits in a test.
 /// The engine runs on event time: a classifier catching up on a backlog sees 20 s of heartbeats at
 /// once, so a shorter period could quarantine and recover between two looks at the node.
 const QUIET: Duration = Duration::from_secs(20);
-
-async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
 
 fn gpumedic_taint(node: &Node) -> bool {
     node.spec
@@ -63,24 +52,26 @@ fn condition(node: &Node, type_: &str) -> Option<(String, Option<String>)> {
 
 #[tokio::test]
 async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the_node() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let db = testbed::unique_name("e2e").replace('-', "_");
-    let url = testbed::fresh_database(&admin, &db).await.expect("database");
-    let kubeconfig = testbed::kubeconfig_path().display().to_string();
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let db = testkit::unique_name("e2e").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &db).await.expect("database");
+    let kubeconfig = testkit::kubeconfig_path().display().to_string();
 
     // The fleet: three GPU nodes, four GPU pods on the first.
-    let faulty = testbed::unique_name("e2e-gpu");
-    let other = testbed::unique_name("e2e-gpu");
-    let repeat = testbed::unique_name("e2e-gpu");
-    let ns = testbed::unique_name("e2e-ns");
-    let nodes: Api<Node> = Api::all(client.clone());
+    let faulty = testkit::unique_name("e2e-gpu");
+    let other = testkit::unique_name("e2e-gpu");
+    let repeat = testkit::unique_name("e2e-gpu");
+    let ns = testkit::unique_name("e2e-ns");
     for n in [&faulty, &other, &repeat] {
-        let node =
-            json!({ "metadata": { "name": n, "labels": { "nvidia.com/gpu.present": "true", "gpumedic.io/e2e": ns } } });
-        nodes.create(&PostParams::default(), &serde_json::from_value(node).unwrap()).await.expect("node");
+        testkit::NodeBuilder::new(n)
+            .label("nvidia.com/gpu.present", "true")
+            .label("gpumedic.io/e2e", &ns)
+            .create(&client)
+            .await;
     }
+    let nodes: Api<Node> = Api::all(client.clone());
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
@@ -98,9 +89,9 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/rules");
     let kafka = ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap.clone());
     // Every service exports its spans to the testbed's Jaeger: the fault must be one trace.
-    let (otlp_endpoint, jaeger) = testbed::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
+    let (otlp_endpoint, jaeger) = testkit::require_tracing().await.unwrap_or_else(|e| panic!("{e}"));
     let otlp = ("GPUMEDIC_OTLP_ENDPOINT", otlp_endpoint);
-    let synthetic = testbed::free_local_addr().unwrap();
+    let synthetic = testkit::free_local_addr().unwrap();
     // New groups, committed at the end of the topics before the services start: this test's
     // records are not queued behind every record earlier tests left on the shared topics, and none
     // of them is skipped.
@@ -112,7 +103,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     };
     let mut groups = Vec::new();
     for s in ["e2e-enricher", "e2e-classifier", "e2e-remediator"] {
-        let group = testbed::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
+        let group = testkit::group_at_end(s, &gpumedic_schemas::topics::ALL).await.expect("group offsets");
         groups.push(("GPUMEDIC_GROUP", group));
     }
     let mut collector = ServiceProcess::start(
@@ -131,7 +122,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
             // Its own state folder: the spool allows one collector per folder.
             (
                 "GPUMEDIC_STATE_DIR",
-                std::env::temp_dir().join(testbed::unique_name("e2e-collector")).display().to_string(),
+                std::env::temp_dir().join(testkit::unique_name("e2e-collector")).display().to_string(),
             ),
         ],
     )
@@ -261,20 +252,16 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     .await;
 
     // One fault, one trace: the raw record's trace holds spans from all four services.
-    let raw = testbed::wait_for_record(
-        gpumedic_schemas::topics::HEALTH_RAW,
-        |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(fault_id.as_bytes()),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let raw = testkit::wait_for_event(gpumedic_schemas::topics::HEALTH_RAW, &fault_id, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let traceparent = String::from_utf8_lossy(raw.header("traceparent").expect("a traceparent")).into_owned();
     let trace_id = traceparent.split('-').nth(1).expect("a W3C traceparent").to_owned();
     let services = eventually(
         "the fault's trace in Jaeger with spans from all four services",
         Duration::from_secs(60),
         async || {
-            let (code, body) = testbed::http_get(jaeger, &format!("/api/traces/{trace_id}")).await.ok()?;
+            let (code, body) = testkit::http_get(jaeger, &format!("/api/traces/{trace_id}")).await.ok()?;
             if code != 200 {
                 return None;
             }
@@ -342,7 +329,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
         })
         .await;
     assert_eq!(escalated, "warning");
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(gpumedic_schemas::topics::HEALTH_RAW),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(30),
@@ -417,7 +404,7 @@ async fn a_gpu_off_the_bus_quarantines_and_drains_and_only_a_reboot_restores_the
     // Every metric an alert or a dashboard panel names is exported by one of the services.
     let mut scrapes = Vec::new();
     for s in [&collector, &enricher, &classifier, &remediator] {
-        let (code, body) = testbed::http_get(s.admin_addr(), "/metrics").await.expect("scrape /metrics");
+        let (code, body) = testkit::http_get(s.admin_addr(), "/metrics").await.expect("scrape /metrics");
         assert_eq!(code, 200, "{body}");
         scrapes.push(body);
     }

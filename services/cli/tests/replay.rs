@@ -14,9 +14,9 @@ use gpumedic_classifier::observe;
 use gpumedic_classifier::rules::{Engine, defaults};
 use gpumedic_runtime::config::Validate as _;
 use gpumedic_runtime::kafka::{self, Envelope, KafkaArgs, TopicSpec};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, TemperatureDetail, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, Verdict};
+use gpumedic_testkit as testkit;
 use serde_json::Value;
 
 const GPUMEDIC: &str = env!("CARGO_BIN_EXE_gpumedic");
@@ -107,7 +107,7 @@ fn count(report: &Value, change: &str) -> usize {
 
 #[tokio::test]
 async fn backtest_export_and_republish_against_real_kafka() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaArgs {
         kafka_bootstrap: bootstrap.clone(),
         kafka_options: vec![],
@@ -116,7 +116,7 @@ async fn backtest_export_and_republish_against_real_kafka() {
     }
     .validate()
     .unwrap();
-    let run = testbed::unique_name("replay");
+    let run = testkit::unique_name("replay");
     let (enriched, verdicts, copy) = (format!("{run}.enriched"), format!("{run}.verdicts"), format!("{run}.copy"));
     settings
         .ensure_topics(&[TopicSpec::new(&enriched, 3), TopicSpec::new(&verdicts, 3), TopicSpec::new(&copy, 3)])

@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use gpumedic_collector::gpu::{SIMULATED_PRODUCT, simulated_pci, simulated_uuid};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{GpuInventoryDetail, Source};
 use gpumedic_schemas::{Detail, HealthEvent, Kind, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -45,7 +45,7 @@ async fn inject(addr: std::net::SocketAddr, body: &str) -> (u16, serde_json::Val
 /// Every event of `node` on the raw topic, in order, read until `done` holds for them.
 async fn events_until(node: &str, what: &str, mut done: impl FnMut(&[HealthEvent]) -> bool) -> Vec<HealthEvent> {
     let mut events = Vec::new();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             if r.key.as_deref() != Some(node.as_bytes()) {
@@ -80,14 +80,14 @@ fn is_heartbeat(e: &HealthEvent, gpu: i32, boot: &str) -> bool {
 
 #[tokio::test]
 async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and_a_reboot() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("boot-inv");
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-boot-inv"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("boot-inv");
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-boot-inv"));
     std::fs::create_dir_all(&state).unwrap();
     let boot_file = state.join("boot_id");
     let host_boot = uuid::Uuid::new_v4().to_string();
     std::fs::write(&boot_file, format!("{host_boot}\n")).unwrap();
-    let synthetic = testbed::free_local_addr().unwrap();
+    let synthetic = testkit::free_local_addr().unwrap();
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
@@ -101,7 +101,7 @@ async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and
         ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
         ("GPUMEDIC_STATE_DIR", state.join("state").display().to_string()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
 
     // At start: the inventory of every GPU, by every name, in the boot of the file.
@@ -193,7 +193,7 @@ async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and
     // A restart of the collector keeps the simulated node in its new boot (its start inventory
     // is in the new boot, not back in the file's).
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("restarts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     events_until(&node, "the restarted collector's inventory", |ev| {
         ev.iter().filter(|e| is_inventory(e, "start", &new_boot)).count() == 2
@@ -205,7 +205,7 @@ async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and
 
 #[test]
 fn a_missing_boot_id_file_stops_the_start_with_the_problem_listed() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &["--kafka-bootstrap", "127.0.0.1:19092", "--node-name", "n1", "--boot-id-file", "/nonexistent/boot_id"],
     );

@@ -12,9 +12,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use gpumedic_collector::cloud::{self, CloudSettings, Notice, Poller, ProviderChoice, Tracker};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::CloudProvider;
 use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -441,7 +441,7 @@ async fn the_provider_is_detected_and_off_cloud_is_quiet() {
         assert_eq!(cloud::detect(&settings).await, Some(provider));
     }
     // Nothing listens: detection finds nothing and does not fail.
-    let nowhere = format!("http://{}", testbed::free_local_addr().unwrap());
+    let nowhere = format!("http://{}", testkit::free_local_addr().unwrap());
     let settings = CloudSettings {
         provider: ProviderChoice::Auto,
         interval: Duration::from_secs(1),
@@ -456,17 +456,17 @@ async fn the_provider_is_detected_and_off_cloud_is_quiet() {
 
 #[tokio::test]
 async fn the_collector_publishes_a_detected_notice_to_kafka() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let fake = Fake::start(CloudProvider::Aws).await;
     fake.set(|s| s.aws_events = Some(AWS_EVENT.into()));
-    let node = testbed::unique_name("cloud-node");
+    let node = testkit::unique_name("cloud-node");
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
         // Its own state folder: the spool allows one collector per folder.
         (
             "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
         ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
@@ -476,7 +476,7 @@ async fn the_collector_publishes_a_detected_notice_to_kafka() {
         ("GPUMEDIC_GCP_METADATA_URL", fake.url.clone()),
         ("GPUMEDIC_AZURE_METADATA_URL", fake.url.clone()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let want = |healthy: bool| {
         let node = node.clone();
@@ -490,11 +490,11 @@ async fn the_collector_publishes_a_detected_notice_to_kafka() {
                 })
         }
     };
-    testbed::wait_for_record(topics::HEALTH_RAW, want(false), Duration::from_secs(30))
+    testkit::wait_for_record(topics::HEALTH_RAW, want(false), Duration::from_secs(30))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     fake.set(|s| s.aws_events = Some("[]".into()));
-    let ended = testbed::wait_for_record(topics::HEALTH_RAW, want(true), Duration::from_secs(30))
+    let ended = testkit::wait_for_record(topics::HEALTH_RAW, want(true), Duration::from_secs(30))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let event: HealthEvent = gpumedic_schemas::decode(ended.payload.as_deref().unwrap()).unwrap();

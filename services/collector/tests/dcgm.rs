@@ -9,9 +9,9 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use gpumedic_collector::dcgm::source::{DiagOutcome, DiagSettings, run_diag_once};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{DcgmResult, MonitorState, Source};
 use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -23,7 +23,7 @@ fn fixture(name: &str) -> PathBuf {
 /// after sleeping `sleep` seconds.
 fn fake_dcgmi(json: Option<&Path>, code: i32, sleep: u32) -> PathBuf {
     use std::os::unix::fs::PermissionsExt as _;
-    let dir = std::env::temp_dir().join(testbed::unique_name("fake-dcgmi"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("fake-dcgmi"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("dcgmi");
     let body = match json {
@@ -97,20 +97,20 @@ fn set_value(page: &str, prefix: &str, value: &str) -> String {
 
 #[tokio::test]
 async fn the_collector_publishes_exporter_changes_and_diagnostic_results() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let original = std::fs::read_to_string(fixture("exporter-3x.prom")).unwrap();
     let quiet = set_value(&original, "DCGM_FI_DEV_XID_ERRORS{gpu=\"1\"", "0");
     let page = Arc::new(Mutex::new(quiet));
     let url = serve_metrics(page.clone()).await;
     let dcgmi = fake_dcgmi(Some(&fixture("diag-3x-r2-fail.json")), 226, 0);
-    let node = testbed::unique_name("dcgm-node");
+    let node = testkit::unique_name("dcgm-node");
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
         // Its own state folder: the spool allows one collector per folder.
         (
             "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
         ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
@@ -120,12 +120,12 @@ async fn the_collector_publishes_exporter_changes_and_diagnostic_results() {
         ("GPUMEDIC_DCGM_DIAG_INTERVAL", "2s".to_owned()),
         ("GPUMEDIC_DCGM_DIAG_COMMAND", format!("{} diag -r 1 -j", dcgmi.display())),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let find = |want: Box<dyn Fn(&HealthEvent) -> bool + Send>| {
         let node = node.clone();
         async move {
-            let r = testbed::wait_for_record(
+            let r = testkit::wait_for_record(
                 topics::HEALTH_RAW,
                 |r| {
                     r.key.as_deref() == Some(node.as_bytes())
@@ -159,16 +159,16 @@ async fn the_collector_publishes_exporter_changes_and_diagnostic_results() {
 
 #[tokio::test]
 async fn an_unreachable_exporter_is_a_monitor_event() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("dcgm-down-node");
-    let nowhere = format!("http://{}/metrics", testbed::free_local_addr().unwrap());
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("dcgm-down-node");
+    let nowhere = format!("http://{}/metrics", testkit::free_local_addr().unwrap());
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
         // Its own state folder: the spool allows one collector per folder.
         (
             "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testbed::unique_name("collector-state")).display().to_string(),
+            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
         ),
         ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
         ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
@@ -176,9 +176,9 @@ async fn an_unreachable_exporter_is_a_monitor_event() {
         ("GPUMEDIC_DCGM_EXPORTER_URL", nowhere),
         ("GPUMEDIC_DCGM_SCRAPE_INTERVAL", "1s".to_owned()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())

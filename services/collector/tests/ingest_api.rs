@@ -10,9 +10,9 @@ use gpumedic_collector::ingest::{self, IngestSettings};
 use gpumedic_collector::publisher::{Publisher, PublisherSettings};
 use gpumedic_proto::ingest::v1 as pb;
 use gpumedic_runtime::kafka::KafkaSettings;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::Source;
+use gpumedic_testkit as testkit;
 use pb::health_event_ingest_client::HealthEventIngestClient;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -31,10 +31,10 @@ struct Collector {
 
 impl Collector {
     async fn start(max_message_bytes: usize) -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let node = testbed::unique_name("ingest-node");
-        let topic = testbed::unique_name("ingest-test");
-        let state = std::env::temp_dir().join(testbed::unique_name("collector-ingest"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let node = testkit::unique_name("ingest-node");
+        let topic = testkit::unique_name("ingest-test");
+        let state = std::env::temp_dir().join(testkit::unique_name("collector-ingest"));
         let socket = state.join("ingest.sock");
         let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None, topic_replication: None };
         let producer = kafka.producer("ingest-test").expect("producer");
@@ -73,7 +73,7 @@ impl Collector {
         let mut last = String::new();
         for _ in 0..10 {
             let mut got = Vec::new();
-            let read = testbed::wait_for_record(
+            let read = testkit::wait_for_record(
                 &self.topic,
                 |r| {
                     got.push(

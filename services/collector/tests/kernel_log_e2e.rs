@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_collector::kernel_log::kmsg::{read_boot_time, wall_time};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -43,7 +43,7 @@ fn xid_line(marker: &str) -> String {
 /// start each time).
 async fn events_with(node: &str, marker: &str, wait: Duration) -> Vec<HealthEvent> {
     let mut found = Vec::new();
-    let _ = testbed::wait_for_record(
+    let _ = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             if r.key.as_deref() == Some(node.as_bytes())
@@ -67,8 +67,8 @@ struct Collector {
 
 impl Collector {
     async fn new(node: &str, kmsg: &str) -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let state = std::env::temp_dir().join(testbed::unique_name("collector-state"));
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let state = std::env::temp_dir().join(testkit::unique_name("collector-state"));
         std::fs::create_dir_all(&state).unwrap();
         let env = vec![
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
@@ -80,8 +80,8 @@ impl Collector {
         Collector { env, state }
     }
 
-    async fn start(&self) -> testbed::ServiceProcess {
-        let mut collector = testbed::ServiceProcess::start(BIN, &[], &self.env).expect("starts");
+    async fn start(&self) -> testkit::ServiceProcess {
+        let mut collector = testkit::ServiceProcess::start(BIN, &[], &self.env).expect("starts");
         collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
         collector
     }
@@ -89,19 +89,19 @@ impl Collector {
 
 #[tokio::test]
 async fn kernel_lines_are_published_once_across_a_restart() {
-    let node = testbed::unique_name("kmsg-node");
-    let state = std::env::temp_dir().join(testbed::unique_name("kmsg-records"));
+    let node = testkit::unique_name("kmsg-node");
+    let state = std::env::temp_dir().join(testkit::unique_name("kmsg-records"));
     std::fs::create_dir_all(&state).unwrap();
     let records = state.join("kmsg");
     log_records(&records, "");
     let c = Collector::new(&node, &records.display().to_string()).await;
-    let first = testbed::unique_name("first");
-    let second = testbed::unique_name("second");
+    let first = testkit::unique_name("first");
+    let second = testkit::unique_name("second");
 
     let mut collector = c.start().await;
     let logged_at = Utc::now();
     log_records(&records, &kernel_record(100, logged_at, &xid_line(&first)));
-    let got = testbed::wait_for_record(
+    let got = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())
@@ -135,12 +135,12 @@ async fn kernel_lines_are_published_once_across_a_restart() {
 
 #[tokio::test]
 async fn a_reread_record_is_the_same_event_and_a_first_run_skips_history() {
-    let node = testbed::unique_name("kmsg-node");
-    let state = std::env::temp_dir().join(testbed::unique_name("kmsg-records"));
+    let node = testkit::unique_name("kmsg-node");
+    let state = std::env::temp_dir().join(testkit::unique_name("kmsg-records"));
     std::fs::create_dir_all(&state).unwrap();
     let records = state.join("kmsg");
     let (old, recent, user) =
-        (testbed::unique_name("old"), testbed::unique_name("recent"), testbed::unique_name("user"));
+        (testkit::unique_name("old"), testkit::unique_name("recent"), testkit::unique_name("user"));
     let recent_at = Utc::now() - chrono::Duration::seconds(30);
     // History: five minutes ago (or just after boot, on a machine up for less), beyond a
     // two-minute look-back.
@@ -181,10 +181,10 @@ async fn a_reread_record_is_the_same_event_and_a_first_run_skips_history() {
 
 #[tokio::test]
 async fn a_userspace_write_to_the_real_kmsg_is_not_an_xid() {
-    let node = testbed::unique_name("kmsg-node");
+    let node = testkit::unique_name("kmsg-node");
     let c = Collector::new(&node, "/dev/kmsg").await;
     let mut collector = c.start().await;
-    let marker = testbed::unique_name("forged");
+    let marker = testkit::unique_name("forged");
     let mut kmsg = std::fs::OpenOptions::new().write(true).open("/dev/kmsg").expect("write /dev/kmsg (run as root)");
     // Even asking for priority 3 and facility 0: the kernel files a userspace write under `user`.
     // The newline ends the record: without it the kernel may hold the text as a continuation.
@@ -192,15 +192,15 @@ async fn a_userspace_write_to_the_real_kmsg_is_not_an_xid() {
     assert!(events_with(&node, &marker, Duration::from_secs(8)).await.is_empty(), "a forged driver line is not an Xid");
     // The collector read it all the same: records that are not the kernel's were counted.
     let admin = collector.admin_addr();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (_, body) = testbed::http_get(admin, "/metrics").await.expect("metrics");
+    testkit::eventually_with("a userspace record to be counted", Duration::from_secs(30), async || {
+        let (_, body) = testkit::http_get(admin, "/metrics").await.expect("metrics");
         if body.contains("gpumedic_collector_kmsg_records_skipped_total{reason=\"not_kernel\"}") {
-            break;
+            Ok(())
+        } else {
+            Err(format!("\n{body}"))
         }
-        assert!(std::time::Instant::now() < deadline, "no userspace record was counted:\n{body}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
     std::fs::remove_dir_all(&c.state).ok();
 }

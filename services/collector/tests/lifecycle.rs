@@ -3,21 +3,21 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
 #[tokio::test]
 async fn starts_reports_ready_and_stops_on_sigterm() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     // A state folder of its own: the spool and the ingest socket live there.
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-lifecycle"));
-    testbed::assert_service_lifecycle(
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-lifecycle"));
+    testkit::assert_service_lifecycle(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_NODE_NAME", testbed::unique_name("lifecycle-node")),
+            ("GPUMEDIC_NODE_NAME", testkit::unique_name("lifecycle-node")),
             ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
             ("GPUMEDIC_KMSG_PATH", "off".into()),
             ("GPUMEDIC_STATE_DIR", state.display().to_string()),
@@ -31,7 +31,7 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 
 #[test]
 fn invalid_config_lists_every_problem_and_exits_64() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpumedic_collector::kernel_log::kmsg::read_boot_time;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -26,7 +26,7 @@ fn port(root: &Path, hca: &str, state: &str, phys: &str) {
 
 /// The node's custom event whose values hold every pair of `want`.
 async fn custom_event(node: &str, want: &[(&str, &str)], healthy: bool) -> HealthEvent {
-    let got = testbed::wait_for_record(
+    let got = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())
@@ -52,9 +52,9 @@ fn values(e: &HealthEvent) -> BTreeMap<String, String> {
 
 #[tokio::test]
 async fn infiniband_ports_and_nic_driver_errors_reach_kafka() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("ib-node");
-    let dir: PathBuf = std::env::temp_dir().join(testbed::unique_name("ib-sysfs"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("ib-node");
+    let dir: PathBuf = std::env::temp_dir().join(testkit::unique_name("ib-sysfs"));
     let (sysfs, state) = (dir.join("sys"), dir.join("state"));
     std::fs::create_dir_all(&state).unwrap();
     port(&sysfs, "mlx5_0", "4: ACTIVE", "5: LinkUp");
@@ -83,7 +83,7 @@ async fn infiniband_ports_and_nic_driver_errors_reach_kafka() {
         ("GPUMEDIC_IB_EXPECTED_HCAS", "3".to_owned()),
         ("GPUMEDIC_CLOUD_PROVIDER", "none".to_owned()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
 
     let down = custom_event(&node, &[("check", "ib_port"), ("hca", "mlx5_1"), ("link", "down")], false).await;

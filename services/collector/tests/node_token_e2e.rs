@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::node_proof::{NodeKey, directory_key};
 use gpumedic_runtime::kafka::{Record, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -50,7 +50,7 @@ async fn inject(addr: std::net::SocketAddr) -> String {
 
 /// The raw record of event `id`.
 async fn record_of(id: &str) -> Record {
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -71,8 +71,8 @@ fn start_with_addr(
     state: &std::path::Path,
     token: &std::path::Path,
     proof: &[(&str, String)],
-) -> (testbed::ServiceProcess, std::net::SocketAddr) {
-    let synthetic = testbed::free_local_addr().expect("a free port");
+) -> (testkit::ServiceProcess, std::net::SocketAddr) {
+    let synthetic = testkit::free_local_addr().expect("a free port");
     let mut env = vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.to_owned()),
@@ -85,20 +85,20 @@ fn start_with_addr(
         ("GPUMEDIC_REQUIRE_NODE_TOKEN", "true".into()),
     ];
     env.extend(proof.iter().cloned());
-    (testbed::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
+    (testkit::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
 }
 
 #[tokio::test]
 async fn records_carry_the_token_of_when_they_are_sent() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("token-node");
-    let dir = std::env::temp_dir().join(testbed::unique_name("collector-token"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("token-node");
+    let dir = std::env::temp_dir().join(testkit::unique_name("collector-token"));
     std::fs::create_dir_all(&dir).unwrap();
     let (state, token) = (dir.join("state"), dir.join("token"));
     std::fs::write(&token, "token-of-the-outage\n").unwrap();
 
     // Kafka unreachable (nothing listens there): the event is spooled.
-    let nowhere = testbed::free_local_addr().expect("a free port").to_string();
+    let nowhere = testkit::free_local_addr().expect("a free port").to_string();
     let token_mode = [("GPUMEDIC_NODE_AUTH_PROOF", "token".to_owned())];
     let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token, &token_mode);
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
@@ -128,7 +128,7 @@ async fn records_carry_the_token_of_when_they_are_sent() {
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
     // Required and missing: a configuration error, exit 64.
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",
@@ -147,10 +147,10 @@ async fn records_carry_the_token_of_when_they_are_sent() {
 
 #[tokio::test]
 async fn signed_records_name_a_token_the_directory_holds() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("signing-node");
-    let directory = testbed::unique_name("node-tokens");
-    let dir = std::env::temp_dir().join(testbed::unique_name("collector-signing"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("signing-node");
+    let directory = testkit::unique_name("node-tokens");
+    let dir = std::env::temp_dir().join(testkit::unique_name("collector-signing"));
     std::fs::create_dir_all(&dir).unwrap();
     let (state, token) = (dir.join("state"), dir.join("token"));
     std::fs::write(&token, "first-token\n").unwrap();
@@ -185,7 +185,7 @@ async fn signed_records_name_a_token_the_directory_holds() {
     }
     assert!(signed, "records are signed once the directory took the token");
     let first = NodeKey::of(b"first-token");
-    let entry = testbed::wait_for_record(
+    let entry = testkit::wait_for_record(
         &directory,
         |r| r.key.as_deref() == Some(directory_key(&node, first.id()).as_bytes()),
         Duration::from_secs(30),
@@ -207,7 +207,7 @@ async fn signed_records_name_a_token_the_directory_holds() {
     }
     assert!(rotated, "records are signed with the rotated token's key");
     let second = NodeKey::of(b"second-token");
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &directory,
         |r| r.key.as_deref() == Some(directory_key(&node, second.id()).as_bytes()),
         Duration::from_secs(30),

@@ -18,9 +18,9 @@ use gpumedic_proto::podresources::v1::pod_resources_lister_server::{PodResources
 use gpumedic_proto::podresources::v1::{
     ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
 };
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{GpuWorkload, Kind, MonitorState};
 use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -81,7 +81,7 @@ fn log_record(file: &Path, record: &str) {
 
 /// The first event of `node` that `pick` accepts, within `wait`.
 async fn first_event(node: &str, wait: Duration, pick: impl Fn(&HealthEvent) -> bool) -> HealthEvent {
-    let record = testbed::wait_for_record(
+    let record = testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             r.key.as_deref() == Some(node.as_bytes())
@@ -101,8 +101,8 @@ fn xid_named(e: &HealthEvent, marker: &str) -> bool {
 
 /// Starts a collector for `node` on a simulated node of four GPUs, following `kmsg`, asking the
 /// kubelet on `socket` every second.
-async fn collector(node: &str, state: &Path, kmsg: &Path, socket: &Path) -> testbed::ServiceProcess {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+async fn collector(node: &str, state: &Path, kmsg: &Path, socket: &Path) -> testkit::ServiceProcess {
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let env = vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.to_owned()),
@@ -114,21 +114,21 @@ async fn collector(node: &str, state: &Path, kmsg: &Path, socket: &Path) -> test
         ("GPUMEDIC_POD_RESOURCES_SOCKET", socket.display().to_string()),
         ("GPUMEDIC_POD_RESOURCES_INTERVAL", "1s".to_owned()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     collector
 }
 
 fn scratch(prefix: &str) -> PathBuf {
     // Short: a unix socket path is at most 107 bytes.
-    let dir = std::env::temp_dir().join(testbed::unique_name(prefix));
+    let dir = std::env::temp_dir().join(testkit::unique_name(prefix));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
 #[tokio::test]
 async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
-    let node = testbed::unique_name("podres-node");
+    let node = testkit::unique_name("podres-node");
     let dir = scratch("podres");
     let socket = dir.join("kubelet.sock");
     let kmsg = dir.join("kmsg");
@@ -159,7 +159,7 @@ async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let marker = testbed::unique_name("xid");
+    let marker = testkit::unique_name("xid");
     log_record(&kmsg, &xid_record(1, &simulated_pci(2), &marker));
     let event = first_event(&node, Duration::from_secs(30), |e| xid_named(e, &marker)).await;
     assert_eq!(event.entity.gpu_uuid.as_deref(), Some(gpu2.as_str()), "the PCI bus id resolved to the UUID");
@@ -176,7 +176,7 @@ async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
     );
 
     // A GPU no pod uses: the collector knows there are none.
-    let idle = testbed::unique_name("xid");
+    let idle = testkit::unique_name("xid");
     log_record(&kmsg, &xid_record(2, &simulated_pci(1), &idle));
     let event = first_event(&node, Duration::from_secs(30), |e| xid_named(e, &idle)).await;
     assert_eq!(event.workloads, Some(Vec::new()));
@@ -188,7 +188,7 @@ async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
 
 #[tokio::test]
 async fn a_failing_kubelet_is_a_monitor_health_event_and_events_carry_no_list() {
-    let node = testbed::unique_name("podres-node");
+    let node = testkit::unique_name("podres-node");
     let dir = scratch("podres");
     // There, but nothing listens: every call fails to connect.
     let socket = dir.join("kubelet.sock");
@@ -209,7 +209,7 @@ async fn a_failing_kubelet_is_a_monitor_health_event_and_events_carry_no_list() 
     assert!(m.message.as_deref().is_some_and(|text| text.contains("kubelet.sock")), "{m:?}");
 
     first_event(&node, Duration::from_secs(30), |e| e.kind == Kind::GpuInventory).await;
-    let marker = testbed::unique_name("xid");
+    let marker = testkit::unique_name("xid");
     log_record(&kmsg, &xid_record(1, &simulated_pci(2), &marker));
     let event = first_event(&node, Duration::from_secs(30), |e| xid_named(e, &marker)).await;
     assert_eq!(event.entity.gpu_uuid, Some(simulated_uuid(&node, 2)));

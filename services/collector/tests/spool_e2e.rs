@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::record_headers;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
@@ -33,12 +33,12 @@ struct PrivateKafka {
 
 impl PrivateKafka {
     fn new() -> Self {
-        let port = testbed::free_local_addr().expect("a free port").port();
-        let mut controller_port = testbed::free_local_addr().expect("a free port").port();
+        let port = testkit::free_local_addr().expect("a free port").port();
+        let mut controller_port = testkit::free_local_addr().expect("a free port").port();
         while controller_port == port {
-            controller_port = testbed::free_local_addr().expect("a free port").port();
+            controller_port = testkit::free_local_addr().expect("a free port").port();
         }
-        Self { dir: std::env::temp_dir().join(testbed::unique_name("kafka-private")), port, controller_port }
+        Self { dir: std::env::temp_dir().join(testkit::unique_name("kafka-private")), port, controller_port }
     }
 
     fn bootstrap(&self) -> String {
@@ -118,7 +118,7 @@ async fn inject(addr: std::net::SocketAddr, body: &str) -> Vec<String> {
 async fn read_all(bootstrap: &str, want: &[String]) -> Vec<(String, i32, i64)> {
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", testbed::unique_name("spool-reader"))
+        .set("group.id", testkit::unique_name("spool-reader"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .set("topic.metadata.refresh.interval.ms", "1000")
@@ -154,9 +154,9 @@ async fn read_all(bootstrap: &str, want: &[String]) -> Vec<(String, i32, i64)> {
 #[tokio::test]
 async fn spooled_events_survive_sigterm_and_sigkill_and_arrive_exactly_once() {
     let kafka = PrivateKafka::new();
-    let node = testbed::unique_name("spool-node");
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-spool"));
-    let synthetic = testbed::free_local_addr().expect("a free port");
+    let node = testkit::unique_name("spool-node");
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-spool"));
+    let synthetic = testkit::free_local_addr().expect("a free port");
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", kafka.bootstrap()),
         ("GPUMEDIC_NODE_NAME", node.clone()),
@@ -172,7 +172,7 @@ async fn spooled_events_survive_sigterm_and_sigkill_and_arrive_exactly_once() {
     ];
 
     // 1. Kafka is down (never started yet): events go to the spool; SIGTERM.
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let mut injected = inject(synthetic, r#"{"xid": 79, "count": 5}"#).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -181,14 +181,14 @@ async fn spooled_events_survive_sigterm_and_sigkill_and_arrive_exactly_once() {
     assert!(state.join("spool").read_dir().unwrap().any(|e| e.unwrap().path().extension().is_some_and(|x| x == "seg")));
 
     // 2. Restarted, still no Kafka: more events, then SIGKILL (a crash).
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("restarts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     injected.extend(inject(synthetic, r#"{"gpu_lost": true, "gpu_index": 1, "count": 3}"#).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     drop(collector); // SIGKILL
 
     // 3. Restarted again; Kafka comes up; everything drains.
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("restarts after the crash");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts after the crash");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     injected.extend(inject(synthetic, r#"{"xid": 48}"#).await);
     kafka.start();

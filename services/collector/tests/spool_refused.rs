@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use gpumedic_collector::publisher::{Publisher, PublisherSettings};
 use gpumedic_collector::spool::{Spool, SpoolRecord};
-use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, record_headers};
-use gpumedic_runtime::testbed;
+use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
 use gpumedic_schemas::health::Detail;
+use gpumedic_testkit as testkit;
 use tokio_util::sync::CancellationToken;
 
 /// Bytes no compression shrinks, so the broker sees their real size.
@@ -28,11 +28,11 @@ fn incompressible(len: usize) -> String {
 
 #[tokio::test]
 async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let kafka = KafkaSettings { bootstrap, options: Vec::new(), schema_registry: None, topic_replication: None };
-    let topic = testbed::unique_name("spool-refused");
+    let topic = testkit::unique_name("spool-refused");
     kafka.ensure_topics(&[TopicSpec::new(&topic, 1).with_config("max.message.bytes", "4096")]).await.expect("topic");
-    let dir = std::env::temp_dir().join(testbed::unique_name("spool-refused"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("spool-refused"));
     let spool_dir = dir.join("spool");
 
     // Three events waiting in the spool from an earlier outage; the middle one is too large.
@@ -62,13 +62,9 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     let token = CancellationToken::new();
     let task = tokio::spawn(publisher.run(token.clone()));
 
-    let behind = testbed::wait_for_record(
-        &topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(&b"behind"[..]),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the event behind the refused one was never published: {e}"));
+    let behind = testkit::wait_for_event(&topic, "behind", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the event behind the refused one was never published: {e}"));
     assert_eq!(behind.offset, 1, "published after 'first', the refused one in between left no record");
 
     // Handed over directly, an event that large is refused by the broker after it left: it is
@@ -85,13 +81,9 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     let (big, small) = (big(), small);
     let outcomes = tokio::join!(sink.emit(&big), sink.emit(&small));
     assert!(outcomes.0.is_ok() && outcomes.1.is_ok(), "{outcomes:?}");
-    testbed::wait_for_record(
-        &topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(wanted.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
+    testkit::wait_for_event(&topic, &wanted, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
 
     token.cancel();
     task.await.expect("joins").expect("publisher stops cleanly");

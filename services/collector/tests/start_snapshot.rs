@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use gpumedic_collector::sampler::SNAPSHOT_RAW;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::{Detail, HealthEvent, Kind, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -19,7 +19,7 @@ const KINDS: [Kind; 7] =
 /// kind `rounds` times (once per start).
 async fn snapshots(node: &str, gpus: i32, rounds: usize) -> Vec<HealthEvent> {
     let mut seen = Vec::new();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         topics::HEALTH_RAW,
         |r| {
             if r.key.as_deref() != Some(node.as_bytes()) {
@@ -44,9 +44,9 @@ async fn snapshots(node: &str, gpus: i32, rounds: usize) -> Vec<HealthEvent> {
 
 #[tokio::test]
 async fn every_reading_is_published_once_at_start_and_again_after_a_restart() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("snapshot");
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-snapshot"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("snapshot");
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-snapshot"));
     let env = [
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.clone()),
@@ -57,7 +57,7 @@ async fn every_reading_is_published_once_at_start_and_again_after_a_restart() {
         ("GPUMEDIC_CLOUD_PROVIDER", "none".into()),
         ("GPUMEDIC_STATE_DIR", state.display().to_string()),
     ];
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let first = snapshots(&node, 2, 1).await;
     assert!(first.iter().all(|e| e.healthy), "a healthy simulated GPU's readings are clear evidence: {first:#?}");
@@ -69,7 +69,7 @@ async fn every_reading_is_published_once_at_start_and_again_after_a_restart() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
-    let mut restarted = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts again");
+    let mut restarted = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts again");
     restarted.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let both = snapshots(&node, 2, 2).await;
     for g in 0..2 {

@@ -4,10 +4,9 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::record_headers;
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::Source;
 use gpumedic_schemas::{HealthEvent, Kind, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
@@ -39,15 +38,15 @@ fn env(bootstrap: String, node: &str, state: &std::path::Path) -> Vec<(&'static 
 
 #[tokio::test]
 async fn fault_injection_is_off_unless_enabled() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-synthetic-off"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-synthetic-off"));
     let mut collector =
-        testbed::ServiceProcess::start(BIN, &[], &env(bootstrap, &testbed::unique_name("syn-off"), &state))
+        testkit::ServiceProcess::start(BIN, &[], &env(bootstrap, &testkit::unique_name("syn-off"), &state))
             .expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let (code, _) = post(collector.admin_addr(), "/v1/inject", r#"{"xid": 79}"#).await.expect("admin answers");
     assert_eq!(code, 404, "the admin server has no injection route");
-    let (_, metrics) = testbed::http_get(collector.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, metrics) = testkit::http_get(collector.admin_addr(), "/metrics").await.expect("metrics");
     assert!(!metrics.contains("gpumedic_collector_synthetic_events_total"), "nothing was injected");
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
     std::fs::remove_dir_all(&state).ok();
@@ -55,13 +54,13 @@ async fn fault_injection_is_off_unless_enabled() {
 
 #[tokio::test]
 async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let node = testbed::unique_name("syn-on");
-    let state = std::env::temp_dir().join(testbed::unique_name("collector-synthetic-on"));
-    let addr = testbed::free_local_addr().expect("a free port");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testkit::unique_name("syn-on");
+    let state = std::env::temp_dir().join(testkit::unique_name("collector-synthetic-on"));
+    let addr = testkit::free_local_addr().expect("a free port");
     let mut env = env(bootstrap, &node, &state);
     env.push(("GPUMEDIC_SYNTHETIC_ADDR", addr.to_string()));
-    let mut collector = testbed::ServiceProcess::start(BIN, &[], &env).expect("starts");
+    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
 
     let mut answer = None;
@@ -91,13 +90,9 @@ async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
         assert!(answer.contains("simulated GPU backend only"), "{answer}");
     }
 
-    let record = testbed::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| r.header(record_headers::EVENT_ID) == Some(ids[1].as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let record = testkit::wait_for_event(topics::HEALTH_RAW, &ids[1], Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(record.key.as_deref(), Some(node.as_bytes()));
     let event: HealthEvent = gpumedic_schemas::decode(record.payload.as_deref().unwrap()).expect("decodes");
     assert!(event.synthetic);
@@ -113,7 +108,7 @@ async fn enabled_on_loopback_it_publishes_synthetic_events_for_its_own_node() {
 
 #[test]
 fn a_non_loopback_address_is_refused_with_exit_64() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &["--kafka-bootstrap", "127.0.0.1:19092", "--node-name", "n1", "--synthetic-addr", "0.0.0.0:9401"],
     );

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use gpumedic_runtime::testbed::http_get;
+use gpumedic_testkit::http_get;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, publish, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, GpuWorkload, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -33,7 +33,7 @@ fn xid_on_a(node: &str, workloads: Option<Vec<GpuWorkload>>) -> HealthEvent {
 
 async fn enriched_of(event: &HealthEvent) -> EnrichedHealthEvent {
     let id = event.event_id.to_string();
-    let out = testbed::wait_for_record(
+    let out = testkit::wait_for_record(
         topics::HEALTH_ENRICHED,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -52,8 +52,8 @@ fn pods(e: &EnrichedHealthEvent) -> Vec<(&str, &[String])> {
 
 #[tokio::test]
 async fn the_collectors_pods_win_over_the_annotation_and_without_them_the_annotation_is_used() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -61,8 +61,8 @@ async fn the_collectors_pods_win_over_the_annotation_and_without_them_the_annota
         .await
         .expect("topics");
 
-    let node = testbed::unique_name("wl-node");
-    let ns = testbed::unique_name("wl-ns");
+    let node = testkit::unique_name("wl-node");
+    let ns = testkit::unique_name("wl-ns");
     let nodes: Api<Node> = Api::all(client.clone());
     nodes
         .create(
@@ -94,13 +94,13 @@ async fn the_collectors_pods_win_over_the_annotation_and_without_them_the_annota
             .expect("pod");
     }
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::Record;
 use gpumedic_runtime::kafka::{KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source, XidDetail};
+use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -21,16 +21,8 @@ const GPU_A: &str = "GPU-aaaaaaaa-1b1b-1b1b-1b1b-000000000000";
 const GPU_B: &str = "GPU-bbbbbbbb-2a2a-2a2a-2a2a-000000000000";
 
 fn xid_event(node: &str, code: i32) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some("GPU-11111111-2222-3333-4444-555555555555".into()), ..Default::default() };
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail)
+    let gpu = "GPU-11111111-2222-3333-4444-555555555555";
+    testkit::event(node).xid(code).text("GPU has fallen off the bus.").gpu(gpu).build()
 }
 
 /// A kernel-log Xid: the kernel names the GPU by PCI bus id only.
@@ -65,13 +57,9 @@ async fn send(producer: &Producer, key: &str, payload: &[u8]) {
 /// The enriched record of `event`, found by its event id (a node's records share its key).
 async fn enriched_of(event: &HealthEvent) -> (Record, EnrichedHealthEvent) {
     let id = event.event_id.to_string();
-    let out = testbed::wait_for_record(
-        topics::HEALTH_ENRICHED,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let enriched = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes");
     (out, enriched)
 }
@@ -84,8 +72,8 @@ fn pod_names(e: &EnrichedHealthEvent) -> Vec<&str> {
 
 #[tokio::test]
 async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -94,21 +82,17 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
         .expect("topics");
 
     // A labelled GPU node with a GPU pod on it.
-    let node = testbed::unique_name("enr-node");
-    let ns = testbed::unique_name("enr-ns");
-    let nodes: Api<Node> = Api::all(client.clone());
-    nodes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": node, "labels": {
-                "node.kubernetes.io/instance-type": "p5.48xlarge", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "topology.kubernetes.io/zone": "us-east-1a", "nvidia.com/cuda.driver-version.full": "570.86.15" } },
-                // Nodes take their status on create (kubelets register that way).
-                "status": { "capacity": { "nvidia.com/gpu": "8" }, "allocatable": { "nvidia.com/gpu": "8" } } }))
-            .unwrap(),
-        )
-        .await
-        .expect("node");
+    let node = testkit::unique_name("enr-node");
+    let ns = testkit::unique_name("enr-ns");
+    testkit::NodeBuilder::new(&node)
+        .label("node.kubernetes.io/instance-type", "p5.48xlarge")
+        .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
+        .label("topology.kubernetes.io/zone", "us-east-1a")
+        .label("nvidia.com/cuda.driver-version.full", "570.86.15")
+        .capacity("nvidia.com/gpu", "8")
+        .allocatable("nvidia.com/gpu", "8")
+        .create(&client)
+        .await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
@@ -138,15 +122,15 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
         .expect("pod");
     }
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             // At the end of the shared topic: not behind every record earlier runs left there.
-            ("GPUMEDIC_GROUP", testbed::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
+            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
             ("GPUMEDIC_CLUSTER_NAME", "testbed".into()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
@@ -154,7 +138,7 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
 
     let producer = settings.producer("enricher-test").unwrap();
     let known = xid_event(&node, 79);
-    let unknown_node = testbed::unique_name("enr-unknown");
+    let unknown_node = testkit::unique_name("enr-unknown");
     let unknown = xid_event(&unknown_node, 13);
     send(&producer, &node, &gpumedic_schemas::encode(&known).unwrap()).await;
     send(&producer, &unknown_node, &gpumedic_schemas::encode(&unknown).unwrap()).await;
@@ -214,7 +198,7 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     assert_eq!(enriched.node_context.expected_gpus, None);
     assert!(enriched.workloads.is_empty());
 
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
         |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
         Duration::from_secs(60),
@@ -227,6 +211,6 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
-    nodes.delete(&node, &DeleteParams::default()).await.unwrap();
+    Api::<Node>::all(client.clone()).delete(&node, &DeleteParams::default()).await.unwrap();
     namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
 }

@@ -3,21 +3,21 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 
 #[tokio::test]
 async fn starts_reports_ready_and_stops_on_sigterm() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::assert_service_lifecycle(
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::assert_service_lifecycle(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("enricher")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_GROUP", testkit::unique_name("enricher")),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
         Duration::from_secs(60),
         Duration::from_secs(10),
@@ -27,7 +27,7 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 
 #[test]
 fn invalid_config_lists_every_problem_and_exits_64() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",

@@ -11,9 +11,8 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
@@ -23,15 +22,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 const COLLECTOR_SA: &str = "gpumedic-collector";
 
 fn xid(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 /// A token of `sa` bound to Pod `pod` (audience gpumedic), as the kubelet projects it.
@@ -70,23 +61,19 @@ async fn send(producer: &Producer, topic: &str, key: &str, event: &HealthEvent, 
 /// The dead-letter reason of `event`'s record.
 async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
     let id = event.event_id.to_string();
-    let dead = testbed::wait_for_record(
-        dlq,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{} was not dead-lettered: {e}", event.node));
+    let dead = testkit::wait_for_event(dlq, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{} was not dead-lettered: {e}", event.node));
     assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
     String::from_utf8_lossy(dead.header(dlq_headers::REASON).expect("reason")).into_owned()
 }
 
 #[tokio::test]
 async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_claims() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let raw = testbed::unique_name("nodeauth-raw");
-    let enriched_topic = testbed::unique_name("nodeauth-enriched");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let raw = testkit::unique_name("nodeauth-raw");
+    let enriched_topic = testkit::unique_name("nodeauth-enriched");
     let dlq = kafka::dead_letter_topic(&raw);
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
@@ -95,14 +82,10 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
         .await
         .expect("topics");
 
-    let ns = testbed::unique_name("nodeauth");
-    let (node_a, node_b) = (testbed::unique_name("nodeauth-a"), testbed::unique_name("nodeauth-b"));
-    let nodes: Api<Node> = Api::all(client.clone());
+    let ns = testkit::unique_name("nodeauth");
+    let (node_a, node_b) = (testkit::unique_name("nodeauth-a"), testkit::unique_name("nodeauth-b"));
     for n in [&node_a, &node_b] {
-        nodes
-            .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": n } })).unwrap())
-            .await
-            .expect("node");
+        testkit::NodeBuilder::new(n).create(&client).await;
     }
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
@@ -146,18 +129,18 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     }
     assert!(pods.get_opt("collector-gone").await.expect("get").is_none(), "the pod is deleted");
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("nodeauth-enricher")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("nodeauth-enricher")),
             ("GPUMEDIC_RAW_TOPIC", raw.clone()),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_NODE_AUTH", "enforce".into()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
             ("GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", format!("{ns}:operator")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
@@ -183,7 +166,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     let b_forged = xid(&node_b);
     let a_gone = xid(&node_a);
     let a_trainer = xid(&node_a);
-    let unknown_node = testbed::unique_name("nodeauth-nowhere");
+    let unknown_node = testkit::unique_name("nodeauth-nowhere");
     let nowhere_with_a = xid(&unknown_node);
     let operator_b = xid(&node_b);
     let good_b = xid(&node_b);
@@ -202,13 +185,9 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     // A's record with A's token is enriched.
     let id = good_a.event_id.to_string();
-    let out = testbed::wait_for_record(
-        &enriched_topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("A's own record is enriched: {e}"));
+    let out = testkit::wait_for_event(&enriched_topic, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("A's own record is enriched: {e}"));
     let enriched: EnrichedHealthEvent = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).unwrap();
     assert_eq!(enriched.event, good_a);
 
@@ -219,7 +198,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
         .collect();
     let good_b_id = good_b.event_id.to_string();
     let mut leaked = Vec::new();
-    testbed::wait_for_record(
+    testkit::wait_for_record(
         &enriched_topic,
         |r| {
             let id = String::from_utf8_lossy(r.header(record_headers::EVENT_ID).unwrap_or_default()).into_owned();
@@ -234,13 +213,9 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     .unwrap_or_else(|e| panic!("B's own record with B's token is enriched: {e}"));
     assert!(leaked.is_empty(), "records without a valid token of their node were enriched: {leaked:?}");
     let operator_id = operator_b.event_id.to_string();
-    testbed::wait_for_record(
-        &enriched_topic,
-        |r| r.header(record_headers::EVENT_ID) == Some(operator_id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("the operator may speak for any node: {e}"));
+    testkit::wait_for_event(&enriched_topic, &operator_id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("the operator may speak for any node: {e}"));
 
     // Each refused record is dead-lettered with its reason.
     assert_eq!(
@@ -272,7 +247,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     );
 
     // Counted per claimed node; a node the cluster does not know is one label.
-    let (_, metrics) = testbed::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, metrics) = testkit::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
     let count = |node: &str, reason: &str| -> f64 {
         metrics
             .lines()
@@ -298,7 +273,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
     for n in [&node_a, &node_b] {
-        nodes.delete(n, &DeleteParams::default()).await.unwrap();
+        Api::<Node>::all(client.clone()).delete(n, &DeleteParams::default()).await.unwrap();
     }
     namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
 }

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka::node_proof::{self, NodeKey, directory_key};
 use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, dlq_headers, publish, record_headers};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
@@ -85,7 +85,7 @@ async fn send(producer: &Producer, topic: &str, event: &HealthEvent, token: &[u8
 /// The dead-letter reason of `event`'s record.
 async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
     let id = event.event_id.to_string();
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         dlq,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -98,7 +98,7 @@ async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
 /// Waits for `event`'s enriched record and checks it is `event`'s.
 async fn enriched(topic: &str, event: &HealthEvent, what: &str) {
     let id = event.event_id.to_string();
-    let out = testbed::wait_for_record(
+    let out = testkit::wait_for_record(
         topic,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
@@ -111,11 +111,11 @@ async fn enriched(topic: &str, event: &HealthEvent, what: &str) {
 
 #[tokio::test]
 async fn a_signed_record_is_enriched_only_under_the_key_of_its_nodes_token() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let raw = testbed::unique_name("nodesig-raw");
-    let enriched_topic = testbed::unique_name("nodesig-enriched");
-    let directory = testbed::unique_name("nodesig-tokens");
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let raw = testkit::unique_name("nodesig-raw");
+    let enriched_topic = testkit::unique_name("nodesig-enriched");
+    let directory = testkit::unique_name("nodesig-tokens");
     let dlq = kafka::dead_letter_topic(&raw);
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
@@ -125,8 +125,8 @@ async fn a_signed_record_is_enriched_only_under_the_key_of_its_nodes_token() {
         .expect("topics");
     settings.ensure_topics(&[node_proof::directory_topic(&directory)]).await.expect("directory topic");
 
-    let ns = testbed::unique_name("nodesig");
-    let (node_a, node_b) = (testbed::unique_name("nodesig-a"), testbed::unique_name("nodesig-b"));
+    let ns = testkit::unique_name("nodesig");
+    let (node_a, node_b) = (testkit::unique_name("nodesig-a"), testkit::unique_name("nodesig-b"));
     let nodes: Api<Node> = Api::all(client.clone());
     for n in [&node_a, &node_b] {
         nodes
@@ -164,18 +164,18 @@ async fn a_signed_record_is_enriched_only_under_the_key_of_its_nodes_token() {
     // A's token and the forged one are in the directory before the enricher starts; B's after.
     publish_token(&producer, &directory, &node_a, token_a.as_bytes()).await;
     publish_token(&producer, &directory, &node_b, forged.as_bytes()).await;
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("nodesig-enricher")),
+            ("GPUMEDIC_GROUP", testkit::unique_name("nodesig-enricher")),
             ("GPUMEDIC_RAW_TOPIC", raw.clone()),
             ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
             ("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone()),
             ("GPUMEDIC_NODE_AUTH", "enforce".into()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
@@ -217,7 +217,7 @@ async fn a_signed_record_is_enriched_only_under_the_key_of_its_nodes_token() {
     let forged_reason = dead_letter_reason(&dlq, &b_forged).await;
     assert!(forged_reason.starts_with("node token invalid"), "a forged token in the directory: {forged_reason}");
 
-    let (_, metrics) = testbed::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, metrics) = testkit::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
     for reason in ["unknown_key", "bad_signature"] {
         assert!(
             metrics.lines().any(|l| l.starts_with("gpumedic_enricher_records_unauthenticated_total{")

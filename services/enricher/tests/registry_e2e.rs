@@ -6,18 +6,18 @@
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, dlq_headers, publish};
-use gpumedic_runtime::testbed;
 use gpumedic_schemas::framing::split_frame;
 use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, RegistryOptions, topics};
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 
 #[tokio::test]
 async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let registry = testbed::require_schema_registry().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let registry = testkit::require_schema_registry().await.unwrap_or_else(|e| panic!("{e}"));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -29,21 +29,21 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
 
     // Only this test's records: older ones on the shared topic were written without a registry,
     // and their embedded ids mean nothing to it.
-    let group = testbed::group_at_end("enricher-registry", &[topics::HEALTH_RAW]).await.expect("group offsets");
-    let mut enricher = testbed::ServiceProcess::start(
+    let group = testkit::group_at_end("enricher-registry", &[topics::HEALTH_RAW]).await.expect("group offsets");
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
             ("GPUMEDIC_SCHEMA_REGISTRY_URL", registry.clone()),
             ("GPUMEDIC_GROUP", group),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("enricher starts");
     enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let node = testbed::unique_name("reg-node");
+    let node = testkit::unique_name("reg-node");
     let detail = Detail::Xid(XidDetail {
         code: 79,
         text: "GPU has fallen off the bus.".into(),
@@ -64,7 +64,7 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
     unknown.extend_from_slice(b"body");
     publish(&producer, topics::HEALTH_RAW, &unknown_key, &unknown, &[]).await.unwrap();
 
-    let out = testbed::wait_for_record(
+    let out = testkit::wait_for_record(
         topics::HEALTH_ENRICHED,
         |r| r.key.as_deref() == Some(node.as_bytes()),
         Duration::from_secs(60),
@@ -77,7 +77,7 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
     assert_eq!(enriched.event, event);
     assert_eq!(enriched.xid_catalog.as_ref().map(|c| c.name.as_str()), Some("GPU has fallen off the bus"));
 
-    let dead = testbed::wait_for_record(
+    let dead = testkit::wait_for_record(
         &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
         |r| r.key.as_deref() == Some(unknown_key.as_bytes()),
         Duration::from_secs(60),

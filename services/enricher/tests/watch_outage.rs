@@ -9,13 +9,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish, record_headers};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
+use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 
@@ -30,7 +28,7 @@ struct Gate {
 impl Gate {
     async fn open_new(upstream: &str) -> Self {
         let gate =
-            Self { addr: testbed::free_local_addr().unwrap(), upstream: upstream.to_owned(), tasks: Arc::default() };
+            Self { addr: testkit::free_local_addr().unwrap(), upstream: upstream.to_owned(), tasks: Arc::default() };
         gate.open().await;
         gate
     }
@@ -64,15 +62,7 @@ impl Gate {
 }
 
 fn xid_event(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealthEvent {
@@ -80,26 +70,20 @@ async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealth
         .await
         .expect("produced");
     let id = event.event_id.to_string();
-    let out = testbed::wait_for_record(
-        topics::HEALTH_ENRICHED,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes")
 }
 
 fn labelled_node(name: &str) -> Node {
-    serde_json::from_value(json!({ "metadata": { "name": name, "labels": {
-        "node.kubernetes.io/instance-type": "p5.48xlarge" } } }))
-    .unwrap()
+    testkit::NodeBuilder::new(name).label("node.kubernetes.io/instance-type", "p5.48xlarge").build()
 }
 
 #[tokio::test]
 async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_lists_again() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let settings =
         KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
     settings
@@ -108,11 +92,11 @@ async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_list
         .expect("topics");
 
     // The enricher reaches the apiserver through the gate.
-    let kubeconfig = std::fs::read_to_string(testbed::kubeconfig_path()).expect("the testbed's kubeconfig");
+    let kubeconfig = std::fs::read_to_string(testkit::kubeconfig_path()).expect("the testbed's kubeconfig");
     let server =
         kubeconfig.lines().find_map(|l| l.trim().strip_prefix("server: https://")).expect("a server line").to_owned();
     let gate = Gate::open_new(&server).await;
-    let dir = std::env::temp_dir().join(testbed::unique_name("enricher-gate"));
+    let dir = std::env::temp_dir().join(testkit::unique_name("enricher-gate"));
     std::fs::create_dir_all(&dir).unwrap();
     let gated = dir.join("kubeconfig");
     std::fs::write(&gated, kubeconfig.replace(&format!("https://{server}"), &format!("https://{}", gate.addr)))
@@ -120,17 +104,17 @@ async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_list
 
     let nodes: Api<Node> = Api::all(client.clone());
     let (stays, goes, comes) =
-        (testbed::unique_name("gate-stays"), testbed::unique_name("gate-goes"), testbed::unique_name("gate-comes"));
+        (testkit::unique_name("gate-stays"), testkit::unique_name("gate-goes"), testkit::unique_name("gate-comes"));
     for name in [&stays, &goes] {
         nodes.create(&PostParams::default(), &labelled_node(name)).await.expect("node");
     }
 
-    let mut enricher = testbed::ServiceProcess::start(
+    let mut enricher = testkit::ServiceProcess::start(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
+            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
             ("KUBECONFIG", gated.display().to_string()),
         ],
     )
@@ -139,24 +123,20 @@ async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_list
 
     // The outage: the watches fail, the enricher stays up and says it is not ready.
     gate.close();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    testkit::eventually("the enricher to turn unready with its watches failing", Duration::from_secs(30), async || {
         if let Some(status) = enricher.try_wait().unwrap() {
             panic!("the enricher exited with {status} when the apiserver became unreachable");
         }
-        if matches!(testbed::http_get(enricher.admin_addr(), "/readyz").await, Ok((503, _))) {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the enricher stayed ready with its watches failing");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        matches!(testkit::http_get(enricher.admin_addr(), "/readyz").await, Ok((503, _))).then_some(())
+    })
+    .await;
     nodes.delete(&goes, &DeleteParams::default()).await.expect("deleted");
     nodes.create(&PostParams::default(), &labelled_node(&comes)).await.expect("node");
     tokio::time::sleep(Duration::from_secs(5)).await;
     if let Some(status) = enricher.try_wait().unwrap() {
         panic!("the enricher exited with {status} during the apiserver's outage");
     }
-    let (_, metrics) = testbed::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, metrics) = testkit::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
     assert!(
         metrics.lines().any(|l| l.starts_with("gpumedic_enricher_watch_failures_total{resource=\"nodes\"}")),
         "the failures are counted: {metrics}"

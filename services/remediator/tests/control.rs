@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::control::{self, StatusClient};
 use gpumedic_remediator::maintenance::DEFERRED_ANNOTATION;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -25,76 +25,33 @@ use serde_json::json;
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
 
 /// One test's world: its namespace, fleet label, topics and group.
-struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+struct World(Fleet);
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.0
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
-        Self {
-            client,
-            ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
-            bootstrap,
-        }
-    }
-
-    async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+        Self(Fleet::new().await)
     }
 
     /// Starts a remediator replica named `identity`, with short lease timings and `extra` env.
     fn start(&self, identity: &str, extra: &[(&str, String)]) -> ServiceProcess {
-        let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", identity.to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
-            ("GPUMEDIC_MODE", "cordon-drain".into()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
-        ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        ServiceProcess::start(BIN, &[], &env).expect("the remediator starts")
-    }
-
-    async fn publish(&self, verdict: &Verdict) {
-        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
-    }
-
-    /// Waits for the outcome of verdict `id` that `want` accepts.
-    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
-        wait_for_outcome(&self.actions, id, want).await
+        let mut env = vec![("GPUMEDIC_CONTROL_POLL", "500ms".to_owned())];
+        env.extend(extra.iter().cloned());
+        ServiceProcess::start(BIN, &[], &self.env(identity, "cordon-drain", &env)).expect("the remediator starts")
     }
 
     /// Every outcome on the actions topic, read until it has been quiet for a few seconds.
     async fn all_outcomes(&self) -> Vec<ActionOutcome> {
         let consumer: StreamConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
-            .set("group.id", testbed::unique_name("reader"))
+            .set("group.id", testkit::unique_name("reader"))
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "false")
             .create()
@@ -123,37 +80,16 @@ impl World {
 
     /// Runs the `gpumedic` CLI against this world's namespace; returns stdout.
     fn cli(&self, args: &[&str]) -> String {
-        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let bin = testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
         let out = Command::new(bin)
             .args(args)
             .args(["--namespace", &self.ns])
-            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("KUBECONFIG", testkit::kubeconfig_path())
             .env("GPUMEDIC_OPERATOR", "tester")
             .output()
             .expect("gpumedic runs");
         assert!(out.status.success(), "gpumedic {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
-    }
-}
-
-fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, severity: Severity, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: Default::default(),
-        severity,
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: "GPU has fallen off the bus".into(),
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
     }
 }
 
@@ -190,7 +126,7 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
     assert!(metric(first.as_ref().unwrap(), "gpumedic_remediator_leader 1").await);
     assert!(metric(&second, "gpumedic_remediator_leader 0").await, "the standby is ready but does not lead");
 
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).build();
     w.publish(&v).await;
     // Mid-drain: cordoned, tainted, draining, the PodDisruptionBudget holding the pod.
     eventually("the leader to start draining", Duration::from_secs(60), async || {
@@ -241,15 +177,15 @@ async fn leader_failover_mid_drain_finishes_the_drain_once() {
 async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby_can_take_over() {
     let w = World::new().await;
     // The leader reaches the apiserver through a relay; the standby directly.
-    let kubeconfig = std::fs::read_to_string(testbed::kubeconfig_path()).expect("the testbed's kubeconfig");
+    let kubeconfig = std::fs::read_to_string(testkit::kubeconfig_path()).expect("the testbed's kubeconfig");
     let server = kubeconfig
         .lines()
         .find_map(|l| l.trim().strip_prefix("server: https://"))
         .expect("the kubeconfig names its server")
         .trim()
         .to_owned();
-    let relay = testbed::Relay::start(&server).await.expect("the relay starts");
-    let relayed = std::env::temp_dir().join(testbed::unique_name("kubeconfig"));
+    let relay = testkit::Relay::start(&server).await.expect("the relay starts");
+    let relayed = std::env::temp_dir().join(testkit::unique_name("kubeconfig"));
     std::fs::write(&relayed, kubeconfig.replace(&server, &relay.addr().to_string())).unwrap();
     // Renew deadline 6 s: the leader must stop by then; a standby takes over no sooner than 8 s
     // after it last saw the lease change.
@@ -293,7 +229,7 @@ async fn a_leader_whose_apiserver_stops_answering_stops_leading_before_a_standby
 
     // The new leader acts; the old one, its apiserver back, stands by and writes nothing.
     let name = w.node().await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     relay.hold(false);
@@ -323,7 +259,8 @@ async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gp
     let mut r = w.start("rem-a", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     let incidents: Vec<uuid::Uuid> = nodes.iter().map(|_| uuid::Uuid::new_v4()).collect();
-    let cordon = |i: usize| verdict(&nodes[i], incidents[i], RecommendedAction::Cordon, Severity::Critical, false);
+    let cordon =
+        |i: usize| testkit::verdict(&nodes[i]).incident(incidents[i]).action(RecommendedAction::Cordon).build();
     for i in 0..2 {
         let v = cordon(i);
         w.publish(&v).await;
@@ -347,7 +284,7 @@ async fn the_breaker_survives_a_restart_lets_recoveries_through_and_closes_on_gp
     assert!(!cordoned(&get_node(&w.client, &nodes[3]).await));
 
     // Recoveries proceed while it is open.
-    let v = verdict(&nodes[0], incidents[0], RecommendedAction::None, Severity::Info, true);
+    let v = testkit::verdict(&nodes[0]).incident(incidents[0]).severity(Severity::Info).recovery(true).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(!cordoned(&get_node(&w.client, &nodes[0]).await), "recovered while the breaker is open");
@@ -380,11 +317,11 @@ async fn a_failover_does_not_refresh_the_breaker_budget_even_after_the_quarantin
     let mut r = w.start("rem-a", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
     let incident = uuid::Uuid::new_v4();
-    let v = verdict(&first, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&first).incident(incident).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     // It recovers: gpumedic's taint, which a new leader used to count the budget from, is gone.
-    let v = verdict(&first, incident, RecommendedAction::None, Severity::Info, true);
+    let v = testkit::verdict(&first).incident(incident).severity(Severity::Info).recovery(true).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(gpumedic_taints(&get_node(&w.client, &first).await).is_empty());
@@ -394,7 +331,7 @@ async fn a_failover_does_not_refresh_the_breaker_budget_even_after_the_quarantin
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     let mut r = w.start("rem-b", &limits);
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
-    let v = verdict(&second, uuid::Uuid::new_v4(), RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&second).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     let o = w.outcome(v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::BlockedByBreaker, "the new leader counts the first quarantine: {}", o.detail);
@@ -417,7 +354,7 @@ async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through
     .await;
     let before = get_node(&w.client, &name).await;
     let incident = uuid::Uuid::new_v4();
-    let v = verdict(&name, incident, RecommendedAction::Drain, Severity::Critical, false);
+    let v = testkit::verdict(&name).incident(incident).action(RecommendedAction::Drain).build();
     w.publish(&v).await;
     let o = w.outcome(v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::SkippedByMode);
@@ -433,7 +370,7 @@ async fn a_verdict_while_paused_changes_nothing_and_resume_lets_the_next_through
         metric(&r, "gpumedic_remediator_paused 0").await.then_some(())
     })
     .await;
-    let v = verdict(&name, incident, RecommendedAction::Cordon, Severity::Critical, false);
+    let v = testkit::verdict(&name).incident(incident).action(RecommendedAction::Cordon).build();
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(cordoned(&get_node(&w.client, &name).await));
@@ -457,9 +394,9 @@ async fn a_non_urgent_drain_waits_for_the_maintenance_window_and_runs_when_it_op
     );
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
-    let v = verdict(&waits, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let v = testkit::verdict(&waits).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     w.publish(&v).await;
-    let critical = verdict(&urgent, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Critical, false);
+    let critical = testkit::verdict(&urgent).action(RecommendedAction::Drain).build();
     w.publish(&critical).await;
     let deferred = w.outcome(v.verdict_id, |_| true).await;
     assert!(
@@ -500,12 +437,12 @@ async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_p
 
     // The provider's window starts soon; the classifier's not_before is its start less the lead.
     let not_before = chrono::Utc::now() + chrono::Duration::seconds(25);
-    let mut v = verdict(&scheduled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut v = testkit::verdict(&scheduled).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     v.rule_id = "cloud-maintenance".into();
     v.not_before = Some(not_before);
     w.publish(&v).await;
     // A notice whose not_before has already come acts at once.
-    let mut now = verdict(&due, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut now = testkit::verdict(&due).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     now.rule_id = "cloud-maintenance".into();
     now.not_before = Some(chrono::Utc::now() - chrono::Duration::seconds(5));
     w.publish(&now).await;
@@ -529,13 +466,9 @@ async fn scheduled_maintenance_waits_for_its_not_before_across_a_restart_and_a_p
     let record = gpumedic_remediator::maintenance::Deferred {
         verdict_id: uuid::Uuid::new_v4(),
         action: RecommendedAction::Drain,
-        request: gpumedic_remediator::verdicts::remediation(&verdict(
-            &victim,
-            uuid::Uuid::new_v4(),
-            RecommendedAction::Drain,
-            Severity::Critical,
-            false,
-        )),
+        request: gpumedic_remediator::verdicts::remediation(
+            &testkit::verdict(&victim).action(RecommendedAction::Drain).build(),
+        ),
         deferred_at: chrono::Utc::now(),
         not_before: chrono::Utc::now(),
         until: gpumedic_remediator::maintenance::Until::Time,
@@ -583,7 +516,7 @@ async fn a_deferrable_reset_waits_until_no_workload_uses_the_gpu_and_a_cancelled
     r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
 
     // A contained ECC error: reset the GPU when convenient.
-    let mut v = verdict(&busy, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, Severity::Warning, false);
+    let mut v = testkit::verdict(&busy).action(RecommendedAction::ResetGpu).severity(Severity::Warning).build();
     v.rule_id = "xid-94-contained-memory-error".into();
     v.deferrable = true;
     v.entity.gpu_uuid = Some("GPU-aaa".into());
@@ -610,12 +543,13 @@ async fn a_deferrable_reset_waits_until_no_workload_uses_the_gpu_and_a_cancelled
     assert_eq!(pods_left(&w.client, &w.ns).await, vec!["on-another-gpu".to_owned()]);
 
     // A notice that the provider then cancels: the recovery removes the plan before its time.
-    let mut notice = verdict(&cancelled, uuid::Uuid::new_v4(), RecommendedAction::Drain, Severity::Warning, false);
+    let mut notice = testkit::verdict(&cancelled).action(RecommendedAction::Drain).severity(Severity::Warning).build();
     notice.rule_id = "cloud-maintenance".into();
     notice.not_before = Some(chrono::Utc::now() + chrono::Duration::hours(47));
     w.publish(&notice).await;
     w.outcome(notice.verdict_id, |o| o.status == ActionStatus::SkippedByMode).await;
-    let mut over = verdict(&cancelled, notice.incident_id, RecommendedAction::None, Severity::Info, true);
+    let mut over =
+        testkit::verdict(&cancelled).incident(notice.incident_id).severity(Severity::Info).recovery(true).build();
     over.rule_id = "cloud-maintenance".into();
     w.publish(&over).await;
     w.outcome(over.verdict_id, |_| true).await;

@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionStatus, RecommendedAction, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -26,8 +26,8 @@ struct Store {
 
 impl Store {
     async fn new() -> Self {
-        let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-        let url = testbed::fresh_database(&admin, &testbed::unique_name("convergence")).await.expect("database");
+        let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+        let url = testkit::fresh_database(&admin, &testkit::unique_name("convergence")).await.expect("database");
         let pool = gpumedic_runtime::postgres::connect(&url, 2).await.expect("connect");
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../classifier/migrations");
         sqlx::migrate::Migrator::new(dir)
@@ -84,35 +84,21 @@ impl Store {
 
 /// One test's world: namespace, fleet label, topics, group and incident store.
 struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+    base: Fleet,
     store: Store,
+}
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.base
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
-        Self {
-            client,
-            ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
-            bootstrap,
-            store: Store::new().await,
-        }
-    }
-
-    async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
+        Self { base: Fleet::new().await, store: Store::new().await }
     }
 
     /// Starts the remediator in `mode`, resyncing every second.
@@ -123,29 +109,12 @@ impl World {
     /// [`World::start`] with `extra` settings.
     async fn start_with(&self, mode: &str, extra: &[(&str, String)]) -> ServiceProcess {
         let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_CONTROL_POLL", "500ms".into()),
-            ("GPUMEDIC_MODE", mode.to_owned()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+            ("GPUMEDIC_CONTROL_POLL", "500ms".to_owned()),
             ("GPUMEDIC_INCIDENT_DATABASE_URL", self.store.url.clone()),
             ("GPUMEDIC_RESYNC_INTERVAL", "1s".into()),
         ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        let mut r = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        env.extend(extra.iter().cloned());
+        let mut r = ServiceProcess::start(BIN, &[], &self.env("rem-a", mode, &env)).expect("the remediator starts");
         r.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
         r
     }
@@ -157,36 +126,15 @@ impl World {
     }
 
     fn cli(&self, args: &[&str]) {
-        let bin = testbed::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
+        let bin = testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}"));
         let out = Command::new(bin)
             .args(args)
             .args(["--namespace", &self.ns])
-            .env("KUBECONFIG", testbed::kubeconfig_path())
+            .env("KUBECONFIG", testkit::kubeconfig_path())
             .env("GPUMEDIC_OPERATOR", "tester")
             .output()
             .expect("gpumedic runs");
         assert!(out.status.success(), "gpumedic {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-}
-
-fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: Default::default(),
-        severity: Severity::Critical,
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: "GPU has fallen off the bus".into(),
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
     }
 }
 
@@ -200,15 +148,15 @@ async fn a_verdict_refused_while_paused_is_acted_on_after_the_resume_while_its_i
         metric(&r, "gpumedic_remediator_paused 1").await.then_some(())
     })
     .await;
-    let open = verdict(&open_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
-    let closed = verdict(&closed_node, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let open = testkit::verdict(&open_node).action(RecommendedAction::Cordon).build();
+    let closed = testkit::verdict(&closed_node).action(RecommendedAction::Cordon).build();
     for v in [&open, &closed] {
         w.issue(v).await;
         let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
         assert_eq!(o.status, ActionStatus::SkippedByMode, "{}", o.detail);
     }
     // The second incident resolves while paused; its recovery verdict finds nothing to undo.
-    let recovered = verdict(&closed_node, closed.incident_id, RecommendedAction::None, true);
+    let recovered = testkit::verdict(&closed_node).incident(closed.incident_id).recovery(true).build();
     w.issue(&recovered).await;
     wait_for_outcome(&w.actions, recovered.verdict_id, |_| true).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -230,7 +178,7 @@ async fn switching_monitor_only_to_cordon_drain_acts_on_the_incidents_already_op
     let w = World::new().await;
     let name = w.node().await;
     let mut r = w.start("monitor-only").await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.issue(&v).await;
     let o = wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
     assert_eq!(o.status, ActionStatus::DryRun, "{}", o.detail);
@@ -253,13 +201,13 @@ async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and
     let w = World::new().await;
     let name = w.node().await;
     let mut r = w.start("cordon-drain").await;
-    let fault = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Cordon, false);
+    let fault = testkit::verdict(&name).action(RecommendedAction::Cordon).build();
     w.issue(&fault).await;
     wait_for_outcome(&w.actions, fault.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(cordoned(&get_node(&w.client, &name).await));
 
     // The incident resolves in the store; its recovery verdict never reaches the remediator.
-    let recovery = verdict(&name, fault.incident_id, RecommendedAction::None, true);
+    let recovery = testkit::verdict(&name).incident(fault.incident_id).recovery(true).build();
     w.store.record(&recovery).await;
     let o = wait_for_outcome(&w.actions, recovery.verdict_id, |o| o.status == ActionStatus::Applied).await;
     assert!(o.detail.starts_with("resync"), "{}", o.detail);
@@ -276,7 +224,7 @@ async fn a_node_whose_incident_resolved_without_its_verdict_is_released_once_and
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!cordoned(&get_node(&w.client, &name).await), "a replayed fault does not take a recovered node out");
     let released = eventually("the recovery outcome count", Duration::from_secs(10), async || {
-        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        let body = testkit::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
         body.lines()
             .find(|l| {
                 l.starts_with("gpumedic_remediator_resync_actions_total{")
@@ -312,7 +260,7 @@ async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried
     pdbs.patch_status("held", &PatchParams::default(), &Patch::Merge(status)).await.expect("pdb status");
 
     let mut r = w.start_with("cordon-drain", &[("GPUMEDIC_DRAIN_DEADLINE", "1s".into())]).await;
-    let v = verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false);
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).build();
     w.issue(&v).await;
     let o = wait_for_outcome(&w.actions, v.verdict_id, |o| o.status == ActionStatus::Applied).await;
     // The verdict's own outcome, or the resync's when it reached the stored incident first.
@@ -324,7 +272,7 @@ async fn a_drain_a_pdb_held_past_its_deadline_is_reported_incomplete_and_retried
     );
     assert_eq!(pods_left(&w.client, &w.ns).await, ["held"]);
     eventually("the incomplete drain to be counted", Duration::from_secs(10), async || {
-        let body = testbed::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
+        let body = testkit::http_get(r.admin_addr(), "/metrics").await.ok()?.1;
         body.lines()
             .any(|l| l.starts_with("gpumedic_remediator_drains_incomplete_total") && !l.ends_with(" 0"))
             .then_some(())
@@ -366,7 +314,7 @@ async fn a_deferred_action_once_carried_out_is_not_deferred_again_by_the_resync(
     let name = w.node().await;
     // Deferrals checked every second, as the resync runs: a loop between them shows in seconds.
     let mut r = w.start_with("cordon-drain", &[("GPUMEDIC_MAINTENANCE_CHECK", "1s".into())]).await;
-    let v = Verdict { deferrable: true, ..verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false) };
+    let v = testkit::verdict(&name).action(RecommendedAction::Drain).deferrable(true).build();
     w.issue(&v).await;
     // The node runs no workload: the deferral is due at once, and the drain is carried out.
     eventually("the deferred drain to be carried out", Duration::from_secs(60), async || {
@@ -395,10 +343,7 @@ async fn two_deferred_incidents_on_one_node_do_not_take_the_deferral_from_each_o
     let mut r = w.start("cordon-drain").await;
     let later = chrono::Utc::now() + chrono::Duration::hours(2);
     for _ in 0..2 {
-        let v = Verdict {
-            not_before: Some(later),
-            ..verdict(&name, uuid::Uuid::new_v4(), RecommendedAction::Drain, false)
-        };
+        let v = testkit::verdict(&name).action(RecommendedAction::Drain).not_before(later).build();
         w.issue(&v).await;
         wait_for_outcome(&w.actions, v.verdict_id, |_| true).await;
     }
@@ -414,7 +359,7 @@ async fn two_deferred_incidents_on_one_node_do_not_take_the_deferral_from_each_o
 /// How many times the resync deferred an action (`gpumedic_remediator_resync_actions_total`
 /// with result `deferred`).
 async fn resync_deferrals(r: &ServiceProcess) -> f64 {
-    let (_, text) = testbed::http_get(r.admin_addr(), "/metrics").await.expect("metrics");
+    let (_, text) = testkit::http_get(r.admin_addr(), "/metrics").await.expect("metrics");
     text.lines()
         .filter(|l| l.starts_with("gpumedic_remediator_resync_actions_total") && l.contains("result=\"deferred\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

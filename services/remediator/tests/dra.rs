@@ -368,7 +368,7 @@ async fn the_cluster_role_is_enough_to_quarantine_a_gpu_and_refuses_writing_slic
     .await
     .expect("service account");
     let mut role = cluster_role();
-    let role_name = gpumedic_runtime::testbed::unique_name("gpumedic-remediator-dra");
+    let role_name = gpumedic_testkit::unique_name("gpumedic-remediator-dra");
     role.metadata.name = Some(role_name.clone());
     Api::<ClusterRole>::all(admin.clone()).create(&PostParams::default(), &role).await.expect("cluster role");
     let binding: ClusterRoleBinding = serde_json::from_value(json!({

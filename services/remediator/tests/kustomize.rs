@@ -82,7 +82,7 @@ fn relative(from: &Path, to: &Path) -> PathBuf {
 /// A throwaway kustomization under the target directory: `resources` and `components` are folders
 /// of k8s/ (such as `overlays/cordon-drain`), `namespace` replaces the deployment's namespace.
 fn kustomization(resources: &[&str], components: &[&str], namespace: Option<&str>) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(gpumedic_runtime::testbed::unique_name("kustomize"));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(gpumedic_testkit::unique_name("kustomize"));
     std::fs::create_dir_all(&dir).expect("create the kustomization folder");
     let dir = dir.canonicalize().expect("kustomization folder");
     let k8s = repo_root().join("k8s");
@@ -705,7 +705,7 @@ fn kubectl_on_testbed(args: &[&str], stdin: Option<&str>) -> (bool, String, Stri
     use std::io::Write as _;
     let mut child = Command::new(kubectl())
         .args(args)
-        .env("KUBECONFIG", gpumedic_runtime::testbed::kubeconfig_path())
+        .env("KUBECONFIG", gpumedic_testkit::kubeconfig_path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -744,14 +744,14 @@ fn every_overlay_is_accepted_by_the_apiserver() {
     assert!(
         reachable,
         "the testbed's kube-apiserver does not answer with {} ({}): run compose/up",
-        gpumedic_runtime::testbed::kubeconfig_path().display(),
+        gpumedic_testkit::kubeconfig_path().display(),
         stderr.trim()
     );
     for mode in OVERLAYS {
         // The overlay in a namespace of its own, so parallel runs and a real deployment on the
         // same apiserver never meet. With the Kafka and OTel components too, so their patches are
         // checked by the server as well.
-        let ns = gpumedic_runtime::testbed::unique_name("gpumedic-kt");
+        let ns = gpumedic_testkit::unique_name("gpumedic-kt");
         let dir =
             kustomization(&[&format!("overlays/{mode}")], &["components/kafka-tls-sasl", "components/otel"], Some(&ns));
         let objects = kustomize(&dir);

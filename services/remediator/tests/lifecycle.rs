@@ -3,25 +3,25 @@
 
 use std::time::Duration;
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-remediator");
 
 #[tokio::test]
 async fn starts_reports_ready_and_stops_on_sigterm() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::assert_service_lifecycle(
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::assert_service_lifecycle(
         BIN,
         &[],
         &[
             ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testbed::unique_name("remediator")),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_GROUP", testkit::unique_name("remediator")),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
             // Its own lease and status object, in a namespace the testbed always has.
             ("GPUMEDIC_LEASE_NAMESPACE", "default".into()),
-            ("GPUMEDIC_LEASE_NAME", testbed::unique_name("lifecycle-lease")),
-            ("GPUMEDIC_STATUS_CONFIGMAP", testbed::unique_name("lifecycle-status")),
+            ("GPUMEDIC_LEASE_NAME", testkit::unique_name("lifecycle-lease")),
+            ("GPUMEDIC_STATUS_CONFIGMAP", testkit::unique_name("lifecycle-status")),
         ],
         Duration::from_secs(60),
         Duration::from_secs(10),
@@ -31,7 +31,7 @@ async fn starts_reports_ready_and_stops_on_sigterm() {
 
 #[test]
 fn invalid_config_lists_every_problem_and_exits_64() {
-    let (code, stderr) = testbed::run_with_invalid_config(
+    let (code, stderr) = testkit::run_with_invalid_config(
         BIN,
         &[
             "--kafka-bootstrap",

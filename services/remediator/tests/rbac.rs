@@ -63,7 +63,7 @@ async fn the_cluster_role_is_enough_to_quarantine_and_drain_and_refuses_the_rest
 
     // The ClusterRole exactly as shipped, under a unique name so parallel runs do not collide.
     let mut role: ClusterRole = manifest("clusterrole.yaml");
-    let role_name = gpumedic_runtime::testbed::unique_name("gpumedic-remediator");
+    let role_name = gpumedic_testkit::unique_name("gpumedic-remediator");
     role.metadata.name = Some(role_name.clone());
     Api::<ClusterRole>::all(admin.clone()).create(&PostParams::default(), &role).await.expect("cluster role");
     let binding: ClusterRoleBinding = serde_json::from_value(json!({

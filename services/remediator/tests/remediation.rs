@@ -67,12 +67,13 @@ async fn quarantine_sets_condition_taint_label_cordon_and_events() {
 #[tokio::test]
 async fn recovery_removes_only_what_gpumedic_applied() {
     let client = admin().await;
-    let name = node(
-        &client,
-        json!({ "nvidia.com/gpu.present": "true", "team": "ml" }),
-        json!([{ "key": "example.com/maintenance", "value": "soon", "effect": "PreferNoSchedule" }]),
-        false,
-    )
+    let name = node(&client, |n| {
+        n.label("nvidia.com/gpu.present", "true").label("team", "ml").taint(
+            "example.com/maintenance",
+            Some("soon"),
+            "PreferNoSchedule",
+        )
+    })
     .await;
     set_condition(&client, &name, "KernelDeadlock", "True", "Hung").await;
     let before = get_node(&client, &name).await;
@@ -151,7 +152,7 @@ async fn a_node_leaves_quarantine_only_when_its_quarantining_incident_recovers()
 #[tokio::test]
 async fn a_cordon_set_by_someone_else_is_left_alone_on_recovery() {
     let client = admin().await;
-    let name = node(&client, json!({}), json!([]), true).await;
+    let name = node(&client, |n| n.unschedulable(true)).await;
     let r = remediator(settings()).await;
     let req = request(&name, Action::Cordon);
     r.remediate(&req, 10).await.expect("quarantine");
@@ -340,7 +341,7 @@ async fn drain_rules_per_namespace_and_priority_class_choose_how_each_pod_leaves
     let name = gpu_node(&client).await;
     let (kept, work) = (namespace(&client).await, namespace(&client).await);
     // A priority class of the test's own, as a cluster would have for its critical serving pods.
-    let class = gpumedic_runtime::testbed::unique_name("critical");
+    let class = gpumedic_testkit::unique_name("critical");
     let classes: Api<k8s_openapi::api::scheduling::v1::PriorityClass> = Api::all(client.clone());
     classes
         .create(
@@ -438,10 +439,10 @@ async fn partial_drain_evicts_only_the_pods_on_the_faulty_gpu() {
 #[tokio::test]
 async fn the_breaker_trips_at_the_configured_share_lets_recoveries_through_and_holds_until_reset() {
     let client = admin().await;
-    let fleet = gpumedic_runtime::testbed::unique_name("fleet");
+    let fleet = gpumedic_testkit::unique_name("fleet");
     let mut names = Vec::new();
     for _ in 0..10 {
-        names.push(node(&client, json!({ "gpumedic-test/fleet": fleet }), json!([]), false).await);
+        names.push(node(&client, |n| n.label("gpumedic-test/fleet", &fleet)).await);
     }
     let gpu_nodes = count_nodes(&client, &format!("gpumedic-test/fleet={fleet}")).await.expect("nodes counted");
     assert_eq!(gpu_nodes, 10);

@@ -32,8 +32,8 @@ use std::time::Duration;
 use common::*;
 use gpumedic_remediator::hooks;
 use gpumedic_remediator::ladder::LADDER_ANNOTATION;
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::{ActionOutcome, ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::{ActionStatus, RecommendedAction, Severity, Verdict};
+use gpumedic_testkit::{self as testkit, ServiceProcess, eventually};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
@@ -191,33 +191,23 @@ async fn start_receiver(r: &Receiver) -> (String, String) {
 /// One test's world: namespace, fleet label, topics, group, and a folder for files it hands the
 /// remediator.
 struct World {
-    client: kube::Client,
-    ns: String,
-    fleet: String,
-    verdicts: String,
-    actions: String,
-    group: String,
-    bootstrap: String,
+    base: Fleet,
     dir: std::path::PathBuf,
+}
+
+impl std::ops::Deref for World {
+    type Target = Fleet;
+
+    fn deref(&self) -> &Fleet {
+        &self.base
+    }
 }
 
 impl World {
     async fn new() -> Self {
-        let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-        let client = admin().await;
-        let ns = namespace(&client).await;
-        let dir = std::env::temp_dir().join(testbed::unique_name("repair-test"));
+        let dir = std::env::temp_dir().join(testkit::unique_name("repair-test"));
         std::fs::create_dir_all(&dir).unwrap();
-        Self {
-            client,
-            ns,
-            fleet: testbed::unique_name("fleet"),
-            verdicts: testbed::unique_name("verdicts"),
-            actions: testbed::unique_name("actions"),
-            group: testbed::unique_name("remediator"),
-            bootstrap,
-            dir,
-        }
+        Self { base: Fleet::new().await, dir }
     }
 
     fn file(&self, name: &str, contents: &str) -> String {
@@ -226,73 +216,29 @@ impl World {
         path.display().to_string()
     }
 
-    async fn node(&self) -> String {
-        node(&self.client, json!({ "gpumedic-test/fleet": self.fleet }), json!([]), false).await
-    }
-
     /// Starts a full-remediation remediator with fast checks and `extra` env.
     async fn start(&self, extra: &[(&str, String)]) -> ServiceProcess {
-        let mut env = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
-            ("GPUMEDIC_GROUP", self.group.clone()),
-            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
-            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
-            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
-            ("GPUMEDIC_IDENTITY", "rem-a".to_owned()),
-            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
-            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
-            ("GPUMEDIC_MODE", "full-remediation".into()),
-            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
-            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
-            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
-            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
-            ("GPUMEDIC_REPAIR_CHECK", "500ms".into()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", "100ms".into()),
-        ];
-        for (k, v) in extra {
-            env.retain(|(key, _)| key != k);
-            env.push((k, v.clone()));
-        }
-        let mut p = ServiceProcess::start(BIN, &[], &env).expect("the remediator starts");
+        let mut env =
+            vec![("GPUMEDIC_REPAIR_CHECK", "500ms".to_owned()), ("GPUMEDIC_REPAIR_WEBHOOK_BACKOFF", "100ms".into())];
+        env.extend(extra.iter().cloned());
+        let mut p = ServiceProcess::start(BIN, &[], &self.env("rem-a", "full-remediation", &env))
+            .expect("the remediator starts");
         p.wait_ready(Duration::from_secs(90)).await.unwrap_or_else(|e| panic!("{e}"));
         p
     }
-
-    async fn publish(&self, verdict: &Verdict) {
-        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
-    }
-
-    /// Waits for an outcome of verdict `id` that `want` accepts.
-    async fn outcome(&self, id: uuid::Uuid, want: impl Fn(&ActionOutcome) -> bool) -> ActionOutcome {
-        wait_for_outcome(&self.actions, id, want).await
-    }
 }
 
+/// A verdict about GPU-aaa on `node`; a recovery is for the record, after the GPU's healthy time.
 fn verdict(node: &str, incident: uuid::Uuid, action: RecommendedAction, recovery: bool) -> Verdict {
-    Verdict {
-        verdict_id: uuid::Uuid::new_v4(),
-        incident_id: incident,
-        node: node.to_owned(),
-        entity: gpumedic_schemas::health::Entity {
-            gpu_uuid: Some("GPU-aaa".into()),
-            gpu_index: Some(0),
-            pci_bus_id: Some("0000:3b:00.0".into()),
-            ..Default::default()
-        },
-        severity: if recovery { Severity::Info } else { Severity::Critical },
-        rule_id: "xid-79-fallen-off-the-bus".into(),
-        rule_version: 1,
-        action,
-        custom_action: None,
-        reason: if recovery { "healthy for 10 min".into() } else { "GPU has fallen off the bus".into() },
-        evidence: vec![],
-        issued_at: chrono::Utc::now(),
-        recovery,
-        not_before: None,
-        deferrable: false,
-        workload: None,
-    }
+    let gpu = gpumedic_schemas::health::Entity {
+        gpu_uuid: Some("GPU-aaa".into()),
+        gpu_index: Some(0),
+        pci_bus_id: Some("0000:3b:00.0".into()),
+        ..Default::default()
+    };
+    let v = testkit::verdict(node).incident(incident).action(action).entity(gpu).recovery(recovery);
+    let v = if recovery { v.severity(Severity::Info).reason("healthy for 10 min") } else { v };
+    v.build()
 }
 
 fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
@@ -472,7 +418,7 @@ async fn a_ladder_annotation_naming_another_node_or_with_no_steps_calls_no_hook_
         assert_eq!(refused, 1, "one Event per annotation value on {name}");
     }
     assert!(r.try_wait().unwrap().is_none(), "the remediator is still running");
-    let body = testbed::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
+    let body = testkit::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
     assert!(body.lines().any(|l| l == "gpumedic_remediator_leader 1"), "still leading");
     let node_b = get_node(&w.client, &b).await;
     assert!(!cordoned(&node_b) && state(&node_b).is_none(), "node B is untouched");
@@ -623,7 +569,6 @@ async fn the_custom_resource_is_created_once_and_its_succeeded_phase_remediates_
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
 
-/// Xid 45 alone: a custom action, `restart-fabric-manager`, informational.
 fn custom_verdict(node: &str, incident: uuid::Uuid) -> Verdict {
     Verdict {
         severity: Severity::Info,

@@ -21,8 +21,6 @@ pub mod service;
 pub mod shutdown;
 pub mod stage;
 pub mod telemetry;
-#[cfg(feature = "testbed")]
-pub mod testbed;
 
 /// A boxed error from a task or a handler, for places that carry errors of many kinds.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -16,7 +16,7 @@ use gpumedic_runtime::kafka::{
     Assignment, BatchHandler, BatchSettings, Disposition, KafkaSettings, Producer, Record, TopicSpec,
     dead_letter_topic, dlq_headers, publish, run_batch_consumer, stage_topics,
 };
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,7 @@ fn incompressible(len: usize) -> Vec<u8> {
 }
 
 async fn settings() -> KafkaSettings {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None }
 }
 
@@ -37,8 +37,8 @@ async fn settings() -> KafkaSettings {
 async fn wait_committed_to_end(settings: &KafkaSettings, group: &str, topic: &str, partitions: i32, timeout: Duration) {
     let check: BaseConsumer =
         ClientConfig::new().set("bootstrap.servers", &settings.bootstrap).set("group.id", group).create().unwrap();
-    let deadline = Instant::now() + timeout;
-    loop {
+    let what = format!("offsets committed to the end of {topic}");
+    testkit::eventually_with(&what, timeout, async || {
         let mut tpl = rdkafka::TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition(topic, p);
@@ -52,12 +52,9 @@ async fn wait_committed_to_end(settings: &KafkaSettings, group: &str, topic: &st
                 behind.push((p, at, high));
             }
         }
-        if behind.is_empty() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "offsets not committed to the end of {topic}: {behind:?}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        if behind.is_empty() { Ok(()) } else { Err(format!("{behind:?}")) }
+    })
+    .await;
 }
 
 /// Forwards every record to `output`, one after another, failing the batch on the first error.
@@ -79,9 +76,9 @@ impl BatchHandler for Forward {
 #[tokio::test]
 async fn a_record_too_large_for_the_output_topic_goes_to_the_dead_letter_topic() {
     let settings = settings().await;
-    let input = testbed::unique_name("too-large-in");
-    let output = testbed::unique_name("too-large-out");
-    let group = testbed::unique_name("too-large");
+    let input = testkit::unique_name("too-large-in");
+    let output = testkit::unique_name("too-large-out");
+    let group = testkit::unique_name("too-large");
     let mut specs = stage_topics(&[&input], &[], 1);
     specs.push(TopicSpec::new(&output, 1).with_config("max.message.bytes", "4096"));
     settings.ensure_topics(&specs).await.expect("topics");
@@ -103,7 +100,7 @@ async fn a_record_too_large_for_the_output_topic_goes_to_the_dead_letter_topic()
         token.clone(),
     ));
 
-    let dead = testbed::wait_for_record(&dead_letter_topic(&input), |_| true, Duration::from_secs(60))
+    let dead = testkit::wait_for_record(&dead_letter_topic(&input), |_| true, Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("the oversized record never reached the dead-letter topic: {e}"));
     assert_eq!(dead.payload.as_deref(), Some(big.as_slice()));
@@ -111,7 +108,7 @@ async fn a_record_too_large_for_the_output_topic_goes_to_the_dead_letter_topic()
     let reason = String::from_utf8_lossy(dead.header(dlq_headers::REASON).unwrap_or_default()).into_owned();
     assert!(reason.to_lowercase().contains("too large"), "{reason}");
     // The partition moved on: the records after it were forwarded and everything is committed.
-    testbed::wait_for_record(&output, |r| r.payload.as_deref() == Some(&b"small-9"[..]), Duration::from_secs(30))
+    testkit::wait_for_record(&output, |r| r.payload.as_deref() == Some(&b"small-9"[..]), Duration::from_secs(30))
         .await
         .expect("the record after the oversized one was forwarded");
     wait_committed_to_end(&settings, &group, &input, 1, Duration::from_secs(30)).await;
@@ -138,8 +135,8 @@ impl BatchHandler for RefuseLarge {
 async fn a_record_the_dead_letter_topic_refuses_is_counted_and_given_up() {
     let metrics = admin::metrics_handle();
     let settings = settings().await;
-    let input = testbed::unique_name("dlq-refuses");
-    let group = testbed::unique_name("dlq-refuses");
+    let input = testkit::unique_name("dlq-refuses");
+    let group = testkit::unique_name("dlq-refuses");
     settings
         .ensure_topics(&[
             TopicSpec::new(&input, 1),
@@ -191,14 +188,14 @@ impl BatchHandler for WriteText {
 #[tokio::test]
 async fn a_record_postgres_refuses_is_found_in_its_batch_and_dead_lettered() {
     let settings = settings().await;
-    let admin_pool = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let database = testbed::unique_name("poison");
-    let url = testbed::fresh_database(&admin_pool, &database).await.expect("database");
+    let admin_pool = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let database = testkit::unique_name("poison");
+    let url = testkit::fresh_database(&admin_pool, &database).await.expect("database");
     let pool = gpumedic_runtime::postgres::connect(&url, 2).await.expect("pool");
     sqlx::query("CREATE TABLE written (v text PRIMARY KEY)").execute(&pool).await.expect("table");
 
-    let input = testbed::unique_name("poison");
-    let group = testbed::unique_name("poison");
+    let input = testkit::unique_name("poison");
+    let group = testkit::unique_name("poison");
     settings.ensure_topics(&stage_topics(&[&input], &[], 3)).await.expect("topics");
     let producer = settings.producer("poison-test").expect("producer");
     for i in 0..20 {
@@ -218,7 +215,7 @@ async fn a_record_postgres_refuses_is_found_in_its_batch_and_dead_lettered() {
         token.clone(),
     ));
 
-    let dead = testbed::wait_for_record(&dead_letter_topic(&input), |_| true, Duration::from_secs(60))
+    let dead = testkit::wait_for_record(&dead_letter_topic(&input), |_| true, Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("the poison record never reached the dead-letter topic: {e}"));
     assert_eq!(dead.payload.as_deref(), Some(&b"bad\0record"[..]));
@@ -251,8 +248,8 @@ impl BatchHandler for FailFor {
 #[tokio::test]
 async fn a_handler_retrying_past_the_poll_interval_keeps_its_partitions() {
     let mut settings = settings().await;
-    let input = testbed::unique_name("poll-interval");
-    let group = testbed::unique_name("poll-interval");
+    let input = testkit::unique_name("poll-interval");
+    let group = testkit::unique_name("poll-interval");
     settings.ensure_topics(&stage_topics(&[&input], &[], 1)).await.expect("topics");
     let producer = settings.producer("poll-interval-test").expect("producer");
     for i in 0..5 {
@@ -277,11 +274,11 @@ async fn a_handler_retrying_past_the_poll_interval_keeps_its_partitions() {
         BatchSettings::new(100, Duration::from_millis(200)),
         token.clone(),
     ));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while handled.lock().unwrap().len() < 5 {
-        assert!(Instant::now() < deadline, "the batch was never handled: {:?}", handled.lock().unwrap());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    testkit::eventually_with("the batch to be handled", Duration::from_secs(60), async || {
+        let handled = handled.lock().unwrap();
+        if handled.len() >= 5 { Ok(()) } else { Err(format!("{handled:?}")) }
+    })
+    .await;
     wait_committed_to_end(&settings, &group, &input, 1, Duration::from_secs(30)).await;
     // Time for a rebalance that a missed poll would have caused to show.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -303,7 +300,7 @@ async fn created_topics_get_the_configured_replication_or_min_3_brokers() {
         m.topics()[0].partitions()[0].replicas().len()
     };
 
-    let default = testbed::unique_name("replication-default");
+    let default = testkit::unique_name("replication-default");
     settings.ensure_topics(&[TopicSpec::new(&default, 1)]).await.expect("created");
     assert_eq!(replicas(&default), brokers.min(3), "min(3, brokers) with {brokers} brokers");
     assert_eq!(settings.default_replication().await.unwrap(), brokers.min(3) as i32);
@@ -313,7 +310,7 @@ async fn created_topics_get_the_configured_replication_or_min_3_brokers() {
     let factor = brokers as i32 + 1;
     configured.topic_replication = Some(factor);
     assert_eq!(configured.default_replication().await.unwrap(), factor);
-    let topic = testbed::unique_name("replication-configured");
+    let topic = testkit::unique_name("replication-configured");
     let err = configured.ensure_topics(&[TopicSpec::new(&topic, 1)]).await.expect_err("more replicas than brokers");
     assert!(err.to_string().to_lowercase().contains("replication"), "{err}");
 }
@@ -331,8 +328,8 @@ impl BatchHandler for BatchBytes {
 #[tokio::test]
 async fn batches_are_bounded_by_bytes_as_well_as_count() {
     let settings = settings().await;
-    let input = testbed::unique_name("batch-bytes");
-    let group = testbed::unique_name("batch-bytes");
+    let input = testkit::unique_name("batch-bytes");
+    let group = testkit::unique_name("batch-bytes");
     settings.ensure_topics(&stage_topics(&[&input], &[], 1)).await.expect("topics");
     let producer = settings.producer("batch-bytes-test").expect("producer");
     for _ in 0..20 {

@@ -10,9 +10,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec, dead_letter_topic, record_headers};
-use gpumedic_runtime::testbed;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
+use gpumedic_testkit as testkit;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
 use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Headers as _, Message as _};
@@ -100,12 +99,12 @@ impl SecureKafka {
              Kafka into the cache; Java 17 is needed too)",
             libs.display()
         );
-        let port = testbed::free_local_addr().expect("a free port").port();
-        let mut controller_port = testbed::free_local_addr().expect("a free port").port();
+        let port = testkit::free_local_addr().expect("a free port").port();
+        let mut controller_port = testkit::free_local_addr().expect("a free port").port();
         while controller_port == port {
-            controller_port = testbed::free_local_addr().expect("a free port").port();
+            controller_port = testkit::free_local_addr().expect("a free port").port();
         }
-        let kafka = Self { dir: std::env::temp_dir().join(testbed::unique_name("kafka-secure")), port };
+        let kafka = Self { dir: std::env::temp_dir().join(testkit::unique_name("kafka-secure")), port };
         run(SECURE, &["start", &kafka.dir.display().to_string(), &port.to_string(), &controller_port.to_string()]);
         kafka
     }
@@ -179,7 +178,7 @@ async fn read(
     timeout: Duration,
 ) -> Result<Vec<u8>, String> {
     // The operator reads as `gpumedic replay` does, in a group of its own each time.
-    let group = if user == "operator" { testbed::unique_name("gpumedic-replay") } else { format!("gpumedic-{user}") };
+    let group = if user == "operator" { testkit::unique_name("gpumedic-replay") } else { format!("gpumedic-{user}") };
     let config =
         settings.client_config_with("acl-test-reader", &[("group.id", &group), ("enable.auto.commit", "false")]);
     let topic = topic.to_owned();
@@ -266,15 +265,7 @@ async fn produce_problems(kafka: &SecureKafka, user: &str) -> Vec<String> {
 }
 
 fn xid_event(node: &str) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
+    testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
 }
 
 fn header(m: &rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<Vec<u8>> {
@@ -374,7 +365,7 @@ async fn each_service_principal_may_do_only_what_its_acls_allow() {
     // The console reads verdicts in a group of its own per replica (prefix gpumedic-console-), and
     // in no service's group.
     let console = kafka.settings("console");
-    let own = testbed::unique_name("gpumedic-console");
+    let own = testkit::unique_name("gpumedic-console");
     let (in_own, in_remediators) = futures::future::join(
         consume_in_group(&console, &own, topics::VERDICTS),
         consume_in_group(&console, "gpumedic-remediator", topics::VERDICTS),
@@ -393,9 +384,9 @@ async fn each_service_principal_may_do_only_what_its_acls_allow() {
     // The enricher binary with its own credentials: it creates its topics (they exist: Create is
     // allowed and changes nothing), joins its group, consumes raw and produces enriched and its
     // dead letters.
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let binary = testbed::workspace_binary("gpumedic-enricher").unwrap_or_else(|e| panic!("{e}"));
-    let mut enricher = testbed::ServiceProcess::start(
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let binary = testkit::workspace_binary("gpumedic-enricher").unwrap_or_else(|e| panic!("{e}"));
+    let mut enricher = testkit::ServiceProcess::start(
         &binary.display().to_string(),
         &[],
         &[
@@ -403,7 +394,7 @@ async fn each_service_principal_may_do_only_what_its_acls_allow() {
             ("GPUMEDIC_KAFKA_OPTIONS", kafka.options("gpumedic-enricher")),
             ("GPUMEDIC_TOPIC_REPLICATION", "1".into()),
             ("GPUMEDIC_CLUSTER_NAME", "acl-test".into()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ],
     )
     .expect("the enricher starts");
@@ -411,7 +402,7 @@ async fn each_service_principal_may_do_only_what_its_acls_allow() {
     eprintln!("The enricher is ready after {:?}.", started.elapsed());
 
     let collector = kafka.settings("collector");
-    let node = testbed::unique_name("acl-node");
+    let node = testkit::unique_name("acl-node");
     let event = xid_event(&node);
     produce(&collector, topics::HEALTH_RAW, &node, &gpumedic_schemas::encode(&event).expect("encodes"))
         .await

@@ -7,7 +7,7 @@ use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::kafka::{
     HandleError, KafkaSettings, Record, RecordHandler, TopicSpec, dead_letter_topic, dlq_headers, run_consumer,
 };
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use rdkafka::producer::FutureRecord;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -69,10 +69,10 @@ async fn consume(
 
 #[tokio::test]
 async fn consumer_resumes_after_committed_offset_and_dead_letters_bad_records() {
-    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
-    let topic: &'static str = Box::leak(testbed::unique_name("smoke").into_boxed_str());
-    let group = testbed::unique_name("smoke-group");
+    let topic: &'static str = Box::leak(testkit::unique_name("smoke").into_boxed_str());
+    let group = testkit::unique_name("smoke-group");
     // One partition, so offsets are a single sequence we can reason about.
     settings
         .ensure_topics(&[TopicSpec::new(topic, 1), TopicSpec::dead_letter_for(topic, 1)])
@@ -99,7 +99,7 @@ async fn consumer_resumes_after_committed_offset_and_dead_letters_bad_records() 
 
     // The bad record is in the dead-letter topic, with its reason and origin.
     let dlq_topic: &'static str = Box::leak(dead_letter_topic(topic).into_boxed_str());
-    let dead = consume(&settings, &testbed::unique_name("smoke-dlq-reader"), dlq_topic, 1, false).await;
+    let dead = consume(&settings, &testkit::unique_name("smoke-dlq-reader"), dlq_topic, 1, false).await;
     assert_eq!(dead[0].payload.as_deref(), Some(&b"bad"[..]));
     assert_eq!(dead[0].key.as_deref(), Some(&b"node-a"[..]));
     assert_eq!(dead[0].header(dlq_headers::REASON), Some(&b"payload is the word bad"[..]));

@@ -2,7 +2,7 @@
 //! through the status subresource; then act as a ServiceAccount bound to a narrow Role and be
 //! refused what the Role does not grant.
 
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -11,17 +11,12 @@ use serde_json::json;
 
 #[tokio::test]
 async fn node_cordon_condition_and_rbac_refusal() {
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
 
     // A Node, cordoned, with a condition written through the status subresource.
-    let name = testbed::unique_name("smoke-node");
+    let name = testkit::unique_name("smoke-node");
     let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": { "nvidia.com/gpu.present": "true" } },
-        "spec": {}
-    }))
-    .unwrap();
-    nodes.create(&PostParams::default(), &node).await.expect("node created");
+    testkit::NodeBuilder::new(&name).label("nvidia.com/gpu.present", "true").create(&client).await;
     nodes
         .patch(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "unschedulable": true } })))
         .await
@@ -41,7 +36,7 @@ async fn node_cordon_condition_and_rbac_refusal() {
     assert_eq!((gpu.status.as_str(), gpu.reason.as_deref()), ("False", Some("Xid79")));
 
     // A namespace with a pod, and a ServiceAccount that may only get pods there.
-    let ns = testbed::unique_name("smoke-ns");
+    let ns = testkit::unique_name("smoke-ns");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
@@ -92,7 +87,7 @@ async fn node_cordon_condition_and_rbac_refusal() {
     let token: TokenRequest =
         sas.create_subresource("token", "reader", &PostParams::default(), &request).await.expect("token issued");
     let token = token.status.and_then(|s| s.token).expect("token in status");
-    let kubeconfig = kube::config::Kubeconfig::read_from(testbed::kubeconfig_path()).unwrap();
+    let kubeconfig = kube::config::Kubeconfig::read_from(testkit::kubeconfig_path()).unwrap();
     let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.unwrap();
     config.auth_info = kube::config::AuthInfo { token: Some(secrecy::SecretString::from(token)), ..Default::default() };
     let restricted = kube::Client::try_from(config).expect("restricted client");

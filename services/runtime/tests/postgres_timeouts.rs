@@ -2,11 +2,11 @@
 //! timeout (defaults, overridable by the caller and the URL), and readiness turns false when the
 //! server stops answering.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpumedic_runtime::admin::Readiness;
 use gpumedic_runtime::postgres;
-use gpumedic_runtime::testbed;
+use gpumedic_testkit as testkit;
 use tokio_util::sync::CancellationToken;
 
 async fn show(pool: &sqlx::PgPool, setting: &str) -> String {
@@ -24,8 +24,8 @@ async fn sleep_is_cancelled(pool: &sqlx::PgPool) -> bool {
 
 #[tokio::test]
 async fn every_connection_has_a_statement_and_a_lock_timeout() {
-    testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let url = testbed::database_url();
+    testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let url = testkit::database_url();
 
     let pool = postgres::connect(&url, 1).await.expect("pool");
     assert_eq!(show(&pool, "statement_timeout").await, postgres::DEFAULT_STATEMENT_TIMEOUT);
@@ -45,21 +45,18 @@ async fn every_connection_has_a_statement_and_a_lock_timeout() {
 }
 
 async fn wait_ready(flag: &gpumedic_runtime::admin::ReadyFlag, want: bool, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while flag.get() != want {
-        assert!(Instant::now() < deadline, "readiness did not turn {want} within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let what = format!("readiness to turn {want}");
+    gpumedic_testkit::eventually(&what, timeout, async || (flag.get() == want).then_some(())).await;
 }
 
 #[tokio::test]
 async fn readiness_turns_false_when_the_database_stops_answering() {
-    testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    let url = testbed::database_url();
+    testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let url = testkit::database_url();
     // postgres://user:password@host:port/database: route host:port through the proxy.
     let at = url.rfind('@').expect("the testbed URL has credentials");
     let slash = at + url[at..].find('/').expect("the testbed URL names a database");
-    let relay = testbed::Relay::start(&url[at + 1..slash]).await.expect("the relay starts");
+    let relay = testkit::Relay::start(&url[at + 1..slash]).await.expect("the relay starts");
     let proxied = format!("{}@{}{}", &url[..at], relay.addr(), &url[slash..]);
 
     let pool = postgres::connect(&proxied, 2).await.expect("pool through the proxy");

@@ -12,9 +12,8 @@ use std::time::Duration;
 
 use chrono::Utc;
 use gpumedic_runtime::kafka::{self, KafkaSettings};
-use gpumedic_runtime::testbed::{self, ServiceProcess};
-use gpumedic_schemas::health::Entity;
-use gpumedic_schemas::verdict::{RecommendedAction, Severity, Verdict};
+use gpumedic_schemas::verdict::RecommendedAction;
+use gpumedic_testkit::{self as testkit, NodeBuilder, ServiceProcess};
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
@@ -70,30 +69,32 @@ impl Drop for Created {
 }
 
 fn node(name: &str, run: &str, zone: &str, quarantined: bool) -> Node {
-    let mut labels = json!({
-        "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-        "nvidia.com/gpu.count": "8",
-        "topology.kubernetes.io/zone": zone,
-        "gpumedic.io/console-test": run,
-    });
-    let mut spec = json!({});
-    if quarantined {
-        labels["gpumedic.io/state"] = json!("quarantined");
-        spec = json!({ "unschedulable": true, "taints": [
-            { "key": "gpumedic.io/unhealthy", "value": "gpu", "effect": "NoSchedule" } ] });
-    }
-    serde_json::from_value(json!({ "metadata": { "name": name, "labels": labels }, "spec": spec })).expect("a node")
+    let node = NodeBuilder::new(name)
+        .label("nvidia.com/gpu.present", "true")
+        .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
+        .label("nvidia.com/gpu.count", "8")
+        .label("topology.kubernetes.io/zone", zone)
+        .label("gpumedic.io/console-test", run);
+    let node = if quarantined {
+        node.label("gpumedic.io/state", "quarantined").unschedulable(true).taint(
+            "gpumedic.io/unhealthy",
+            Some("gpu"),
+            "NoSchedule",
+        )
+    } else {
+        node
+    };
+    node.build()
 }
 
 /// Creates the fleet and the rows.
 pub async fn fleet() -> Fleet {
-    let client = testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let admin = testbed::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
-    testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let run = testbed::unique_name("console");
+    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let run = testkit::unique_name("console");
     let db_name = run.replace('-', "_");
-    let database_url = testbed::fresh_database(&admin, &db_name).await.expect("a fresh database");
+    let database_url = testkit::fresh_database(&admin, &db_name).await.expect("a fresh database");
     let db = gpumedic_runtime::postgres::connect(&database_url, 2).await.expect("connect");
     gpumedic_runtime::postgres::migrate(&db, &gpumedic_classifier::MIGRATOR)
         .await
@@ -222,7 +223,7 @@ pub async fn fleet() -> Fleet {
 
 pub fn kafka_settings() -> KafkaSettings {
     KafkaSettings {
-        bootstrap: testbed::kafka_bootstrap(),
+        bootstrap: testkit::kafka_bootstrap(),
         options: vec![],
         schema_registry: None,
         topic_replication: None,
@@ -233,7 +234,7 @@ impl Fleet {
     /// Starts the console on this fleet with `--api-auth auth` and waits until it is ready.
     pub async fn console(&self, auth: &str) -> ServiceProcess {
         let env = [
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", testbed::kafka_bootstrap()),
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", testkit::kafka_bootstrap()),
             ("GPUMEDIC_DATABASE_URL", self.database_url.clone()),
             ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic.io/console-test={}", self.run)),
             ("GPUMEDIC_REMEDIATOR_NAMESPACE", self.namespace.clone()),
@@ -241,7 +242,7 @@ impl Fleet {
             ("GPUMEDIC_API_AUTH", auth.to_owned()),
             ("GPUMEDIC_FLEET_GAUGE_INTERVAL", "500ms".to_owned()),
             ("GPUMEDIC_TOPIC_REPLICATION", "1".to_owned()),
-            ("KUBECONFIG", testbed::kubeconfig_path().display().to_string()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ];
         let mut p = ServiceProcess::start(CONSOLE, &[], &env).expect("the console starts");
         p.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
@@ -250,25 +251,12 @@ impl Fleet {
 
     /// Publishes a verdict about `node` on the run's topic, as the classifier does.
     pub async fn publish_verdict(&self, node: &str, reason: &str) -> Uuid {
-        let id = Uuid::new_v4();
-        let v = Verdict {
-            verdict_id: id,
-            incident_id: Uuid::new_v4(),
-            node: node.to_owned(),
-            entity: Entity::default(),
-            severity: Severity::Critical,
-            rule_id: "xid-48-double-bit-ecc".into(),
-            rule_version: 1,
-            action: RecommendedAction::Cordon,
-            custom_action: None,
-            reason: reason.to_owned(),
-            evidence: vec![],
-            issued_at: Utc::now(),
-            recovery: false,
-            not_before: None,
-            deferrable: false,
-            workload: None,
-        };
+        let v = testkit::verdict(node)
+            .rule("xid-48-double-bit-ecc", 1)
+            .action(RecommendedAction::Cordon)
+            .reason(reason)
+            .build();
+        let id = v.verdict_id;
         let payload = gpumedic_schemas::Codec::embedded().encode(&v).expect("encode");
         let producer = kafka_settings().producer("console-test").expect("producer");
         kafka::publish(&producer, &self.topic, node, &payload, &[]).await.expect("publish the verdict");

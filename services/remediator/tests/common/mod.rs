@@ -11,32 +11,26 @@ use gpumedic_remediator::apply::{Remediator, Settings};
 use gpumedic_remediator::drain::{DrainMode, DrainPolicy};
 use gpumedic_remediator::request::{Action, GpuRef, Remediation, Subsystem};
 use gpumedic_remediator::safety::{BreakerLimits, Gate};
-use gpumedic_runtime::testbed;
+use gpumedic_testkit::{self as testkit, NodeBuilder};
 use k8s_openapi::api::core::v1::{Event, Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 /// The admin client, or a panic that says how to start the testbed.
 pub async fn admin() -> kube::Client {
-    testbed::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"))
+    testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A Node with a unique name and `labels`, `taints` and `unschedulable` as given.
-pub async fn node(client: &kube::Client, labels: Value, taints: Value, unschedulable: bool) -> String {
-    let name = testbed::unique_name("rem-node");
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": labels },
-        "spec": { "taints": taints, "unschedulable": unschedulable }
-    }))
-    .expect("node fixture");
-    nodes.create(&PostParams::default(), &node).await.expect("node created");
+/// A Node with a unique name, as `build` makes it from a builder of that name.
+pub async fn node(client: &kube::Client, build: impl FnOnce(NodeBuilder) -> NodeBuilder) -> String {
+    let name = testkit::unique_name("rem-node");
+    build(NodeBuilder::new(&name)).create(client).await;
     name
 }
 
 /// A plain GPU node.
 pub async fn gpu_node(client: &kube::Client) -> String {
-    node(client, json!({ "nvidia.com/gpu.present": "true" }), json!([]), false).await
+    node(client, |n| n.label("nvidia.com/gpu.present", "true")).await
 }
 
 /// Sets a condition the way another controller would, through the status subresource.
@@ -52,7 +46,7 @@ pub async fn set_condition(client: &kube::Client, node: &str, type_: &str, statu
 
 /// A namespace with a unique name.
 pub async fn namespace(client: &kube::Client) -> String {
-    let name = testbed::unique_name("rem-ns");
+    let name = testkit::unique_name("rem-ns");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap())
@@ -180,7 +174,7 @@ pub fn request(node: &str, action: Action) -> Remediation {
         subsystem: Subsystem::Gpu,
         reason: "Xid79".into(),
         message: "GPU has fallen off the bus".into(),
-        verdict_id: testbed::unique_name("verdict"),
+        verdict_id: testkit::unique_name("verdict"),
         incident_id: "i1".into(),
         recovery: false,
         reissue: false,
@@ -216,7 +210,7 @@ pub fn fast_drain(deadline: Duration) -> DrainPolicy {
 /// The admin credentials of the testbed as a client configuration (call [`admin`] first, so an
 /// unreachable testbed fails with the hint to start it).
 pub async fn admin_config() -> kube::Config {
-    let kubeconfig = kube::config::Kubeconfig::read_from(testbed::kubeconfig_path()).expect("kubeconfig");
+    let kubeconfig = kube::config::Kubeconfig::read_from(testkit::kubeconfig_path()).expect("kubeconfig");
     kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.expect("kubeconfig usable")
 }
 
@@ -272,7 +266,7 @@ pub async fn wait_for_outcome(
     id: uuid::Uuid,
     want: impl Fn(&gpumedic_schemas::ActionOutcome) -> bool,
 ) -> gpumedic_schemas::ActionOutcome {
-    let record = testbed::wait_for_record(
+    let record = testkit::wait_for_record(
         actions,
         |r| {
             gpumedic_schemas::decode::<gpumedic_schemas::ActionOutcome>(r.payload.as_deref().unwrap_or_default())
@@ -285,19 +279,84 @@ pub async fn wait_for_outcome(
     gpumedic_schemas::decode(record.payload.as_deref().unwrap()).unwrap()
 }
 
-/// Polls `check` every 250 ms until it returns a value, failing the test after `timeout`.
-pub async fn eventually<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+/// Whether `process` exports the metric line `line` exactly.
+pub async fn metric(process: &testkit::ServiceProcess, line: &str) -> bool {
+    testkit::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
 }
 
-/// Whether `process` exports the metric line `line` exactly.
-pub async fn metric(process: &testbed::ServiceProcess, line: &str) -> bool {
-    testbed::http_get(process.admin_addr(), "/metrics").await.is_ok_and(|(_, body)| body.lines().any(|l| l == line))
+/// One test's remediators on the testbed: a namespace (their Lease and status object), a fleet
+/// label their node selector picks, verdict and actions topics and a consumer group, all unique.
+/// A test file's own world derefs to it.
+pub struct Fleet {
+    pub client: kube::Client,
+    pub ns: String,
+    pub fleet: String,
+    pub verdicts: String,
+    pub actions: String,
+    pub group: String,
+    pub bootstrap: String,
+}
+
+impl Fleet {
+    /// A fresh fleet, or a panic that says how to start the testbed.
+    pub async fn new() -> Self {
+        let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+        let client = admin().await;
+        let ns = namespace(&client).await;
+        Self {
+            client,
+            ns,
+            fleet: testkit::unique_name("fleet"),
+            verdicts: testkit::unique_name("verdicts"),
+            actions: testkit::unique_name("actions"),
+            group: testkit::unique_name("remediator"),
+            bootstrap,
+        }
+    }
+
+    /// A Node of the fleet.
+    pub async fn node(&self) -> String {
+        node(&self.client, |n| n.label("gpumedic-test/fleet", &self.fleet)).await
+    }
+
+    /// The settings of a remediator of the fleet named `identity` in `mode`: short lease timings,
+    /// no breaker in the way, immediate evictions; then `extra`, each replacing a setting of the
+    /// same name.
+    pub fn env<'a>(&self, identity: &str, mode: &str, extra: &[(&'a str, String)]) -> Vec<(&'a str, String)> {
+        let mut env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.bootstrap.clone()),
+            ("GPUMEDIC_GROUP", self.group.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", self.verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", self.actions.clone()),
+            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
+            ("GPUMEDIC_LEASE_NAMESPACE", self.ns.clone()),
+            ("GPUMEDIC_IDENTITY", identity.to_owned()),
+            ("GPUMEDIC_LEASE_DURATION", "4s".into()),
+            ("GPUMEDIC_LEASE_RENEW", "1s".into()),
+            ("GPUMEDIC_MODE", mode.to_owned()),
+            ("GPUMEDIC_GPU_NODE_SELECTOR", format!("gpumedic-test/fleet={}", self.fleet)),
+            ("GPUMEDIC_BREAKER_MAX_SHARE", "1.0".into()),
+            ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".into()),
+            ("GPUMEDIC_SHUTDOWN_DEADLINE", "10s".into()),
+        ];
+        for (k, v) in extra {
+            env.retain(|(key, _)| key != k);
+            env.push((k, v.clone()));
+        }
+        env
+    }
+
+    /// Publishes `verdict` on the fleet's verdict topic.
+    pub async fn publish(&self, verdict: &gpumedic_schemas::Verdict) {
+        publish_verdict(&self.bootstrap, &self.verdicts, verdict).await;
+    }
+
+    /// Waits for the outcome of verdict `id` that `want` accepts.
+    pub async fn outcome(
+        &self,
+        id: uuid::Uuid,
+        want: impl Fn(&gpumedic_schemas::ActionOutcome) -> bool,
+    ) -> gpumedic_schemas::ActionOutcome {
+        wait_for_outcome(&self.actions, id, want).await
+    }
 }

@@ -1,20 +1,18 @@
 //! Tests of the Kafka rooms, against the testbed's Kafka where they say so.
+//!
+//! The testkit links its own copy of this crate (these tests are this crate built again): only
+//! plain values (names, addresses) and the fields of records it reads cross from it, never one
+//! of this crate's types.
 
-#[cfg(feature = "testbed")]
 use std::time::Duration;
 
-#[cfg(feature = "testbed")]
 use rdkafka::config::ClientConfig;
-#[cfg(feature = "testbed")]
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
-#[cfg(feature = "testbed")]
 use rdkafka::producer::FutureRecord;
-#[cfg(feature = "testbed")]
 use tokio_util::sync::CancellationToken;
 
 use super::batch::record_bytes;
 use super::*;
-#[cfg(feature = "testbed")]
 use crate::BoxError;
 use crate::config::Validate as _;
 
@@ -68,14 +66,13 @@ fn partition_for_is_the_crc32_of_the_key_modulo_the_count() {
     assert_eq!(partition_for(b"node", 0), 0, "no partitions: no panic");
 }
 
-#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: the partitions records land on are the ones [`partition_for`]
 /// names, so a consumer knows its partitions' nodes.
 #[tokio::test]
 async fn records_land_where_partition_for_says() {
-    let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = gpumedic_testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
-    let topic = crate::testbed::unique_name("partition-for");
+    let topic = gpumedic_testkit::unique_name("partition-for");
     settings.ensure_topics(&[TopicSpec::new(topic.clone(), 12)]).await.expect("topic");
     let producer = settings.producer("partition-for-test").expect("producer");
     for i in 0..64 {
@@ -89,18 +86,15 @@ async fn records_land_where_partition_for_says() {
     }
 }
 
-#[cfg(feature = "testbed")]
 /// The (partition, offset) of each record of each batch offered, in order.
 type Seen = std::sync::Arc<std::sync::Mutex<Vec<Vec<(i32, i64)>>>>;
 
-#[cfg(feature = "testbed")]
 /// Records every batch it is offered; fails the first one once; dead-letters `bad` payloads.
 struct Recorder {
     seen: Seen,
     failed_once: bool,
 }
 
-#[cfg(feature = "testbed")]
 impl BatchHandler for Recorder {
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         self.seen.lock().unwrap().push(records.iter().map(|r| (r.partition, r.offset)).collect());
@@ -118,17 +112,16 @@ impl BatchHandler for Recorder {
     }
 }
 
-#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: batches are bounded, keep each partition's order, a failed
 /// batch comes again whole, refused records reach the dead-letter topic, and the offsets
 /// committed at shutdown are the ends of the partitions.
 #[tokio::test]
 async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     use rdkafka::TopicPartitionList;
-    let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = gpumedic_testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
-    let topic = crate::testbed::unique_name("batch");
-    let group = crate::testbed::unique_name("batch");
+    let topic = gpumedic_testkit::unique_name("batch");
+    let group = gpumedic_testkit::unique_name("batch");
     settings.ensure_topics(&stage_topics(&[&topic], &[], 3)).await.expect("topics");
     let producer = settings.producer("batch-test").expect("producer");
     for i in 0..50 {
@@ -142,11 +135,11 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     let batch = BatchSettings::new(16, Duration::from_millis(50));
     let handler = Recorder { seen: seen.clone(), failed_once: false };
     let task = tokio::spawn(run_batch_consumer("test", consumer, producer.clone(), handler, batch, token.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while seen.lock().unwrap().iter().skip(1).map(Vec::len).sum::<usize>() < 50 {
-        assert!(tokio::time::Instant::now() < deadline, "not every record was handled: {:?}", seen.lock().unwrap());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gpumedic_testkit::eventually_with("every record to be handled", Duration::from_secs(60), async || {
+        let seen = seen.lock().unwrap();
+        if seen.iter().skip(1).map(Vec::len).sum::<usize>() >= 50 { Ok(()) } else { Err(format!("{seen:?}")) }
+    })
+    .await;
     // Let the last batch's dead letter and offsets through, then stop (which commits).
     tokio::time::sleep(Duration::from_millis(500)).await;
     token.cancel();
@@ -159,7 +152,7 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     for (p, o) in batches.iter().skip(1).flatten() {
         assert!(last.insert(*p, *o).is_none_or(|prev| prev < *o), "partition {p} out of order: {batches:?}");
     }
-    let dead = crate::testbed::wait_for_record(&dead_letter_topic(&topic), |_| true, Duration::from_secs(30))
+    let dead = gpumedic_testkit::wait_for_record(&dead_letter_topic(&topic), |_| true, Duration::from_secs(30))
         .await
         .expect("dead letter");
     assert_eq!(dead.payload.as_deref(), Some(&b"bad"[..]));
@@ -187,23 +180,22 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     assert_eq!(total, 50);
 }
 
-#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: a group started at the end reads only what was written after,
 /// including a record written before any member has its partitions; a missing topic is left out.
 #[tokio::test]
 async fn a_group_started_at_the_end_reads_every_later_record_and_no_earlier_one() {
     use rdkafka::Message as _;
     use rdkafka::consumer::StreamConsumer;
-    let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = gpumedic_testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
-    let topic = crate::testbed::unique_name("group-end");
-    let group = crate::testbed::unique_name("group-end");
+    let topic = gpumedic_testkit::unique_name("group-end");
+    let group = gpumedic_testkit::unique_name("group-end");
     settings.ensure_topics(&[TopicSpec::new(&topic, 3)]).await.expect("topic");
     let producer = settings.producer("group-end-test").expect("producer");
     for i in 0..20 {
         publish(&producer, &topic, &format!("k{i}"), b"before", &[]).await.expect("published");
     }
-    let missing = crate::testbed::unique_name("group-end-missing");
+    let missing = gpumedic_testkit::unique_name("group-end-missing");
     settings.start_group_at_end(&group, &[&topic, &missing]).await.expect("offsets committed");
     for i in 0..7 {
         publish(&producer, &topic, &format!("k{i}"), b"after", &[]).await.expect("published");
@@ -225,7 +217,6 @@ async fn a_group_started_at_the_end_reads_every_later_record_and_no_earlier_one(
     assert!(payloads.iter().all(|p| p == "after"), "{payloads:?}");
 }
 
-#[cfg(feature = "testbed")]
 /// Against the testbed's Kafka: a partition the hold paused, then lost and got back (a
 /// session that timed out while the broker restarted), is fetched again after the hold resumes,
 /// although the assignment was empty when it resumed. librdkafka keeps a partition's pause
@@ -233,9 +224,9 @@ async fn a_group_started_at_the_end_reads_every_later_record_and_no_earlier_one(
 #[tokio::test]
 async fn a_partition_paused_then_revoked_and_assigned_again_is_fetched_after_the_resume() {
     use rdkafka::Message as _;
-    let bootstrap = crate::testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let bootstrap = gpumedic_testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
-    let topic = crate::testbed::unique_name("hold-revoke");
+    let topic = gpumedic_testkit::unique_name("hold-revoke");
     settings.ensure_topics(&[TopicSpec::new(&topic, 1)]).await.expect("topic");
     let producer = settings.producer("hold-test").expect("producer");
     let context = ServiceContext {
@@ -244,7 +235,7 @@ async fn a_partition_paused_then_revoked_and_assigned_again_is_fetched_after_the
         assignment: Assignment::default(),
     };
     let consumer: Consumer = settings
-        .client_config_with("hold-test", &[("group.id", &crate::testbed::unique_name("hold-revoke"))])
+        .client_config_with("hold-test", &[("group.id", &gpumedic_testkit::unique_name("hold-revoke"))])
         .create_with_context(context)
         .expect("consumer");
     let at = |offset| {

@@ -1,9 +1,14 @@
-//! Access to the testbed's real servers for integration tests, the demo and load tests.
+//! Access to the testbed's real servers (Kafka, PostgreSQL, kube-apiserver, schema registry,
+//! Jaeger) for integration tests and load tests, and readers of what a test waits for on Kafka.
 //!
 //! Each accessor checks that its server answers and otherwise returns an error that says how to
 //! start it, so a test without its server fails loudly instead of passing by skipping.
 
 use std::time::Duration;
+
+use gpumedic_runtime::kafka::{KafkaError, KafkaSettings, Record};
+
+use crate::http::http_get;
 
 /// The command that starts the testbed, quoted in every error.
 pub const START_HINT: &str = "start the testbed with `compose/up` (or `just testbed-up`) from the repository root";
@@ -34,7 +39,7 @@ pub fn database_url() -> String {
 pub fn kubeconfig_path() -> std::path::PathBuf {
     match std::env::var_os("KUBECONFIG") {
         Some(p) => p.into(),
-        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.testbed/kubeconfig"),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.testbed/kubeconfig"),
     }
 }
 
@@ -47,16 +52,11 @@ pub fn unique_name(prefix: &str) -> String {
 /// A new consumer group named after `prefix`, committed at the current end of `topics`, so a
 /// service started in it reads every record written from now on and none of the backlog that
 /// earlier tests and load runs left on the shared topics.
-pub async fn group_at_end(prefix: &str, topics: &[&str]) -> Result<String, crate::kafka::KafkaError> {
+pub async fn group_at_end(prefix: &str, topics: &[&str]) -> Result<String, KafkaError> {
     let group = unique_name(prefix);
-    crate::kafka::KafkaSettings {
-        bootstrap: kafka_bootstrap(),
-        options: vec![],
-        schema_registry: None,
-        topic_replication: None,
-    }
-    .start_group_at_end(&group, topics)
-    .await?;
+    KafkaSettings { bootstrap: kafka_bootstrap(), options: vec![], schema_registry: None, topic_replication: None }
+        .start_group_at_end(&group, topics)
+        .await?;
     Ok(group)
 }
 
@@ -130,7 +130,7 @@ pub async fn require_kafka() -> Result<String, Unreachable> {
 /// Checks that PostgreSQL accepts a login; returns a pool on the testbed's main database.
 pub async fn require_postgres() -> Result<sqlx::PgPool, Unreachable> {
     let url = database_url();
-    let pool = tokio::time::timeout(Duration::from_secs(10), crate::postgres::connect(&url, 4))
+    let pool = tokio::time::timeout(Duration::from_secs(10), gpumedic_runtime::postgres::connect(&url, 4))
         .await
         .map_err(|_| "timed out after 10 s".to_owned())
         .and_then(|r| r.map_err(|e| e.to_string()));
@@ -213,122 +213,14 @@ pub async fn require_schema_registry() -> Result<String, Unreachable> {
     }
 }
 
-/// A service binary started by a test: spawned with the testbed's addresses, polled on its
-/// `/readyz`, stopped with SIGTERM. Killed if dropped while running.
-pub struct ServiceProcess {
-    child: std::process::Child,
-    admin: std::net::SocketAddr,
-    name: String,
-}
-
-impl ServiceProcess {
-    /// Starts `binary` with `args`, `GPUMEDIC_ADMIN_ADDR` on a free local port, and `env`.
-    pub fn start(binary: &str, args: &[&str], env: &[(&str, String)]) -> std::io::Result<Self> {
-        let admin = free_local_addr()?;
-        let mut cmd = std::process::Command::new(binary);
-        cmd.args(args)
-            .env("GPUMEDIC_ADMIN_ADDR", admin.to_string())
-            .env("GPUMEDIC_LOG", "info")
-            .stdin(std::process::Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd.spawn()?;
-        Ok(Self { child, admin, name: binary.rsplit('/').next().unwrap_or(binary).to_owned() })
-    }
-
-    /// The admin server's address.
-    pub fn admin_addr(&self) -> std::net::SocketAddr {
-        self.admin
-    }
-
-    /// The process id (for sampling its memory from `/proc`).
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The exit status, if the process has exited.
-    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
-        self.child.try_wait()
-    }
-
-    /// Polls `/readyz` until it answers 200 or `timeout` passes; the error carries the last answer.
-    pub async fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut last = String::from("no answer yet");
-        while tokio::time::Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!("{} exited with {status} before it was ready", self.name));
-            }
-            match http_get(self.admin, "/readyz").await {
-                Ok((200, _)) => return Ok(()),
-                Ok((code, body)) => last = format!("{code} {}", body.trim()),
-                Err(e) => last = e.to_string(),
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        Err(format!("{} was not ready after {timeout:?}; last /readyz: {last}", self.name))
-    }
-
-    /// Sends SIGTERM and waits up to `timeout` for the process to exit; returns its status.
-    pub async fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus, String> {
-        let pid = self.child.id().to_string();
-        let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().map_err(|e| e.to_string())?;
-        if !sent.success() {
-            return Err(format!("kill -TERM {pid} failed"));
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        while tokio::time::Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
-                return Ok(status);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Err(format!("{} did not exit within {timeout:?} of SIGTERM", self.name))
-    }
-}
-
-impl Drop for ServiceProcess {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// The lifecycle every service must have: started with the testbed's addresses it reports ready
-/// on `/readyz` within `ready_within`, serves `/healthz` and `/metrics`, and on SIGTERM exits 0
-/// within `deadline`. Panics with a readable message otherwise.
-pub async fn assert_service_lifecycle(
-    binary: &str,
-    args: &[&str],
-    env: &[(&str, String)],
-    ready_within: Duration,
-    deadline: Duration,
-) {
-    let mut env = env.to_vec();
-    env.push(("GPUMEDIC_SHUTDOWN_DEADLINE", format!("{}ms", deadline.as_millis())));
-    let mut process = ServiceProcess::start(binary, args, &env).expect("service binary starts");
-    process.wait_ready(ready_within).await.unwrap_or_else(|e| panic!("{e}; {START_HINT} if it is not running"));
-    let (code, body) = http_get(process.admin_addr(), "/healthz").await.expect("healthz answers");
-    assert_eq!((code, body.trim()), (200, "ok"));
-    let (code, body) = http_get(process.admin_addr(), "/metrics").await.expect("metrics answers");
-    assert_eq!(code, 200);
-    assert!(body.contains("_up"), "metrics should include the service's up gauge: {body}");
-    // The process exits on its own within the deadline it was given, plus start-up slack.
-    let status = process.terminate(deadline + Duration::from_secs(5)).await.unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "{binary} exited with {status} after SIGTERM");
-}
-
 /// Reads `topic` in a fresh consumer group, from the records written since a minute before this
 /// test process first touched Kafka, until one satisfies `want` or `timeout` passes (the error
 /// says how many records were seen).
 pub async fn wait_for_record(
     topic: &str,
-    mut want: impl FnMut(&crate::kafka::Record) -> bool,
+    mut want: impl FnMut(&Record) -> bool,
     timeout: Duration,
-) -> Result<crate::kafka::Record, String> {
+) -> Result<Record, String> {
     use rdkafka::consumer::{Consumer as _, StreamConsumer};
     std::sync::LazyLock::force(&FIRST_TOUCH);
     let consumer: StreamConsumer = rdkafka::ClientConfig::new()
@@ -343,8 +235,16 @@ pub async fn wait_for_record(
     let since =
         FIRST_TOUCH.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().saturating_sub(Duration::from_secs(60));
     // A topic not created yet (or metadata not answered) holds only what comes next.
-    let partitions =
-        crate::kafka::admin::existing_partitions(&consumer, topic, Duration::from_secs(10)).unwrap_or_default();
+    let partitions = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map(|m| {
+            m.topics()
+                .iter()
+                .filter(|t| t.name() == topic && t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect::<Vec<i32>>()
+        })
+        .unwrap_or_default();
     if partitions.is_empty() {
         consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
     } else {
@@ -393,7 +293,7 @@ pub async fn wait_for_record(
             Ok(Err(e)) => last_error = format!("; last consumer error: {e}"),
             Ok(Ok(m)) => {
                 seen += 1;
-                let record = crate::kafka::Record::from_message(&m);
+                let record = Record::from_message(&m);
                 if want(&record) {
                     return Ok(record);
                 }
@@ -402,64 +302,20 @@ pub async fn wait_for_record(
     }
 }
 
-/// A TCP relay in front of a server whose forwarding can be held: while held, bytes are read and
-/// kept, not passed on, so connections stay open and nothing answers, as a black-holed server or
-/// a network that stopped answering one client looks. Released, the kept bytes flow on. For tests
-/// of what a service does when a dependency stops answering; it runs until the test ends.
-pub struct Relay {
-    addr: std::net::SocketAddr,
-    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Relay {
-    /// Starts a relay on a free local port to `upstream` (`host:port`).
-    pub async fn start(upstream: &str) -> std::io::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (flag, upstream) = (held.clone(), upstream.to_owned());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else { continue };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::spawn(relay_pipe(cr, sw, flag.clone()));
-                tokio::spawn(relay_pipe(sr, cw, flag.clone()));
-            }
-        });
-        Ok(Self { addr, held })
-    }
-
-    /// The relay's own address.
-    pub fn addr(&self) -> std::net::SocketAddr {
-        self.addr
-    }
-
-    /// Holds (`true`) or releases (`false`) every byte in both directions.
-    pub fn hold(&self, held: bool) {
-        self.held.store(held, std::sync::atomic::Ordering::Release);
-    }
-}
-
-async fn relay_pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while held.load(std::sync::atomic::Ordering::Acquire) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
+/// [`wait_for_record`] for the record of one health event: the one whose event id header
+/// ([`record_headers::EVENT_ID`](gpumedic_runtime::kafka::record_headers::EVENT_ID)) is `event_id`.
+pub async fn wait_for_event(
+    topic: &str,
+    event_id: impl std::fmt::Display,
+    timeout: Duration,
+) -> Result<Record, String> {
+    let id = event_id.to_string();
+    wait_for_record(
+        topic,
+        |r| r.header(gpumedic_runtime::kafka::record_headers::EVENT_ID) == Some(id.as_bytes()),
+        timeout,
+    )
+    .await
 }
 
 /// `lookup` retried for up to 30 s while the broker answers with an error (a topic created
@@ -475,76 +331,6 @@ fn settled<T>(mut lookup: impl FnMut() -> rdkafka::error::KafkaResult<T>) -> Res
     }
 }
 
-/// Runs `binary` with invalid `args` and returns its exit code and stderr.
-pub fn run_with_invalid_config(binary: &str, args: &[&str]) -> (Option<i32>, String) {
-    let out = std::process::Command::new(binary)
-        .args(args)
-        .env_remove("GPUMEDIC_KAFKA_BOOTSTRAP")
-        .env_remove("GPUMEDIC_DATABASE_URL")
-        .env_remove("GPUMEDIC_NODE_NAME")
-        .output()
-        .expect("binary runs");
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
-/// The path of workspace binary `name` (built next to the running test's own folder), for tests
-/// that run several services. Fails with the command that builds them when it is missing.
-pub fn workspace_binary(name: &str) -> Result<std::path::PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let dir = exe.parent().and_then(|d| d.parent()).ok_or("the test binary has no parent folder")?;
-    let path = dir.join(name);
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(format!(
-            "{} is missing: build the binaries first with `cargo build --workspace --bins` (scripts/test.sh does)",
-            path.display()
-        ))
-    }
-}
-
-/// A local address with a port nobody listens on right now.
-pub fn free_local_addr() -> std::io::Result<std::net::SocketAddr> {
-    std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
-}
-
-/// A minimal HTTP/1.1 GET on loopback: status code and body.
-pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response"))?;
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let chunked = head.lines().any(|l| {
-        l.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
-        })
-    });
-    Ok((code, if chunked { dechunk(body) } else { body.to_owned() }))
-}
-
-/// The body of a `Transfer-Encoding: chunked` response (Jaeger's query API answers so).
-fn dechunk(mut rest: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16) else { break };
-        if n == 0 || after.len() < n {
-            break;
-        }
-        out.push_str(&after[..n]);
-        rest = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
-    }
-    out
-}
-
 fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}://***{}", &url[..s], &url[at..]),
@@ -555,12 +341,6 @@ fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn chunked_bodies_are_joined() {
-        assert_eq!(dechunk("4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n"), "{\"a\":1}");
-        assert_eq!(dechunk("garbage"), "");
-    }
 
     #[test]
     fn unique_names_differ_and_are_dns_safe() {
