@@ -53,8 +53,8 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka;
 use gpumedic_runtime::postgres;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::Stage;
 use tokio::sync::Mutex;
 
@@ -82,7 +82,7 @@ fn register_metrics() {
 }
 
 /// Runs the classifier until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let api_pool = api::SharedPool::default();
     let access = auth::Access::start(NAME, &config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone(), access));
@@ -119,7 +119,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(c) => Arc::new(Mutex::new(c)),
         Err(e) => {
             tracing::error!(error = %e, "Cannot start the classifier.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(e) });
+            return Err(RunError::setup("the classifier", e));
         }
     };
     let pool = classifier.lock().await.pool.clone();
@@ -136,7 +136,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
         Err(e) => {
             tracing::error!(error = %e, "Cannot open the incident API's database pool.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(e) });
+            return Err(RunError::setup("the incident API database pool", e));
         }
     }
     service.shutdown.spawn(

@@ -29,8 +29,8 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpumedic_runtime::api_auth::Access;
 use gpumedic_runtime::postgres;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::api::Api;
 use kube::runtime::reflector;
@@ -55,12 +55,12 @@ pub enum ConsoleError {
 }
 
 /// Runs the console until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let client = match gpumedic_runtime::k8s::client().await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "Cannot start the console without a Kubernetes client.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(ConsoleError::from(e)) });
+            return Err(RunError::setup("the Kubernetes client", ConsoleError::from(e)));
         }
     };
     let (nodes, nodes_writer) = reflector::store::<Node>();
@@ -101,7 +101,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
         Err(e) => {
             tracing::error!(error = %e, "Cannot open the console's database pool.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(ConsoleError::from(e)) });
+            return Err(RunError::setup("the database pool", ConsoleError::from(e)));
         }
     }
 

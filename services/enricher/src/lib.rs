@@ -27,8 +27,8 @@ use gpumedic_runtime::BoxError;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
 use gpumedic_runtime::k8s;
 use gpumedic_runtime::kafka::{self, BatchHandler, BatchSettings, Disposition, Producer, Record, record_headers};
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::{BatchArgs, Stage, StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
@@ -224,7 +224,7 @@ impl Validate for Args {
 }
 
 /// Runs the enricher until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let mut service = Service::start(NAME, &config.common);
     let synced = service.readiness.register("cluster-cache-synced");
     let token = service.shutdown.token();
@@ -240,7 +240,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "Cannot create the Kafka producer.");
-            return Err(ShutdownError::TaskFailed { task: "producer".into(), source: Box::new(e) });
+            return Err(RunError::setup("the producer", e));
         }
     };
     tracing::info!(catalog_version = %config.catalog.version, codes = config.catalog.len(), "Xid catalog loaded.");
@@ -248,7 +248,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "Cannot use the schema registry.");
-            return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
+            return Err(RunError::setup("the schema registry", e));
         }
     };
     let auth = match &config.node_auth {
@@ -263,7 +263,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "Cannot build the Kubernetes client that reviews node tokens.");
-                    return Err(ShutdownError::TaskFailed { task: "node-auth".into(), source: Box::new(e) });
+                    return Err(RunError::setup("node authentication", e));
                 }
             };
             tracing::info!(

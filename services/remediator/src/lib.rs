@@ -63,8 +63,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use gpumedic_runtime::BoxError;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::Stage;
 
 use crate::apply::Remediator;
@@ -107,7 +107,7 @@ fn register_metrics() {
 }
 
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let mut service = Service::start(NAME, &config.common);
     register_metrics();
     let kube_ready = service.readiness.register("gpu-nodes-counted");
@@ -144,7 +144,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     };
     let (remediator, producer, codec, hooks) = match setup.await {
         Ok(v) => v,
-        Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
+        Err(e) => return Err(RunError::Setup { step: "the Kubernetes and Kafka clients", source: e }),
     };
     if config.incident_database_url.is_none() {
         tracing::warn!(
