@@ -40,6 +40,7 @@ pub mod workload;
 mod classifier;
 mod config;
 mod database;
+mod events;
 mod handler;
 mod ticker;
 
@@ -59,6 +60,7 @@ use gpumedic_runtime::stage::Stage;
 use tokio::sync::Mutex;
 
 use crate::classifier::Owned;
+use crate::events::names;
 use crate::rules::engine::Engine;
 use crate::ticker::ticker;
 
@@ -69,15 +71,15 @@ pub const NAME: &str = "classifier";
 /// the start: dashboards and alerts find them, and `increase()` sees their first step.
 fn register_metrics() {
     for reason in rules::sanity::Invalid::ALL {
-        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => reason.as_str()).increment(0);
+        metrics::counter!(names::INVALID_INPUTS_TOTAL, "reason" => reason.as_str()).increment(0);
     }
-    metrics::counter!("gpumedic_classifier_workload_faults_total").increment(0);
+    metrics::counter!(names::WORKLOAD_FAULTS_TOTAL).increment(0);
     for part in ["gpu", "node"] {
-        metrics::counter!("gpumedic_classifier_lemons_total", "part" => part).increment(0);
+        metrics::counter!(names::LEMONS_TOTAL, "part" => part).increment(0);
     }
-    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(0);
+    metrics::counter!(names::CLOCK_SKEW_CLAMPED_TOTAL).increment(0);
     for result in ["ok", "refused"] {
-        metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => result).increment(0);
+        metrics::counter!(names::RULE_RELOADS_TOTAL, "result" => result).increment(0);
     }
 }
 
