@@ -23,7 +23,6 @@
 //! ([`Ledger::load`], rows marked `incidents.hardware`) live, or from its own memory in the decision
 //! corpus; either way the batch's own decisions are learned as they are judged.
 
-use crate::events::{InternalEvent as _, LemonFound};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -31,6 +30,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, LemonFound};
 use crate::rules::engine::{Decision, DecisionKind};
 use crate::rules::{Action, FieldValue, Observation, Severity};
 

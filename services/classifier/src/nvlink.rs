@@ -18,7 +18,6 @@
 //! and the root's. Only observations that could echo a root (a rule's sympathetic code, on a GPU
 //! with a domain) cost a query, so a healthy fleet costs nothing.
 
-use crate::events::{InternalEvent as _, SympatheticEvent};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -26,6 +25,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, SympatheticEvent};
 use crate::rules::engine::{Absorbed, Decision, DecisionKind};
 use crate::rules::model::{CodeRange, codes_contain};
 use crate::rules::{DomainRoot, Observation, RuleSet};

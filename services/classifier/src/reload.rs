@@ -10,7 +10,6 @@
 //! rule (which must bump its version) starts counting afresh but keeps following its open
 //! incidents, so they clear on the new version's evidence; a removed rule's state is dropped.
 
-use crate::events::{InternalEvent as _, RulesRefused, RulesReloaded};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -19,6 +18,7 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::classifier::Classifier;
+use crate::events::{InternalEvent as _, RulesRefused, RulesReloaded};
 use crate::rules::{RuleError, RuleSet, SyntheticPolicy, check_dir};
 
 /// What identifies the state of a rules directory: each rule file's name, size and modification

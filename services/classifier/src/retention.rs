@@ -9,12 +9,13 @@
 //!
 //! Replicas serialise on a transaction-scoped advisory lock, so they never race on DDL.
 
-use crate::events::{InternalEvent as _, RetentionFailed, RetentionRan};
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use crate::events::{InternalEvent as _, RetentionFailed, RetentionRan};
 
 /// Partitions are created this many days ahead of today, so a job that fails for a while (or a
 /// clock a little ahead) never sends the day's events to the default partition.
