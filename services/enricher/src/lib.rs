@@ -19,6 +19,8 @@ pub mod catalog;
 pub mod enrich;
 pub mod inventory;
 
+mod events;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -36,6 +38,7 @@ use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, top
 use crate::auth::{Accepted, KubeReviewer, NodeAuthMode, Policy, ServiceAccountRef, Verifier};
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
+use crate::events::{InternalEvent as _, OperatorRecord, RecordUnauthenticated, UnknownNodeEvent, names};
 use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
 
 /// The service's name, as used in metric names and logs.
@@ -349,22 +352,24 @@ impl BatchHandler for Enrich {
                 ) {
                     Ok(Accepted::Node) => {}
                     Ok(Accepted::Operator) => {
-                        metrics::counter!("gpumedic_enricher_records_operator_total").increment(1);
-                        tracing::info!(node = %event.node, event_id = %event.event_id, "An operator published a raw event for a node; enriching it.");
+                        OperatorRecord { node: &event.node, event_id: &event.event_id }.emit();
                     }
                     Err(refusal) => {
                         // A node the cluster does not know is one label, whatever name it claims:
                         // the label set stays bounded by the cluster's nodes.
-                        let claimed = if self.cache.node(&event.node).is_some() {
+                        let label = if self.cache.node(&event.node).is_some() {
                             event.node.clone()
                         } else {
                             "unknown".to_owned()
                         };
-                        metrics::counter!("gpumedic_enricher_records_unauthenticated_total", "claimed_node" => claimed, "reason" => refusal.label())
-                            .increment(1);
-                        // The consumer loop logs the dead-lettering with the reason; this adds who was claimed.
-                        tracing::debug!(claimed_node = %event.node, event_id = %event.event_id, reason = %refusal,
-                            "A raw record does not carry a valid token of the node it claims; dead-lettering it.");
+                        RecordUnauthenticated {
+                            claimed_node: &event.node,
+                            label,
+                            event_id: &event.event_id,
+                            reason: &refusal,
+                            reason_label: refusal.label(),
+                        }
+                        .emit();
                         dispositions[i] = Disposition::DeadLetter(refusal.to_string());
                         continue;
                     }
@@ -372,8 +377,7 @@ impl BatchHandler for Enrich {
             }
             let node = self.cache.node(&event.node);
             if node.is_none() {
-                metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
-                tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
+                UnknownNodeEvent { node: &event.node }.emit();
             }
             if let Detail::GpuInventory(detail) = &event.detail {
                 // Applied before the event is resolved and in partition order, so the node's events
@@ -407,13 +411,13 @@ impl BatchHandler for Enrich {
         for result in futures::future::join_all(sends).await {
             result?;
         }
-        metrics::counter!("gpumedic_enricher_events_total").increment(out.len() as u64);
+        metrics::counter!(names::EVENTS_TOTAL).increment(out.len() as u64);
         for (reason, n) in Unresolved::ALL.iter().zip(unresolved) {
             if n > 0 {
-                metrics::counter!("gpumedic_enricher_gpu_unresolved_total", "reason" => reason.as_str()).increment(n);
+                metrics::counter!(names::GPU_UNRESOLVED_TOTAL, "reason" => reason.as_str()).increment(n);
             }
         }
-        metrics::gauge!("gpumedic_enricher_inventory_nodes").set(self.inventory.len() as f64);
+        metrics::gauge!(names::INVENTORY_NODES).set(self.inventory.len() as f64);
         Ok(dispositions)
     }
 }
