@@ -24,6 +24,8 @@ pub mod sources;
 pub mod spool;
 pub mod synthetic;
 
+mod events;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

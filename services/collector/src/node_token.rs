@@ -16,6 +16,8 @@ use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{InternalEvent as _, NodeTokenReadFailed};
+
 /// Where the collector DaemonSet projects the token (k8s/base/collector.yaml).
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/gpumedic/token";
 /// How often the file's metadata is checked for a rotation.
@@ -137,11 +139,8 @@ impl Watch {
                 }
             }
             Err(e) => {
-                metrics::counter!("gpumedic_collector_node_token_read_failures_total").increment(1);
-                if !self.failing {
-                    tracing::warn!(error = %e, "Cannot re-read the node token; records keep the last one read, which expires.");
-                    self.failing = true;
-                }
+                NodeTokenReadFailed { error: &e, first: !self.failing }.emit();
+                self.failing = true;
             }
         }
     }
