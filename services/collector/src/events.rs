@@ -134,6 +134,28 @@ impl<P: Display> InternalEvent for SpoolTruncated<'_, P> {
     }
 }
 
+/// The spool is full: its oldest healthy evidence (heartbeats) is dropped to keep the faults.
+pub(crate) struct SpoolFull<'a> {
+    /// How many records of each kind were dropped.
+    pub(crate) dropped: &'a [(&'a str, u64)],
+    /// The segment they were dropped from.
+    pub(crate) segment: u64,
+}
+
+impl InternalEvent for SpoolFull<'_> {
+    fn emit(self) {
+        for (kind, n) in self.dropped {
+            metrics::counter!(names::SPOOL_DROPPED_TOTAL, "kind" => (*kind).to_owned()).increment(*n);
+        }
+        let total: u64 = self.dropped.iter().map(|(_, n)| n).sum();
+        tracing::warn!(
+            dropped = total,
+            segment = self.segment,
+            "The spool is full; dropping its oldest healthy evidence (heartbeats) to keep the faults."
+        );
+    }
+}
+
 /// The InfiniBand ports could not be read.
 pub(crate) struct NetworkReadFailed<'a, E: Display> {
     pub(crate) error: &'a E,

@@ -43,7 +43,7 @@ use std::io::Write as _;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
-use crate::events::{InternalEvent as _, SpoolTruncated, names};
+use crate::events::{InternalEvent as _, SpoolFull, SpoolTruncated, names};
 
 /// The first bytes of every segment file (format version 1).
 pub const MAGIC: &[u8; 8] = b"GPMSPL1\n";
@@ -480,15 +480,7 @@ impl Spool {
                 None => by_kind.push((k, 1)),
             }
         }
-        let total: u64 = by_kind.iter().map(|(_, n)| n).sum();
-        for (kind, n) in &by_kind {
-            count_dropped(kind, *n);
-        }
-        tracing::warn!(
-            dropped = total,
-            segment = seg.id,
-            "The spool is full; dropping its oldest healthy evidence (heartbeats) to keep the faults."
-        );
+        SpoolFull { dropped: &by_kind, segment: seg.id }.emit();
         let tmp = seg.path.with_extension("tmp");
         let path = seg.path.clone();
         {
