@@ -5,9 +5,14 @@ RUN apt-get update && apt-get install -y --no-install-recommends cmake protobuf-
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release --bins \
+# The collector alone first: built with the workspace, cargo would unify features and link the
+# other services' sqlx and kube into the DaemonSet that runs on every GPU node (docs/benchmarks.md
+# has its size and memory either way). Then the rest, without the collector's binary.
+RUN cargo build --release --locked -p gpumedic-collector \
     && mkdir /out \
-    && cp target/release/gpumedic target/release/gpumedic-collector target/release/gpumedic-enricher \
+    && cp target/release/gpumedic-collector /out/ \
+    && cargo build --release --locked --workspace --exclude gpumedic-collector --exclude gpumedic-load-tests --bins \
+    && cp target/release/gpumedic target/release/gpumedic-enricher \
           target/release/gpumedic-classifier target/release/gpumedic-remediator \
           target/release/gpumedic-console /out/
 

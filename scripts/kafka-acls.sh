@@ -10,7 +10,8 @@
 #   --bootstrap HOST:PORT   a listener the admin can use
 #   --command-config FILE   the admin's client properties (security.protocol, sasl.*, ssl.*)
 #   --topic-prefix P        the topics are P + health.raw.v1, health.enriched.v1, verdicts.v1,
-#                           actions.v1, and each input's dead-letter topic (+ .dlq)
+#                           actions.v1, node-tokens.v1, and each input's dead-letter topic
+#                           (+ .dlq)
 #                           (default: gpumedic.)
 #   --group-prefix P        the consumer groups are P + enricher, classifier, remediator; the
 #                           CLI's replay readers P + replay-* (default: gpumedic-)
@@ -22,8 +23,8 @@
 #
 # What each principal may do (Describe comes with every topic it uses; Create lets a service
 # create its own topics at start when they are missing, as it does; it changes no existing topic):
-#   collector   write raw
-#   enricher    read raw (group enricher); write raw.dlq, enriched
+#   collector   write raw, node-tokens (its token, once per rotation)
+#   enricher    read raw (group enricher), node-tokens (no group); write raw.dlq, enriched
 #   classifier  read enriched, actions (group classifier); write enriched.dlq, actions.dlq, verdicts
 #   remediator  read verdicts (group remediator); write verdicts.dlq, actions
 #   console     read verdicts (groups console-*: one per replica, started at the end); write nothing
@@ -32,7 +33,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '8,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '8,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 64
 }
 
@@ -68,6 +69,7 @@ raw="${topic_prefix}health.raw.v1"
 enriched="${topic_prefix}health.enriched.v1"
 verdicts="${topic_prefix}verdicts.v1"
 actions="${topic_prefix}actions.v1"
+node_tokens="${topic_prefix}node-tokens.v1"
 
 # acl PRINCIPAL ARGS...: one kafka-acls.sh --add, printed, or started in the background (each is a
 # JVM that mostly waits to start; they do not depend on each other).
@@ -106,8 +108,10 @@ service() {
   acl "$name" --operation Create "${create[@]}"
 }
 
-acl collector --operation Write --operation Describe --operation Create --topic "$raw"
+acl collector --operation Write --operation Describe --operation Create --topic "$raw" --topic "$node_tokens"
 service enricher "${group_prefix}enricher" "$raw" "$enriched"
+# The node-token directory: every enricher replica reads all of it, assigned, in no group.
+acl enricher --operation Read --operation Describe --operation Create --topic "$node_tokens"
 service classifier "${group_prefix}classifier" "$enriched $actions" "$verdicts"
 service remediator "${group_prefix}remediator" "$verdicts" "$actions"
 acl console --operation Read --operation Describe --topic "$verdicts"

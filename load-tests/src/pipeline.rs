@@ -7,9 +7,14 @@
 //! 2. For each node authentication mode asked (`--node-auth`: `off`, `enforce`, or `both`, off
 //!    then enforce on the same events): the release enricher and classifier start on fresh
 //!    topics of their own, with new consumer groups and a fresh database. With `enforce`, a
-//!    namespace holds the collector's ServiceAccount and one Pod per simulated node, each node's
-//!    records carry that Pod's token in header `gpumedic.node-token` (see [`crate::collectors`]),
-//!    and the enricher reviews every token as in production (`GPUMEDIC_NODE_AUTH=enforce`).
+//!    namespace holds the collector's ServiceAccount and one Pod per simulated node (see
+//!    [`crate::collectors`]), and the enricher reviews every token as in production
+//!    (`GPUMEDIC_NODE_AUTH=enforce`). How records prove their node follows the collector's
+//!    `--node-auth-proof` (`--node-proof`): `signature` (the default, as the collector's) publishes
+//!    each node's token once to a node-token directory topic of the pass and signs each record
+//!    (key id and HMAC headers); `token` puts the token in every record (`gpumedic.node-token`).
+//!    Either is built before the clock starts, as a collector holds its token, and signs each
+//!    record, on its own node.
 //! 3. N raw events (the fleet mix of [`crate::classify`], as raw records) are produced as fast as
 //!    Kafka takes them; the clock runs from the first produce until the classifier's
 //!    `gpumedic_classifier_events_total` reaches N, then the rows are counted. A run fails unless
@@ -26,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use gpumedic_runtime::kafka::{self, KafkaSettings, record_headers};
+use gpumedic_runtime::kafka::{self, KafkaSettings, node_proof, record_headers};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -61,6 +66,20 @@ pub struct Options {
     /// events, and the ratio).
     #[arg(long, value_enum, default_value_t = NodeAuth::Both)]
     node_auth: NodeAuth,
+    /// With node authentication enforced, how records prove their node, as the collector's
+    /// `--node-auth-proof`: `signature` (key id and HMAC; the token once per node in the
+    /// directory) or `token` (the token in every record).
+    #[arg(long, value_enum, default_value_t = NodeProof::Signature)]
+    node_proof: NodeProof,
+}
+
+/// How records prove their node with node authentication enforced (`--node-proof`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NodeProof {
+    /// The token in the node-token directory, a key id and a signature on every record.
+    Signature,
+    /// The token on every record.
+    Token,
 }
 
 /// Which node authentication modes a run measures (`--node-auth`).
@@ -100,6 +119,8 @@ pub struct Result {
 pub struct Run {
     /// `off` or `enforce`.
     node_auth: &'static str,
+    /// With `enforce`: `signature` or `token`.
+    node_proof: Option<&'static str>,
     pipeline_per_sec: f64,
     pipeline_seconds: f64,
     /// Rows in `health_events`.
@@ -161,7 +182,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 let nodes: Vec<String> =
                     raw.iter().map(|(node, _)| node.clone()).collect::<BTreeSet<_>>().into_iter().collect();
                 let collectors = Collectors::create(&client, &nodes, POD_CONCURRENCY).await?;
-                let run = pass(&bootstrap, &admin_db, &raw, &o.persist, Some(&collectors)).await;
+                let run = pass(&bootstrap, &admin_db, &raw, &o.persist, Some((&collectors, o.node_proof))).await;
                 collectors.delete(&client).await;
                 run?
             }
@@ -213,14 +234,14 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 }
 
 /// One pass of `raw` through a release enricher and classifier started for it, on topics, groups
-/// and a database of its own. With `collectors`, each record carries its node's token and the
-/// enricher enforces node authentication.
+/// and a database of its own. With `collectors`, each record proves its node as `proof` says and
+/// the enricher enforces node authentication.
 async fn pass(
     bootstrap: &str,
     admin_db: &sqlx::PgPool,
     raw: &Arc<Vec<(String, Vec<u8>)>>,
     persist: &str,
-    collectors: Option<&Collectors>,
+    collectors: Option<(&Collectors, NodeProof)>,
 ) -> anyhow::Result<Run> {
     let events = raw.len();
     let raw_topic = testbed::unique_name("bench-pipeline-raw");
@@ -234,16 +255,47 @@ async fn pass(
     settings
         .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
         .await?;
-    // Built before the clock starts, as the collector holds its token before it sends.
+    // Built before the clock starts, as the collector holds its token before it sends (and signs
+    // each record on its own node).
+    let directory = testbed::unique_name("bench-pipeline-node-tokens");
     let headers: Vec<Option<OwnedHeaders>> = match collectors {
         None => vec![None; events],
-        Some(c) => raw
+        Some((c, NodeProof::Token)) => raw
             .iter()
             .map(|(node, _)| {
                 let token = c.token(node).with_context(|| format!("no collector token for {node}"))?;
                 Ok(Some(OwnedHeaders::new().insert(Header { key: record_headers::NODE_TOKEN, value: Some(token) })))
             })
             .collect::<anyhow::Result<_>>()?,
+        Some((c, NodeProof::Signature)) => {
+            settings.ensure_topics(&[node_proof::directory_topic(&directory)]).await?;
+            let producer = settings.producer("bench-pipeline-collectors")?;
+            let mut keys = std::collections::HashMap::new();
+            for node in raw.iter().map(|(n, _)| n).collect::<BTreeSet<_>>() {
+                let token = c.token(node).with_context(|| format!("no collector token for {node}"))?;
+                let key = node_proof::NodeKey::of(token.as_bytes());
+                kafka::publish(
+                    &producer,
+                    &directory,
+                    &node_proof::directory_key(node, key.id()),
+                    token.as_bytes(),
+                    &[],
+                )
+                .await?;
+                keys.insert(node.clone(), key);
+            }
+            raw.iter()
+                .map(|(node, payload)| {
+                    let key = &keys[node];
+                    let signature = key.sign(node.as_bytes(), payload);
+                    Some(
+                        OwnedHeaders::new()
+                            .insert(Header { key: record_headers::NODE_KEY_ID, value: Some(key.id()) })
+                            .insert(Header { key: record_headers::NODE_SIGNATURE, value: Some(&signature[..]) }),
+                    )
+                })
+                .collect()
+        }
     };
 
     let db = testbed::unique_name("bench_pipeline").replace('-', "_");
@@ -253,9 +305,10 @@ async fn pass(
     env.extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
     match collectors {
         None => env.push(("GPUMEDIC_NODE_AUTH", "off".to_owned())),
-        Some(c) => env.extend([
+        Some((c, _)) => env.extend([
             ("GPUMEDIC_NODE_AUTH", "enforce".to_owned()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", c.service_account()),
+            ("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone()),
         ]),
     }
     let mut enricher = testbed::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
@@ -354,6 +407,11 @@ async fn pass(
     }
     Ok(Run {
         node_auth: if collectors.is_some() { "enforce" } else { "off" },
+        node_proof: match collectors {
+            None => None,
+            Some((_, NodeProof::Signature)) => Some("signature"),
+            Some((_, NodeProof::Token)) => Some("token"),
+        },
         pipeline_per_sec: events as f64 / seconds,
         pipeline_seconds: seconds,
         rows,

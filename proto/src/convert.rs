@@ -146,6 +146,8 @@ pub fn to_health_event(event: pb::IngestEvent, context: &IngestContext<'_>) -> R
         // The ingest API carries no boot id and the context has none to stamp; null is what the
         // schema documents for writers that do not know it.
         boot_id: None,
+        // The collector attaches the GPU's pods when the event is handed to its publisher.
+        workloads: None,
     })
 }
 

@@ -6,8 +6,8 @@
 //! form a schema registry stores and a consumer in another language can use on its own.
 //!
 //! Beside the current files, the files of every earlier released version stay embedded
-//! (`schemas/avro/released/v1/`): they are the writer schemas of records framed with that
-//! version's ids, which stay readable forever.
+//! (`schemas/avro/released/v1/`, `schemas/avro/released/v2/`): they are the writer schemas of
+//! records framed with that version's ids, which stay readable forever.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
@@ -37,6 +37,16 @@ pub const V1_AVSC: [&str; 4] = [
     include_str!("../avro/released/v1/action_outcome.avsc"),
 ];
 
+/// The version 2 schema files as released (`schemas/avro/released/v2/`), in the same order: the
+/// writer schemas of records framed with the embedded ids 5 and 6 (`Verdict` and `ActionOutcome`
+/// did not change in version 3, so ids 7 and 8 are also their current schemas).
+pub const V2_AVSC: [&str; 4] = [
+    include_str!("../avro/released/v2/health_event.avsc"),
+    include_str!("../avro/released/v2/enriched_health_event.avsc"),
+    include_str!("../avro/released/v2/verdict.avsc"),
+    include_str!("../avro/released/v2/action_outcome.avsc"),
+];
+
 /// The Avro namespace of every gpumedic record.
 pub const NAMESPACE: &str = "io.gpumedic.events";
 
@@ -51,6 +61,10 @@ static CURRENT: LazyLock<Vec<Schema>> = LazyLock::new(|| {
 static V1: LazyLock<Vec<Schema>> =
     LazyLock::new(|| parse_set(&V1_AVSC).expect("the embedded released v1 .avsc files parse (tested)"));
 
+/// The version 2 schemas, self-contained, in the order of [`V2_AVSC`].
+static V2: LazyLock<Vec<Schema>> =
+    LazyLock::new(|| parse_set(&V2_AVSC).expect("the embedded released v2 .avsc files parse (tested)"));
+
 /// The current schemas, in the order of [`CURRENT_AVSC`].
 pub fn current() -> &'static [Schema] {
     &CURRENT
@@ -60,6 +74,12 @@ pub fn current() -> &'static [Schema] {
 /// 1 to 4 were written with.
 pub fn v1() -> &'static [Schema] {
     &V1
+}
+
+/// The version 2 schemas, in the order of [`V2_AVSC`]: what records framed with the embedded ids
+/// 5 to 8 were written with.
+pub fn v2() -> &'static [Schema] {
+    &V2
 }
 
 /// The current `HealthEvent` schema.
@@ -290,7 +310,7 @@ mod tests {
             // Self-contained: the canonical form parses alone, without the other files.
             Schema::parse_str(&schema.canonical_form()).unwrap_or_else(|e| panic!("{name} is not self-contained: {e}"));
         }
-        for (sources, schemas) in [(&CURRENT_AVSC, current()), (&V1_AVSC, v1())] {
+        for (sources, schemas) in [(&CURRENT_AVSC, current()), (&V1_AVSC, v1()), (&V2_AVSC, v2())] {
             let texts = self_contained_json(sources).expect("self-contained texts");
             assert_eq!(texts.len(), schemas.len());
             for (text, schema) in texts.iter().zip(schemas) {

@@ -9,8 +9,9 @@
 //! Schema ids resolve from an embedded table built from `schemas/avro/` ([`SCHEMA_TABLE`]); the ids
 //! are fixed forever, so data written without a registry stays readable. Every version of a record
 //! has its own id: version 1 of the four records is 1 to 4 (the files under
-//! `schemas/avro/released/v1/`), version 2 is 5 to 8 (the current files). Encoding writes the
-//! current version's id. A record written with an older or newer version of its schema is read
+//! `schemas/avro/released/v1/`), version 2 is 5 to 8 (`released/v2/`), version 3 is 9 and 10
+//! (`HealthEvent` and `EnrichedHealthEvent`, the current files; `Verdict` and `ActionOutcome` did
+//! not change in it and keep 7 and 8). Encoding writes the current version's id. A record written with an older or newer version of its schema is read
 //! through Avro schema resolution into this build's types; a record written with this build's
 //! schema takes a fast path that reads and writes the Avro binary straight from the Rust types
 //! (the private `binary` module).
@@ -53,8 +54,17 @@ pub const VERDICT_V2: u32 = 7;
 /// `RecommendedAction` it shares with the verdict gained `run_diagnostics`.
 pub const ACTION_OUTCOME_V2: u32 = 8;
 
-/// The version of the records this build writes (its schema files under `schemas/avro/`).
-pub const CURRENT_VERSION: u32 = 2;
+/// Embedded schema id of `HealthEvent` v3 (`workloads`: the containers using the event's GPU,
+/// from the kubelet).
+pub const HEALTH_EVENT_V3: u32 = 9;
+/// Embedded schema id of `EnrichedHealthEvent` v3: its own file is unchanged, but the
+/// `HealthEvent` inside it gained `workloads`.
+pub const ENRICHED_HEALTH_EVENT_V3: u32 = 10;
+
+/// The release this build writes (its schema files under `schemas/avro/`). A record whose
+/// self-contained schema did not change in a release keeps its earlier version and id: this build
+/// writes `HealthEvent` and `EnrichedHealthEvent` v3, `Verdict` and `ActionOutcome` v2.
+pub const CURRENT_VERSION: u32 = 3;
 
 /// One entry of the embedded schema table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +81,7 @@ pub struct SchemaTableEntry {
 /// record gets the next free id and the old entry stays, so its data stays readable. A schema
 /// registry started fresh for gpumedic numbers the schemas in this order too
 /// ([`Codec::with_registry`](crate::Codec)), so its ids are these.
-pub const SCHEMA_TABLE: [SchemaTableEntry; 8] = [
+pub const SCHEMA_TABLE: [SchemaTableEntry; 10] = [
     SchemaTableEntry { id: HEALTH_EVENT_V1, record: HealthEvent::NAME, version: 1 },
     SchemaTableEntry { id: ENRICHED_HEALTH_EVENT_V1, record: EnrichedHealthEvent::NAME, version: 1 },
     SchemaTableEntry { id: VERDICT_V1, record: Verdict::NAME, version: 1 },
@@ -80,6 +90,8 @@ pub const SCHEMA_TABLE: [SchemaTableEntry; 8] = [
     SchemaTableEntry { id: ENRICHED_HEALTH_EVENT_V2, record: EnrichedHealthEvent::NAME, version: 2 },
     SchemaTableEntry { id: VERDICT_V2, record: Verdict::NAME, version: 2 },
     SchemaTableEntry { id: ACTION_OUTCOME_V2, record: ActionOutcome::NAME, version: 2 },
+    SchemaTableEntry { id: HEALTH_EVENT_V3, record: HealthEvent::NAME, version: 3 },
+    SchemaTableEntry { id: ENRICHED_HEALTH_EVENT_V3, record: EnrichedHealthEvent::NAME, version: 3 },
 ];
 
 /// A record type the codec can frame: one of the four event records.
@@ -97,14 +109,14 @@ pub trait Record: Serialize + DeserializeOwned {
 
 impl Record for HealthEvent {
     const NAME: &'static str = "io.gpumedic.events.HealthEvent";
-    const SCHEMA_ID: u32 = HEALTH_EVENT_V2;
+    const SCHEMA_ID: u32 = HEALTH_EVENT_V3;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.health-event.v1+avro";
     const TOPIC: &'static str = topics::HEALTH_RAW;
 }
 
 impl Record for EnrichedHealthEvent {
     const NAME: &'static str = "io.gpumedic.events.EnrichedHealthEvent";
-    const SCHEMA_ID: u32 = ENRICHED_HEALTH_EVENT_V2;
+    const SCHEMA_ID: u32 = ENRICHED_HEALTH_EVENT_V3;
     const CONTENT_TYPE: &'static str = "application/vnd.gpumedic.enriched-health-event.v1+avro";
     const TOPIC: &'static str = topics::HEALTH_ENRICHED;
 }
@@ -124,17 +136,20 @@ impl Record for ActionOutcome {
 }
 
 /// The schema registered under an embedded id, if any: for ids 1 to 4 the version 1 schema the
-/// record was written with (`schemas/avro/released/v1/`), for 5 to 8 the current one.
+/// record was written with (`schemas/avro/released/v1/`), for 5 and 6 the version 2 one
+/// (`released/v2/`), for 7 to 10 the current one.
 pub fn schema_for_id(id: u32) -> Option<&'static Schema> {
     match id {
         HEALTH_EVENT_V1 => avro::v1().first(),
         ENRICHED_HEALTH_EVENT_V1 => avro::v1().get(1),
         VERDICT_V1 => avro::v1().get(2),
         ACTION_OUTCOME_V1 => avro::v1().get(3),
-        HEALTH_EVENT_V2 => Some(avro::health_event()),
-        ENRICHED_HEALTH_EVENT_V2 => Some(avro::enriched_health_event()),
+        HEALTH_EVENT_V2 => avro::v2().first(),
+        ENRICHED_HEALTH_EVENT_V2 => avro::v2().get(1),
         VERDICT_V2 => Some(avro::verdict()),
         ACTION_OUTCOME_V2 => Some(avro::action_outcome()),
+        HEALTH_EVENT_V3 => Some(avro::health_event()),
+        ENRICHED_HEALTH_EVENT_V3 => Some(avro::enriched_health_event()),
         _ => None,
     }
 }
@@ -313,7 +328,7 @@ mod tests {
     #[test]
     fn the_table_numbers_every_version_of_every_record_once_from_one() {
         let ids: Vec<u32> = SCHEMA_TABLE.iter().map(|entry| entry.id).collect();
-        assert_eq!(ids, (1..=8).collect::<Vec<u32>>());
+        assert_eq!(ids, (1..=10).collect::<Vec<u32>>());
         for entry in &SCHEMA_TABLE {
             let Some(Schema::Record(record)) = schema_for_id(entry.id) else {
                 panic!("id {} has no record schema", entry.id);
@@ -321,7 +336,7 @@ mod tests {
             assert_eq!(record.name.fullname(None), entry.record, "id {}", entry.id);
         }
         assert_eq!(schema_for_id(0), None);
-        assert_eq!(schema_for_id(9), None);
+        assert_eq!(schema_for_id(11), None);
     }
 
     #[test]
@@ -333,14 +348,28 @@ mod tests {
             (ActionOutcome::SCHEMA_ID, ActionOutcome::NAME),
         ] {
             let entry = table_entry(id).expect("in the table");
-            assert_eq!((entry.record, entry.version), (name, CURRENT_VERSION));
+            assert_eq!(entry.record, name);
+            let latest = SCHEMA_TABLE.iter().filter(|e| e.record == name).map(|e| e.version).max();
+            assert_eq!(Some(entry.version), latest, "{name} writes its latest version");
+            assert!(entry.version <= CURRENT_VERSION);
         }
+        assert_eq!(table_entry(HealthEvent::SCHEMA_ID).map(|e| e.version), Some(CURRENT_VERSION));
         // Each record's v1 id still names it, with the v1 schema.
         for (position, id) in
             [HEALTH_EVENT_V1, ENRICHED_HEALTH_EVENT_V1, VERDICT_V1, ACTION_OUTCOME_V1].into_iter().enumerate()
         {
             assert_eq!(table_entry(id).map(|entry| entry.version), Some(1));
             assert_eq!(schema_for_id(id), avro::v1().get(position));
+        }
+        // And the v2 ids the v2 schemas.
+        for (position, id) in
+            [HEALTH_EVENT_V2, ENRICHED_HEALTH_EVENT_V2, VERDICT_V2, ACTION_OUTCOME_V2].into_iter().enumerate()
+        {
+            assert_eq!(table_entry(id).map(|entry| entry.version), Some(2));
+            assert_eq!(
+                schema_for_id(id).map(Schema::canonical_form),
+                avro::v2().get(position).map(Schema::canonical_form)
+            );
         }
     }
 }

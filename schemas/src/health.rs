@@ -47,6 +47,25 @@ pub struct HealthEvent {
     /// one proves a reboot. `None` from writers that do not know it (schema version 1, the gRPC
     /// ingest).
     pub boot_id: Option<String>,
+    /// The containers using the event's GPU, from the node's kubelet (schema version 3): an empty
+    /// list means no pod uses it. `None` when the collector does not know (no GPU named, the
+    /// kubelet not read, older writers); the enricher then falls back to its own view of the
+    /// node's pods.
+    pub workloads: Option<Vec<GpuWorkload>>,
+}
+
+/// A container holding a GPU, as the node's kubelet assigned it (`GpuWorkload` in the schema).
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GpuWorkload {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// The container the device is assigned to.
+    pub container: String,
+    /// The devices of the event's GPU the container holds, as the device plugin names them: the
+    /// GPU UUID, or the UUIDs of MIG devices on it.
+    pub gpu_uuids: Vec<String>,
 }
 
 impl HealthEvent {
@@ -71,6 +90,7 @@ impl HealthEvent {
             raw: None,
             collector_version: env!("CARGO_PKG_VERSION").to_owned(),
             boot_id: None,
+            workloads: None,
         }
     }
 }

@@ -10,6 +10,11 @@ pub const VERDICTS: &str = "gpumedic.verdicts.v1";
 /// What the remediator did about each verdict.
 pub const ACTIONS: &str = "gpumedic.actions.v1";
 
+/// The node-token directory: each collector's token, published once per rotation (keyed by node
+/// and key id), so raw records carry a signature instead of the token
+/// (`gpumedic_runtime::kafka::node_proof`). Not a pipeline topic: no Avro, read by the enrichers.
+pub const NODE_TOKENS: &str = "gpumedic.node-tokens.v1";
+
 /// Every pipeline topic, in flow order.
 pub const ALL: [&str; 4] = [HEALTH_RAW, HEALTH_ENRICHED, VERDICTS, ACTIONS];
 

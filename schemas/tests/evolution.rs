@@ -1,17 +1,18 @@
 //! The evolution gate and reader-schema resolution across versions.
 //!
 //! - Every current schema is fully compatible, both ways, with every released version under
-//!   `schemas/avro/released/` (`v1/` and the latest, at the top). When this fails, the change would
+//!   `schemas/avro/released/` (`v1/`, `v2/` and the latest, at the top). When this fails, the change would
 //!   break producers or consumers that upgrade at a different time, or data still on the topics:
 //!   make the change compatible (optional fields with defaults, enum symbols appended), or release
 //!   a new topic version.
 //! - The schema behind an embedded id never changes: ids 1 to 4 are the files under `released/v1/`,
-//!   5 to 8 the latest release. Changing a current schema therefore fails here until it is
+//!   5 to 8 those under `released/v2/`, 9 and 10 (and 7 and 8, unchanged) the latest release. Changing a current schema therefore fails here until it is
 //!   released: new ids in the codec's table, the old files kept under `released/v<N>/`.
 //! - Records framed with the version 1 ids decode into this build's types, the new fields at their
 //!   defaults, both as apache-avro writes them with the v1 files and as the v1 build wrote them
 //!   (`tests/fixtures/v1_frames.txt`).
-//! - The fixtures `health_event_v3.avsc` and `health_event_incompatible.avsc` are the next
+//! - The fixtures `health_event_v3.avsc` (named before version 3 was released; it is the current
+//!   schema plus a `sequence` field) and `health_event_incompatible.avsc` are the next
 //!   evolution: this build reads what a v3 writer wrote and the reverse, and an incompatible change
 //!   is rejected with a message that names the field.
 
@@ -29,7 +30,7 @@ use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent, HealthEvent, Record, 
 const NAMES: [&str; 4] = ["HealthEvent", "EnrichedHealthEvent", "Verdict", "ActionOutcome"];
 
 /// Every released version, oldest first, with the embedded ids of its four schemas.
-const RELEASED: [(&str, [&str; 4], [u32; 4]); 2] = [
+const RELEASED: [(&str, [&str; 4], [u32; 4]); 3] = [
     (
         "v1",
         [
@@ -41,14 +42,24 @@ const RELEASED: [(&str, [&str; 4], [u32; 4]); 2] = [
         [framing::HEALTH_EVENT_V1, framing::ENRICHED_HEALTH_EVENT_V1, framing::VERDICT_V1, framing::ACTION_OUTCOME_V1],
     ),
     (
-        "latest (v2)",
+        "v2",
+        [
+            include_str!("../avro/released/v2/health_event.avsc"),
+            include_str!("../avro/released/v2/enriched_health_event.avsc"),
+            include_str!("../avro/released/v2/verdict.avsc"),
+            include_str!("../avro/released/v2/action_outcome.avsc"),
+        ],
+        [framing::HEALTH_EVENT_V2, framing::ENRICHED_HEALTH_EVENT_V2, framing::VERDICT_V2, framing::ACTION_OUTCOME_V2],
+    ),
+    (
+        "latest (v3)",
         [
             include_str!("../avro/released/health_event.avsc"),
             include_str!("../avro/released/enriched_health_event.avsc"),
             include_str!("../avro/released/verdict.avsc"),
             include_str!("../avro/released/action_outcome.avsc"),
         ],
-        [framing::HEALTH_EVENT_V2, framing::ENRICHED_HEALTH_EVENT_V2, framing::VERDICT_V2, framing::ACTION_OUTCOME_V2],
+        [framing::HEALTH_EVENT_V3, framing::ENRICHED_HEALTH_EVENT_V3, framing::VERDICT_V2, framing::ACTION_OUTCOME_V2],
     ),
 ];
 const HEALTH_EVENT_V3: &str = include_str!("fixtures/health_event_v3.avsc");
@@ -92,6 +103,8 @@ fn the_schema_behind_every_embedded_id_is_its_released_file() {
         }
     }
     covered.sort_unstable();
+    // A record that did not change in a release keeps its id: the same id in two releases.
+    covered.dedup();
     let table: Vec<u32> = framing::SCHEMA_TABLE.iter().map(|entry| entry.id).collect();
     assert_eq!(covered, table, "every id of the table is a released schema");
 }
@@ -103,7 +116,7 @@ fn this_build_writes_the_current_schemas_under_the_latest_ids() {
     assert_eq!(framing::schema_for_id(Verdict::SCHEMA_ID), Some(avro::verdict()));
     assert_eq!(framing::schema_for_id(ActionOutcome::SCHEMA_ID), Some(avro::action_outcome()));
     let payload = framing::encode(&common::health_event(Detail::Absent)).unwrap();
-    assert_eq!(&payload[..5], &[0, 0, 0, 0, 5]);
+    assert_eq!(&payload[..5], &[0, 0, 0, 0, 9]);
 }
 
 #[test]
@@ -162,7 +175,7 @@ fn frame(id: u32, body: &[u8]) -> Vec<u8> {
 
 /// `event` without what version 2 added: what a v1 record of it reads as.
 fn v1_view(event: &HealthEvent) -> HealthEvent {
-    HealthEvent { boot_id: None, ..event.clone() }
+    HealthEvent { boot_id: None, workloads: None, ..event.clone() }
 }
 
 #[test]
@@ -333,4 +346,51 @@ fn a_v3_reader_reads_what_this_build_wrote() {
     let detail = field_mut(&mut value, "detail");
     assert_eq!(field_mut(detail, "fabric_manager"), &Value::Union(0, Box::new(Value::Null)));
     assert!(matches!(field_mut(detail, "ecc"), Value::Union(1, _)));
+}
+
+/// `event` without what version 3 added: what a v2 record of it reads as.
+fn v2_view(event: &HealthEvent) -> HealthEvent {
+    HealthEvent { workloads: None, ..event.clone() }
+}
+
+#[test]
+fn a_v2_health_event_decodes_into_the_v3_type_without_workloads() {
+    let v2 = &avro::v2()[0];
+    let mut seen = 0;
+    for detail in common::all_details() {
+        let event = common::health_event(detail);
+        assert!(event.workloads.as_ref().is_some_and(|w| !w.is_empty()), "the fixture sets the v3 field");
+        let payload = frame(framing::HEALTH_EVENT_V2, &written_with(&event, v2));
+        let read: HealthEvent = framing::decode(&payload).unwrap();
+        assert_eq!(read, v2_view(&event), "an old writer's event: the collector did not say, not 'no pods'");
+        seen += 1;
+    }
+    assert_eq!(seen, 18, "every kind v2 knows");
+
+    let enriched = common::enriched(common::all_details().remove(0));
+    let payload = frame(framing::ENRICHED_HEALTH_EVENT_V2, &written_with(&enriched, &avro::v2()[1]));
+    let read: EnrichedHealthEvent = framing::decode(&payload).unwrap();
+    assert_eq!(read, EnrichedHealthEvent { event: v2_view(&enriched.event), ..enriched });
+}
+
+#[test]
+fn a_v2_reader_reads_a_v3_event_with_workloads_and_sees_the_rest_unchanged() {
+    let v2 = &avro::v2()[0];
+    let event = common::health_event(common::all_details().remove(0));
+    let payload = framing::encode(&event).unwrap();
+    assert_eq!(framing::split_frame(&payload).unwrap().0, framing::HEALTH_EVENT_V3);
+    let value = resolve(avro::health_event(), v2, &payload[5..]);
+    assert!(value.validate(v2), "a valid v2 datum");
+    let Value::Record(fields) = &value else { panic!("a record") };
+    assert!(fields.iter().all(|(name, _)| name != "workloads"), "v2 does not see the new field");
+    // Written back with v2 and read by this build: the same event, less what v2 cannot carry.
+    let body = GenericDatumWriter::builder(v2).build().unwrap().write_value_to_vec(value).unwrap();
+    let read: HealthEvent = framing::decode(&frame(framing::HEALTH_EVENT_V2, &body)).unwrap();
+    assert_eq!(read, v2_view(&event));
+
+    // The enriched event as well: the raw event inside it carries the new field.
+    let enriched = common::enriched(common::all_details().remove(0));
+    let payload = framing::encode(&enriched).unwrap();
+    let value = resolve(avro::enriched_health_event(), &avro::v2()[1], &payload[5..]);
+    assert!(value.validate(&avro::v2()[1]));
 }

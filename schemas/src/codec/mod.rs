@@ -75,8 +75,8 @@ pub struct Codec {
 }
 
 impl Codec {
-    /// A codec without a registry: the embedded ids (it writes 5 to 8, the current version, and
-    /// reads 1 to 8), exactly as [`framing::encode`] and [`framing::decode`].
+    /// A codec without a registry: the embedded ids (it writes 7 to 10, the current versions, and
+    /// reads 1 to 10), exactly as [`framing::encode`] and [`framing::decode`].
     pub fn embedded() -> Self {
         Self::with_resolver(EmbeddedResolver)
     }
@@ -163,7 +163,7 @@ impl Codec {
         }
     }
 
-    /// True without a registry. With one: true when the registry's ids 1 to 8 are exactly the
+    /// True without a registry. With one: true when the registry's ids 1 to 10 are exactly the
     /// embedded table's schemas (checked at start), so records written without a registry, by
     /// this version or an earlier one, decode correctly through it.
     pub fn embedded_ids_readable(&self) -> bool {
@@ -234,7 +234,7 @@ mod tests {
         assert!(err.is_transient(), "{err:?}");
         assert_eq!(err.reason(), "registry_unavailable");
         assert!(
-            matches!(err, DecodeFailure::RegistryUnavailable { id, .. } if id == framing::HEALTH_EVENT_V2),
+            matches!(err, DecodeFailure::RegistryUnavailable { id, .. } if id == framing::HEALTH_EVENT_V3),
             "{err:?}"
         );
         assert!(err.to_string().contains("the registry is down"), "{err}");

@@ -1,6 +1,6 @@
 //! [`RegistryResolver`]: schema ids from a schema registry (cargo feature `registry`).
 //!
-//! With a registry, the schema id space is the registry's: every id on the wire, 1 to 8 included,
+//! With a registry, the schema id space is the registry's: every id on the wire, 1 to 10 included,
 //! is resolved through the registry, never through the embedded table, because a registry hands
 //! out the same small numbers to whatever schema it saw first. How data written without a
 //! registry stays readable is in docs/events.md ("Schema registry");
@@ -97,10 +97,11 @@ pub struct RegistryResolver {
 impl RegistryResolver {
     /// A resolver backed by the schema registry at `url` (Confluent REST API; for Apicurio, the
     /// `/apis/ccompat/v7` URL). Registers every schema of the embedded table under its record's
-    /// subject `<topic>-value`, in table order (version 1 of the four records, then version 2):
+    /// subject `<topic>-value`, in table order (version 1 of the four records, then version 2, then
+    /// version 3 of the two records that changed in it):
     /// a new version of a record is a new version of the same subject, and a fresh registry gives
     /// the schemas the embedded ids. Remembers their ids, writes the current version's, then
-    /// checks what the registry's ids 1 to 8 are ([`SchemaResolver::embedded_ids_readable`]).
+    /// checks what the registry's ids 1 to 10 are ([`SchemaResolver::embedded_ids_readable`]).
     ///
     /// # Errors
     /// [`RegistryStartError`] when the registry is unreachable or refuses a schema: a service
@@ -111,8 +112,11 @@ impl RegistryResolver {
         })?;
         let texts = [
             avro::self_contained_json(&avro::V1_AVSC).expect("the embedded released .avsc files parse (tested)"),
+            avro::self_contained_json(&avro::V2_AVSC).expect("the embedded released .avsc files parse (tested)"),
             avro::self_contained_json(&avro::CURRENT_AVSC).expect("the embedded .avsc files parse (tested)"),
         ];
+        let current_ids =
+            [HealthEvent::SCHEMA_ID, EnrichedHealthEvent::SCHEMA_ID, Verdict::SCHEMA_ID, ActionOutcome::SCHEMA_ID];
         let records = [
             (HealthEvent::NAME, HealthEvent::TOPIC),
             (EnrichedHealthEvent::NAME, EnrichedHealthEvent::TOPIC),
@@ -121,7 +125,7 @@ impl RegistryResolver {
         ];
         let mut writer_ids = [0; framing::SCHEMA_TABLE.len()];
         let mut known = HashMap::new();
-        // In table order, so that a fresh registry gives the schemas the embedded ids 1 to 8 and
+        // In table order, so that a fresh registry gives the schemas the embedded ids 1 to 10 and
         // records written without a registry stay readable through it (see docs/events.md). The
         // older versions are registered too, although this build never writes them: registering
         // a schema the subject already has only returns its id.
@@ -131,7 +135,14 @@ impl RegistryResolver {
                 .position(|(name, _)| *name == entry.record)
                 .expect("every table entry names one of the four records (tested)");
             let (record, topic) = records[position];
-            let text = &texts[if entry.version == framing::CURRENT_VERSION { 1 } else { 0 }][position];
+            let ours = current_ids.contains(&entry.id);
+            let text = &texts[if ours {
+                2
+            } else if entry.version == 1 {
+                0
+            } else {
+                1
+            }][position];
             let subject = format!("{}{topic}-value", options.subject_prefix);
             let id = client.register(&subject, text).await.map_err(|source| RegistryStartError::Register {
                 record,
@@ -140,7 +151,6 @@ impl RegistryResolver {
             })?;
             writer_ids[slot] = id;
             let schema = framing::schema_for_id(entry.id).expect("every table entry has a schema (tested)").clone();
-            let ours = entry.version == framing::CURRENT_VERSION;
             known.insert(id, Arc::new(WriterSchema { schema, name: record.to_owned(), ours }));
         }
         let resolver = Self {

@@ -80,8 +80,8 @@ pub trait SchemaResolver: Debug + Send + Sync {
     }
 }
 
-/// The schema table embedded in gpumedic: it writes ids 5 to 8 (the current version) and reads
-/// 1 to 8, exactly as [`framing::encode`](crate::framing::encode) and
+/// The schema table embedded in gpumedic: it writes ids 7 to 10 (the current versions) and reads
+/// 1 to 10, exactly as [`framing::encode`](crate::framing::encode) and
 /// [`framing::decode`](crate::framing::decode).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EmbeddedResolver;

@@ -149,6 +149,12 @@ pub fn health_event(detail: Detail) -> HealthEvent {
         raw: Some("NVRM: Xid (PCI:0000:3b:00): 145, pid=4242, name=python3, RLW_REMAP ...".into()),
         collector_version: "0.1.0".into(),
         boot_id: Some("8c2f7c1e-4d51-4b0e-9a58-2f0a6c1b9d33".into()),
+        workloads: Some(vec![GpuWorkload {
+            namespace: "training".into(),
+            pod: "llm-pretrain-0".into(),
+            container: "trainer".into(),
+            gpu_uuids: vec!["GPU-5c1f2a8e-9d3b-4f47-a1c2-0e6b7d8f9a01".into()],
+        }]),
     }
 }
 

@@ -308,6 +308,7 @@ mod tests {
                 raw: None,
                 collector_version: "test".into(),
                 boot_id: Some("boot-1".into()),
+                workloads: None,
             },
             node_context: NodeContext::default(),
             node_unknown: false,

@@ -41,6 +41,8 @@ pub(crate) mod names {
     pub(crate) const NETWORK_EVENTS_TOTAL: &str = "gpumedic_collector_network_events_total";
     /// Node token re-reads that failed.
     pub(crate) const NODE_TOKEN_READ_FAILURES_TOTAL: &str = "gpumedic_collector_node_token_read_failures_total";
+    /// Node key announcements that could not be published.
+    pub(crate) const NODE_KEY_PUBLISH_FAILURES_TOTAL: &str = "gpumedic_collector_node_key_publish_failures_total";
     /// GPU samples that hung, by `monitor`.
     pub(crate) const MONITOR_HUNG_TOTAL: &str = "gpumedic_collector_monitor_hung_total";
     /// GPU backends that could not be opened, by `monitor`.

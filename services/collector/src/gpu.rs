@@ -20,6 +20,9 @@ pub struct GpuSample {
     /// The GPU could not be read this time (an NVML error other than GPU_IS_LOST): no readings,
     /// and the error as NVML said it. The other GPUs of the node are sampled as usual.
     pub error: Option<String>,
+    /// The UUIDs of the MIG devices on the GPU (MIG mode on); empty otherwise. The kubelet names
+    /// MIG devices by these, so an event on the GPU can name the pods on them.
+    pub mig_devices: Vec<String>,
     /// Board serial number, when the GPU tells it.
     pub serial: Option<String>,
     /// Product name (`NVIDIA H100 80GB HBM3`), when the GPU tells it.
@@ -178,6 +181,7 @@ fn fresh_gpu(node: &str, index: u32) -> GpuSample {
         pci_bus_id: simulated_pci(index),
         lost: false,
         error: None,
+        mig_devices: Vec::new(),
         serial: Some(format!("{:013}", fnv1a(node.as_bytes()).wrapping_add(u64::from(index)) % 10_000_000_000_000)),
         product: Some(SIMULATED_PRODUCT.to_owned()),
         temperature_c: Some(45),
@@ -489,6 +493,7 @@ impl NvmlBackend {
                 .unwrap_or_default(),
             lost: false,
             error: None,
+            mig_devices: mig_devices(&device),
             serial,
             product,
             temperature_c: device.temperature(TemperatureSensor::Gpu).ok().map(|t| t as i32),
@@ -516,6 +521,18 @@ impl NvmlBackend {
             nvlinks: nvlinks(&device),
         })
     }
+}
+
+/// The UUIDs of the MIG devices on `device` when MIG mode is on; empty when it is off or NVML
+/// cannot tell.
+fn mig_devices(device: &nvml_wrapper::Device<'_>) -> Vec<String> {
+    // NVML_DEVICE_MIG_ENABLE: asked first, so a GPU without MIG costs one call.
+    if device.mig_mode().ok().map(|m| m.current) != Some(1) {
+        return Vec::new();
+    }
+    let slots = device.mig_device_count().unwrap_or(0);
+    // Empty slots answer NotFound and are skipped.
+    (0..slots).filter_map(|slot| device.mig_device_by_index(slot).ok()?.uuid().ok()).collect()
 }
 
 /// Why one GPU could not be read.

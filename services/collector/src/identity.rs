@@ -1,5 +1,6 @@
 //! What every event the collector publishes says about its node beyond the observation itself:
-//! the node's boot id, and the full name of a GPU that a source knew only by PCI bus id.
+//! the node's boot id, the full name of a GPU that a source knew only by PCI bus id, and the pods
+//! using the event's GPU as the kubelet last said ([`crate::pod_resources`]).
 //!
 //! [`NodeIdentity`] is shared by the publisher's [`Sink`](crate::publisher::Sink), which stamps
 //! every event on its way out (whatever the source: NVML, kernel log, DCGM, cloud, gRPC ingest,
@@ -16,6 +17,7 @@ use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::GpuIdentity;
 
 use crate::kernel_log::parse::normalize_pci;
+use crate::pod_resources::GpuPods;
 
 /// Where Linux publishes the id of the current boot; it changes at every reboot.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
@@ -68,12 +70,22 @@ struct Inner {
     /// Every GPU seen in this boot, by normalised PCI bus id, including GPUs that have since
     /// gone missing: an Xid 79 about a GPU that just vanished must still name it.
     gpus: BTreeMap<String, GpuIdentity>,
+    /// Which pods use which GPU, from the kubelet; `None` while not known (no socket, or its
+    /// last answer is stale).
+    gpu_pods: Option<GpuPods>,
+    /// The parent GPU's UUID of each MIG device, by MIG UUID.
+    mig_parents: BTreeMap<String, String>,
 }
 
 impl NodeIdentity {
     /// A node in boot `boot_id`, no GPU known yet.
     pub fn new(boot_id: impl Into<String>) -> Self {
-        Self(Arc::new(RwLock::new(Inner { boot_id: boot_id.into(), gpus: BTreeMap::new() })))
+        Self(Arc::new(RwLock::new(Inner {
+            boot_id: boot_id.into(),
+            gpus: BTreeMap::new(),
+            gpu_pods: None,
+            mig_parents: BTreeMap::new(),
+        })))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
@@ -97,6 +109,7 @@ impl NodeIdentity {
         let mut inner = self.write();
         inner.boot_id = boot_id.into();
         inner.gpus.clear();
+        inner.mig_parents.clear();
     }
 
     /// Remembers `gpus` as GPUs of this boot (by PCI bus id; a GPU without one cannot be looked
@@ -110,6 +123,23 @@ impl NodeIdentity {
         }
     }
 
+    /// Which pods use which GPU, as the kubelet last said; `None`: not known, events then carry
+    /// no list of their own.
+    pub fn set_gpu_pods(&self, pods: Option<GpuPods>) {
+        self.write().gpu_pods = pods;
+    }
+
+    /// The MIG devices on the GPU `parent_uuid` (by MIG UUID) are now `mig_uuids`, replacing
+    /// those it had (MIG devices come and go without a reboot), so that an event on the GPU names
+    /// the pods on its MIG devices too.
+    pub fn set_mig_devices(&self, parent_uuid: &str, mig_uuids: impl IntoIterator<Item = String>) {
+        let mut inner = self.write();
+        inner.mig_parents.retain(|_, parent| parent != parent_uuid);
+        for mig in mig_uuids {
+            inner.mig_parents.insert(mig, parent_uuid.to_owned());
+        }
+    }
+
     /// The GPU of this boot at PCI bus id `pci` (any spelling the kernel log uses).
     pub fn by_pci(&self, pci: &str) -> Option<GpuIdentity> {
         let key = normalize_pci(pci)?;
@@ -118,7 +148,9 @@ impl NodeIdentity {
 
     /// `event` as it leaves the node: with the current boot id, and, when it names a GPU by PCI
     /// bus id alone, with that GPU's UUID and index from this boot's inventory. An unknown PCI
-    /// bus id is left as it is.
+    /// bus id is left as it is. An event that names a GPU by UUID (its own or the one found
+    /// here) gets the containers using that GPU, when the kubelet's answer is known and the
+    /// source did not set a list of its own.
     pub fn stamp(&self, event: &HealthEvent) -> HealthEvent {
         let inner = self.read();
         let mut e = event.clone();
@@ -128,6 +160,11 @@ impl NodeIdentity {
         {
             e.entity.gpu_uuid.clone_from(&gpu.uuid);
             e.entity.gpu_index = e.entity.gpu_index.or(gpu.index);
+        }
+        if e.workloads.is_none()
+            && let (Some(pods), Some(uuid)) = (&inner.gpu_pods, e.entity.gpu_uuid.as_deref())
+        {
+            e.workloads = Some(pods.workloads_of(uuid, e.entity.mig_instance.as_deref(), &inner.mig_parents));
         }
         e
     }
@@ -195,6 +232,72 @@ mod tests {
         let mut old = lost(Entity::default());
         old.boot_id = Some("stale".into());
         assert_eq!(id.stamp(&old).boot_id.as_deref(), Some("boot-1"), "the collector knows its node's boot");
+    }
+
+    #[test]
+    fn a_gpu_event_gets_the_pods_on_its_gpu_once_the_kubelet_answered() {
+        use gpumedic_proto::podresources::v1::{
+            ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+        };
+        let id = NodeIdentity::new("boot-1");
+        id.remember(&[gpu(3, "GPU-3", "0000:48:00.0")]);
+        let by_pci = || lost(Entity { pci_bus_id: Some("0000:48:00.0".into()), ..Entity::default() });
+        assert_eq!(id.stamp(&by_pci()).workloads, None, "the kubelet not asked yet: not known");
+        let answer = ListPodResourcesResponse {
+            pod_resources: vec![PodResources {
+                name: "train-0".into(),
+                namespace: "ml".into(),
+                containers: vec![ContainerResources {
+                    name: "main".into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: crate::pod_resources::GPU_RESOURCE.into(),
+                        device_ids: vec!["GPU-3".into()],
+                    }],
+                }],
+            }],
+        };
+        id.set_gpu_pods(Some(crate::pod_resources::gpu_pods(&answer)));
+        let e = id.stamp(&by_pci());
+        let pods: Vec<(&str, &str)> =
+            e.workloads.iter().flatten().map(|w| (w.pod.as_str(), w.container.as_str())).collect();
+        assert_eq!(pods, [("train-0", "main")], "the UUID found by PCI bus id names the pods");
+        let other = id.stamp(&lost(Entity { gpu_uuid: Some("GPU-7".into()), ..Entity::default() }));
+        assert_eq!(other.workloads, Some(Vec::new()), "a GPU no pod uses: known to be none");
+        assert_eq!(id.stamp(&lost(Entity::default())).workloads, None, "no GPU named: nothing to say");
+        id.set_gpu_pods(None);
+        assert_eq!(id.stamp(&by_pci()).workloads, None, "the answer went stale");
+    }
+
+    #[test]
+    fn an_event_on_a_gpu_names_the_pods_on_its_mig_devices_as_the_sampler_last_saw_them() {
+        use gpumedic_proto::podresources::v1::{
+            ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+        };
+        let id = NodeIdentity::new("boot-1");
+        let on = |pod: &str, mig: &str| PodResources {
+            name: pod.into(),
+            namespace: "inf".into(),
+            containers: vec![ContainerResources {
+                name: "c".into(),
+                devices: vec![ContainerDevices {
+                    resource_name: "nvidia.com/mig-3g.40gb".into(),
+                    device_ids: vec![mig.into()],
+                }],
+            }],
+        };
+        let answer = ListPodResourcesResponse { pod_resources: vec![on("a", "MIG-1"), on("b", "MIG-2")] };
+        id.set_gpu_pods(Some(crate::pod_resources::gpu_pods(&answer)));
+        let on_gpu = || lost(Entity { gpu_uuid: Some("GPU-3".into()), ..Entity::default() });
+        let pods = |e: HealthEvent| -> Vec<String> { e.workloads.into_iter().flatten().map(|w| w.pod).collect() };
+        assert!(pods(id.stamp(&on_gpu())).is_empty(), "MIG devices of an unknown parent");
+        id.set_mig_devices("GPU-3", ["MIG-1".to_owned(), "MIG-2".to_owned()]);
+        assert_eq!(pods(id.stamp(&on_gpu())), ["a", "b"]);
+        // MIG-2 destroyed: the next sample no longer lists it.
+        id.set_mig_devices("GPU-3", ["MIG-1".to_owned()]);
+        assert_eq!(pods(id.stamp(&on_gpu())), ["a"]);
+        let on_mig =
+            lost(Entity { gpu_uuid: Some("GPU-3".into()), mig_instance: Some("MIG-1".into()), ..Entity::default() });
+        assert_eq!(pods(id.stamp(&on_mig)), ["a"], "an event on one MIG device");
     }
 
     #[test]

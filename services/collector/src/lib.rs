@@ -120,6 +120,14 @@ pub struct Args {
     /// authentication dead-letters records without a token). Off: a missing token is a warning.
     #[arg(long, env = "GPUMEDIC_REQUIRE_NODE_TOKEN")]
     require_node_token: bool,
+    /// How records prove the node: `signature` (the token is published once per rotation to the
+    /// node-token directory, and each record carries its key id and an HMAC; the token itself
+    /// until the directory acknowledges it) or `token` (the token in every record).
+    #[arg(long, env = "GPUMEDIC_NODE_AUTH_PROOF", default_value = "signature")]
+    node_auth_proof: String,
+    /// The node-token directory topic (`--node-auth-proof signature`).
+    #[arg(long, env = "GPUMEDIC_NODE_TOKENS_TOPIC", default_value = topics::NODE_TOKENS)]
+    node_tokens_topic: String,
     /// How often the InfiniBand/RoCE ports are read from sysfs (`off` to disable).
     #[arg(long, env = "GPUMEDIC_IB_INTERVAL", default_value = "30s")]
     ib_interval: String,
@@ -133,6 +141,14 @@ pub struct Args {
     /// unused and down for good.
     #[arg(long, env = "GPUMEDIC_IB_IGNORE", default_value = "")]
     ib_ignore: String,
+    /// The kubelet's PodResources socket, asked which pods use which GPU so that every event on
+    /// a GPU names the pods on it (`off` to disable). A missing socket is logged once and the
+    /// collector runs on without it.
+    #[arg(long, env = "GPUMEDIC_POD_RESOURCES_SOCKET", default_value = pod_resources::DEFAULT_SOCKET)]
+    pod_resources_socket: String,
+    /// How often the kubelet's PodResources API is asked.
+    #[arg(long, env = "GPUMEDIC_POD_RESOURCES_INTERVAL", default_value = "30s")]
+    pod_resources_interval: String,
     #[command(flatten)]
     dcgm: dcgm::source::DcgmArgs,
     #[command(flatten)]
@@ -194,12 +210,17 @@ pub struct Config {
     /// The token read from it at start, empty when the file could not be read (allowed unless
     /// `--require-node-token`). Its `Debug` never shows the credential.
     pub node_token: node_token::NodeToken,
+    /// The node-token directory topic, when records are signed (`--node-auth-proof signature`);
+    /// `None`: every record carries the token.
+    pub node_tokens_topic: Option<String>,
     /// The DCGM source.
     pub dcgm: dcgm::source::DcgmSettings,
     /// The cloud maintenance source.
     pub cloud: cloud::CloudSettings,
     /// The InfiniBand/RoCE port source, when on (`node` is filled in by `run`).
     pub network: Option<network::NetworkSettings>,
+    /// The kubelet's PodResources poller, when on.
+    pub pod_resources: Option<pod_resources::PodResourcesSettings>,
 }
 
 impl Validate for Args {
@@ -298,6 +319,18 @@ impl Validate for Args {
                 Err(_) => None,
             },
         };
+        let node_tokens_topic = match self.node_auth_proof.as_str() {
+            "signature" if self.node_tokens_topic.trim().is_empty() => {
+                p.push("--node-tokens-topic", "must name a topic when --node-auth-proof is signature");
+                None
+            }
+            "signature" => Some(self.node_tokens_topic.clone()),
+            "token" => None,
+            other => {
+                p.push("--node-auth-proof", format!("{other:?} is neither signature nor token"));
+                None
+            }
+        };
         let network = match self.ib_interval.trim() {
             "off" | "" => None,
             raw => p
@@ -325,6 +358,26 @@ impl Validate for Args {
                         .collect(),
                 }),
         };
+        let pod_resources = match self.pod_resources_socket.trim() {
+            "off" | "" => None,
+            socket => p
+                .check(
+                    "--pod-resources-interval",
+                    parse_duration(&self.pod_resources_interval).and_then(|d| {
+                        if d.is_zero() {
+                            Err("the kubelet needs an interval above zero (or --pod-resources-socket off)".to_owned())
+                        } else {
+                            Ok(d)
+                        }
+                    }),
+                )
+                .map(|interval| pod_resources::PodResourcesSettings {
+                    node: self.node_name.clone(),
+                    socket: PathBuf::from(socket),
+                    interval,
+                    timeout: interval.min(Duration::from_secs(5)),
+                }),
+        };
         let dcgm = self.dcgm.validate().map_err(|e| p.extend(e)).ok();
         let cloud = self.cloud.validate().map_err(|e| p.extend(e)).ok();
         p.finish(|| Config {
@@ -348,9 +401,11 @@ impl Validate for Args {
             nvml_xids: nvml_xids.expect("checked"),
             node_token_file,
             node_token: node_token::NodeToken::new(node_token),
+            node_tokens_topic,
             dcgm: dcgm.expect("checked"),
             cloud: cloud.expect("checked"),
             network,
+            pod_resources,
         })
     }
 }
@@ -440,6 +495,16 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     }
     if let Some(path) = config.node_token_file.clone() {
         service.shutdown.spawn("node-token", node_token.clone().follow(path, token.clone()));
+        if let Some(topic) = config.node_tokens_topic.clone() {
+            let keys = node_token.clone().publish_keys(
+                config.kafka.clone(),
+                producer.clone(),
+                topic,
+                config.node_name.clone(),
+                token.clone(),
+            );
+            service.shutdown.spawn("node-key", keys);
+        }
     }
     let node_identity = identity::NodeIdentity::new(boot_id);
     // The publisher starts without Kafka: events spool until the broker answers.
@@ -548,6 +613,9 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         let task = dcgm::source::schedule_diag(config.node_name.clone(), diag, directory, sink.clone(), token.clone());
         service.shutdown.spawn("dcgm-diag", task);
     }
+    if let Some(settings) = config.pod_resources.clone() {
+        service.shutdown.spawn("pod-resources", pod_resources::poll(settings, sink.clone(), token.clone()));
+    }
     if let Some(settings) = config.network.clone() {
         service.shutdown.spawn("infiniband", network::watch_fabric(settings, sink.clone(), token.clone()));
     }
@@ -643,6 +711,17 @@ mod tests {
         let c = args(&["--node-token-file", file.to_str().unwrap(), "--require-node-token"]).expect("valid");
         assert_eq!(c.node_token.get().as_deref(), Some(&b"header.payload.signature"[..]));
         std::fs::remove_file(&file).unwrap();
+    }
+
+    #[test]
+    fn the_kubelet_is_asked_on_its_default_socket_unless_off() {
+        let c = args(&[]).expect("valid");
+        let settings = c.pod_resources.expect("on by default");
+        assert_eq!(settings.socket, PathBuf::from(pod_resources::DEFAULT_SOCKET));
+        assert_eq!((settings.interval, settings.timeout), (Duration::from_secs(30), Duration::from_secs(5)));
+        assert_eq!(args(&["--pod-resources-socket", "off"]).expect("valid").pod_resources, None);
+        let err = args(&["--pod-resources-interval", "0s"]).expect_err("zero interval");
+        assert!(err.list().iter().any(|p| p.field == "--pod-resources-interval"));
     }
 
     #[test]

@@ -4,6 +4,14 @@
 //! enricher verifies it with a TokenReview and refuses a record whose token is bound to another
 //! node than the one the record claims (docs/security.md).
 //!
+//! The token is 1 to 2 KiB, several times a record; so by default (`--node-auth-proof signature`)
+//! it travels once per rotation, published to the node-token directory topic and acknowledged
+//! ([`NodeToken::publish_keys`]), and each record then carries only the token's key id and an
+//! HMAC of the record under a key derived from the token
+//! ([`node_proof`](gpumedic_runtime::kafka::node_proof)). Until the directory has acknowledged the
+//! current token (at start, after a rotation, while the topic is unreachable), records carry the
+//! token itself, which the enricher accepts as well: no record waits for the directory.
+//!
 //! The kubelet rotates the projected file well before the token expires (at 80% of its life), so
 //! the file is watched: re-read when its modification time or size changes (checked every
 //! [`CHECK_EVERY`]) and at least every [`REREAD_EVERY`]. The token is read when a record is
@@ -14,9 +22,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
+use gpumedic_runtime::kafka::node_proof::{self, NodeKey};
+use gpumedic_runtime::kafka::{KafkaSettings, Producer};
 use tokio_util::sync::CancellationToken;
 
-use crate::events::{InternalEvent as _, NodeTokenReadFailed};
+use crate::events::{InternalEvent as _, NodeTokenReadFailed, names};
 
 /// Where the collector DaemonSet projects the token (k8s/base/collector.yaml).
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/gpumedic/token";
@@ -55,12 +65,32 @@ pub fn read_token(path: &Path) -> Result<Arc<[u8]>, TokenFileError> {
     Ok(Arc::from(token))
 }
 
+/// How often the current token is published to the directory again, rotated or not (the topic
+/// keeps entries for two hours).
+pub const REPUBLISH_EVERY: Duration = Duration::from_secs(600);
+
+/// How a record proves its node.
+#[derive(Clone)]
+pub enum Proof {
+    /// The key of the current token, acknowledged by the directory: a key id and a signature.
+    Signed(NodeKey),
+    /// The token itself.
+    Token(Arc<[u8]>),
+    /// Nothing (no token file, or it was never readable).
+    None,
+}
+
 /// The token records are produced with; cheap to clone and to read. Holds nothing when the
 /// collector runs without one (then records carry no token header).
 #[derive(Clone, Default)]
 pub struct NodeToken {
     current: Arc<RwLock<Option<Arc<[u8]>>>>,
+    /// The token the directory acknowledged last, and its key.
+    signing: Arc<RwLock<Signing>>,
 }
+
+/// The token the directory acknowledged last, and its key.
+type Signing = Option<(Arc<[u8]>, NodeKey)>;
 
 impl std::fmt::Debug for NodeToken {
     // Never prints the credential.
@@ -72,7 +102,7 @@ impl std::fmt::Debug for NodeToken {
 impl NodeToken {
     /// A token holding `token`.
     pub fn new(token: Option<Arc<[u8]>>) -> Self {
-        Self { current: Arc::new(RwLock::new(token)) }
+        Self { current: Arc::new(RwLock::new(token)), signing: Arc::default() }
     }
 
     /// The current token, if any.
@@ -82,6 +112,88 @@ impl NodeToken {
 
     fn set(&self, token: Arc<[u8]>) {
         *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(token);
+    }
+
+    /// How the next record proves its node: signed when the directory acknowledged the current
+    /// token, else the token itself.
+    pub fn proof(&self) -> Proof {
+        let Some(current) = self.get() else { return Proof::None };
+        let signing = self.signing.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*signing {
+            Some((token, key)) if Arc::ptr_eq(token, &current) || token[..] == current[..] => {
+                Proof::Signed(key.clone())
+            }
+            _ => Proof::Token(current),
+        }
+    }
+
+    /// Publishes the current token to the node-token directory `topic` (creating it when
+    /// missing) as `node`'s, at start, after each rotation and every [`REPUBLISH_EVERY`], until
+    /// `cancel`; once Kafka acknowledges an entry, records are signed with that token's key. A
+    /// failure is logged once until a publish succeeds again, and records carry the token
+    /// meanwhile.
+    pub async fn publish_keys(
+        self,
+        kafka: KafkaSettings,
+        producer: Producer,
+        topic: String,
+        node: String,
+        cancel: CancellationToken,
+    ) -> Result<(), std::convert::Infallible> {
+        let spec = node_proof::directory_topic(&topic);
+        let mut topic_ready = false;
+        let mut published: Option<(Arc<[u8]>, std::time::Instant)> = None;
+        let mut failing = false;
+        loop {
+            let current = self.get();
+            let due = match (&current, &published) {
+                (None, _) => false,
+                (Some(_), None) => true,
+                (Some(c), Some((p, at))) => c[..] != p[..] || at.elapsed() >= REPUBLISH_EVERY,
+            };
+            if let Some(token) = current.filter(|_| due) {
+                let key = NodeKey::of(&token);
+                let outcome = async {
+                    if !topic_ready {
+                        kafka.ensure_topics(std::slice::from_ref(&spec)).await?;
+                        topic_ready = true;
+                    }
+                    gpumedic_runtime::kafka::publish(
+                        &producer,
+                        &topic,
+                        &node_proof::directory_key(&node, key.id()),
+                        &token,
+                        &[],
+                    )
+                    .await
+                }
+                .await;
+                match outcome {
+                    Ok(()) => {
+                        if failing {
+                            tracing::info!(topic = %topic, "The node-token directory takes this node's token again.");
+                            failing = false;
+                        }
+                        tracing::debug!(topic = %topic, key_id = key.id(), "Published this node's token to the directory; records are signed with its key.");
+                        *self.signing.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                            Some((token.clone(), key));
+                        published = Some((token, std::time::Instant::now()));
+                    }
+                    Err(e) => {
+                        metrics::counter!(names::NODE_KEY_PUBLISH_FAILURES_TOTAL).increment(1);
+                        if !failing {
+                            tracing::warn!(error = %e, topic = %topic,
+                                "Cannot publish this node's token to the node-token directory; records carry the token itself until it can.");
+                            failing = true;
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(()),
+                () = tokio::time::sleep(CHECK_EVERY) => {}
+            }
+        }
     }
 
     /// Follows `path` until `cancel` is cancelled: re-reads it when its modification time or

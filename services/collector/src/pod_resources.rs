@@ -7,6 +7,10 @@
 //! and those of `nvidia.com/mig-<profile>` (the mixed MIG strategy) are MIG device UUIDs
 //! (`MIG-...`). [`GpuPods`] maps each of those ids to the pods using it, so a fault on one GPU
 //! names the workload on that GPU rather than every GPU pod of the node.
+//!
+//! [`poll`] asks the kubelet every interval and hands the answer to the node identity, which
+//! attaches the pods of each event's GPU to the event when it is handed to the publisher
+//! ([`NodeIdentity::stamp`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -14,6 +18,12 @@ use std::time::Duration;
 
 use gpumedic_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use gpumedic_proto::podresources::v1::{ListPodResourcesRequest, ListPodResourcesResponse};
+use gpumedic_schemas::HealthEvent;
+use gpumedic_schemas::health::{Component, Detail, Entity, GpuWorkload, MonitorHealthDetail, MonitorState, Source};
+use tokio_util::sync::CancellationToken;
+
+use crate::identity::NodeIdentity;
+use crate::publisher::Sink;
 
 /// The kubelet's PodResources socket.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -55,6 +65,42 @@ impl GpuPods {
     /// No pod uses a GPU.
     pub fn is_empty(&self) -> bool {
         self.by_device.is_empty()
+    }
+
+    /// The containers using GPU `gpu_uuid`, each with the devices of that GPU it holds: the GPU
+    /// itself, and the MIG devices on it (`mig_parents` maps a MIG UUID to its GPU's UUID). When
+    /// the event names one MIG device (`mig_device`, a `MIG-` UUID), only the containers on that
+    /// device. UUIDs compare without regard to case; the result is sorted.
+    pub fn workloads_of(
+        &self,
+        gpu_uuid: &str,
+        mig_device: Option<&str>,
+        mig_parents: &BTreeMap<String, String>,
+    ) -> Vec<GpuWorkload> {
+        let mig_device = mig_device.filter(|m| m.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("MIG-")));
+        let on_the_gpu = |device: &str| match mig_device {
+            Some(mig) => device.eq_ignore_ascii_case(mig),
+            None => {
+                device.eq_ignore_ascii_case(gpu_uuid)
+                    || mig_parents
+                        .iter()
+                        .any(|(mig, parent)| mig.eq_ignore_ascii_case(device) && parent.eq_ignore_ascii_case(gpu_uuid))
+            }
+        };
+        let mut held: BTreeMap<&PodRef, Vec<String>> = BTreeMap::new();
+        for (device, pods) in self.by_device.iter().filter(|(device, _)| on_the_gpu(device)) {
+            for pod in pods {
+                held.entry(pod).or_default().push(device.clone());
+            }
+        }
+        held.into_iter()
+            .map(|(pod, gpu_uuids)| GpuWorkload {
+                namespace: pod.namespace.clone(),
+                pod: pod.pod.clone(),
+                container: pod.container.clone(),
+                gpu_uuids,
+            })
+            .collect()
     }
 }
 
@@ -140,6 +186,115 @@ pub async fn list(socket: &Path, timeout: Duration) -> Result<GpuPods, PodResour
     tokio::time::timeout(timeout, call).await.map_err(|_| PodResourcesError::Timeout(timeout))?
 }
 
+/// The `monitor` of the `monitor_health` events the poller publishes.
+pub const MONITOR: &str = "pod-resources";
+
+/// How [`poll`] asks the kubelet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodResourcesSettings {
+    /// The node, for the `monitor_health` events.
+    pub node: String,
+    /// The kubelet's PodResources socket.
+    pub socket: PathBuf,
+    /// Time between two `List` calls.
+    pub interval: Duration,
+    /// How long one `List` may take.
+    pub timeout: Duration,
+}
+
+impl PodResourcesSettings {
+    /// How long the last answer is used while the kubelet fails: five intervals. Past it, events
+    /// carry no list (the enricher falls back to the pod annotation) rather than a stale one.
+    pub fn stale_after(&self) -> Duration {
+        self.interval.saturating_mul(5)
+    }
+}
+
+fn monitor(node: &str, state: MonitorState, message: String) -> HealthEvent {
+    let mut e = HealthEvent::new(
+        node,
+        Source::KernelLog,
+        Component::Node,
+        Entity::default(),
+        Detail::MonitorHealth(MonitorHealthDetail { monitor: MONITOR.into(), state, message: Some(message) }),
+    );
+    e.healthy = state == MonitorState::Ok;
+    e
+}
+
+/// Asks the kubelet which pods use which GPU every `settings.interval` and keeps the answer in
+/// `sink`'s node identity, which attaches each event's pods when the event is handed to the
+/// publisher.
+///
+/// A missing socket (not a kubelet node, or the folder not mounted) is logged once and the
+/// collector runs on without the lists: events then carry none and the enricher falls back to
+/// the pod annotation. A socket that is there but fails is a `monitor_health` `error` (`hung`
+/// when it does not answer in time; monitor `pod-resources`, once until it answers again, then a
+/// healthy one); the last answer is used
+/// until [`PodResourcesSettings::stale_after`]. The task ends only with the collector.
+///
+/// # Errors
+/// None today; the signature is that of every source task.
+pub async fn poll(
+    settings: PodResourcesSettings,
+    sink: Sink,
+    token: CancellationToken,
+) -> Result<(), PodResourcesError> {
+    let identity: NodeIdentity = sink.identity().clone();
+    let mut absent_said = false;
+    let mut failing = false;
+    let mut last_answer: Option<tokio::time::Instant> = None;
+    loop {
+        let event = match list(&settings.socket, settings.timeout).await {
+            Ok(pods) => {
+                absent_said = false;
+                if last_answer.is_none() {
+                    tracing::info!(
+                        socket = %settings.socket.display(),
+                        gpus = pods.devices().len(),
+                        "The kubelet's PodResources API answers: events name the pods on their GPU."
+                    );
+                }
+                identity.set_gpu_pods(Some(pods));
+                last_answer = Some(tokio::time::Instant::now());
+                std::mem::take(&mut failing).then(|| {
+                    monitor(&settings.node, MonitorState::Ok, "the kubelet's PodResources API answers again".into())
+                })
+            }
+            Err(PodResourcesError::Absent(path)) => {
+                if !std::mem::replace(&mut absent_said, true) {
+                    tracing::warn!(
+                        socket = %path.display(),
+                        "The kubelet's PodResources socket does not exist: events carry no pods of their own, and the enricher falls back to the gpumedic.io/gpu-uuids pod annotation."
+                    );
+                }
+                identity.set_gpu_pods(None);
+                last_answer = None;
+                None
+            }
+            Err(e) => {
+                metrics::counter!("gpumedic_collector_pod_resources_failures_total").increment(1);
+                tracing::warn!(error = %e, "The kubelet's PodResources API failed; asking again at the next interval.");
+                if last_answer.is_none_or(|at| at.elapsed() >= settings.stale_after()) {
+                    identity.set_gpu_pods(None);
+                }
+                let state =
+                    if matches!(e, PodResourcesError::Timeout(_)) { MonitorState::Hung } else { MonitorState::Error };
+                (!std::mem::replace(&mut failing, true)).then(|| monitor(&settings.node, state, e.to_string()))
+            }
+        };
+        if let Some(event) = event
+            && !sink.emit_until_done(&event, &token).await
+        {
+            return Ok(());
+        }
+        tokio::select! {
+            () = token.cancelled() => return Ok(()),
+            () = tokio::time::sleep(settings.interval) => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +344,46 @@ mod tests {
         assert_eq!(pods.pods("MIG-e"), vec![r("inf", "serve", "triton")]);
         assert_eq!(pods.devices(), vec!["GPU-a", "GPU-b", "GPU-c", "GPU-d", "MIG-e"]);
         assert!(pods.pods("GPU-unused").is_empty());
+    }
+
+    #[test]
+    fn an_events_gpu_names_its_containers_and_those_on_its_mig_devices() {
+        let response = ListPodResourcesResponse {
+            pod_resources: vec![
+                pod("ml", "train-0", vec![container("main", &[(GPU_RESOURCE, &["GPU-a", "GPU-b"])])]),
+                pod("dev", "nb-1", vec![container("jupyter", &[(GPU_RESOURCE, &["GPU-a::0"])])]),
+                pod("inf", "serve", vec![container("triton", &[("nvidia.com/mig-1g.10gb", &["MIG-c1"])])]),
+                pod("inf", "batch", vec![container("worker", &[("nvidia.com/mig-1g.10gb", &["MIG-c2"])])]),
+            ],
+        };
+        let pods = gpu_pods(&response);
+        let w = |ns: &str, pod: &str, c: &str, ids: &[&str]| GpuWorkload {
+            namespace: ns.into(),
+            pod: pod.into(),
+            container: c.into(),
+            gpu_uuids: ids.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let none = BTreeMap::new();
+        assert_eq!(
+            pods.workloads_of("gpu-A", None, &none),
+            vec![w("dev", "nb-1", "jupyter", &["GPU-a"]), w("ml", "train-0", "main", &["GPU-a"])],
+            "by UUID, whatever the case; time-sliced replicas count as the GPU"
+        );
+        assert!(pods.workloads_of("GPU-c", None, &none).is_empty(), "MIG devices of unknown parent");
+        let parents =
+            BTreeMap::from([("MIG-c1".to_owned(), "GPU-c".to_owned()), ("MIG-c2".to_owned(), "GPU-c".into())]);
+        assert_eq!(
+            pods.workloads_of("GPU-c", None, &parents),
+            vec![w("inf", "batch", "worker", &["MIG-c2"]), w("inf", "serve", "triton", &["MIG-c1"])],
+            "the parent GPU names the pods of its MIG devices"
+        );
+        assert_eq!(
+            pods.workloads_of("GPU-c", Some("MIG-c1"), &parents),
+            vec![w("inf", "serve", "triton", &["MIG-c1"])],
+            "an event on one MIG device names that device's pods"
+        );
+        assert_eq!(pods.workloads_of("GPU-c", Some("1/0"), &parents).len(), 2, "a MIG instance id is not a device");
+        assert!(pods.workloads_of("GPU-unused", None, &parents).is_empty());
     }
 
     #[tokio::test]

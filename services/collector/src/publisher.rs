@@ -62,7 +62,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::{DeliveryFailed, EventLost, EventRefused, InternalEvent as _, names};
 use crate::identity::NodeIdentity;
-use crate::node_token::NodeToken;
+use crate::node_token::{NodeToken, Proof};
 use crate::spool::{Appended, Spool, SpoolError, SpoolRecord};
 
 /// Most spooled records in flight while the spool drains.
@@ -319,9 +319,19 @@ impl Publisher {
             .insert(Header { key: record_headers::TRACEPARENT, value: Some(tp.as_bytes()) })
             .insert(Header { key: record_headers::EVENT_ID, value: Some(record.id.as_bytes()) })
             .insert(Header { key: record_headers::CONTENT_TYPE, value: Some(HealthEvent::CONTENT_TYPE.as_bytes()) });
-        // The token of now, not of when the record was spooled (see the module documentation).
-        if let Some(token) = self.node_token.get() {
+        // The proof of now, not of when the record was spooled (see the module documentation).
+        let (token, signed) = match self.node_token.proof() {
+            Proof::Signed(key) => (None, Some((key.sign(record.key.as_bytes(), &record.value), key))),
+            Proof::Token(token) => (Some(token), None),
+            Proof::None => (None, None),
+        };
+        if let Some(token) = &token {
             headers = headers.insert(Header { key: record_headers::NODE_TOKEN, value: Some(&token[..]) });
+        }
+        if let Some((signature, key)) = &signed {
+            headers = headers
+                .insert(Header { key: record_headers::NODE_KEY_ID, value: Some(key.id().as_bytes()) })
+                .insert(Header { key: record_headers::NODE_SIGNATURE, value: Some(&signature[..]) });
         }
         let fr = FutureRecord::to(&self.settings.topic).key(&record.key).payload(&record.value).headers(headers);
         let delivery = self.producer.send_result(fr).map_err(|(e, _)| Failure::of(&e))?;

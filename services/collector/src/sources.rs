@@ -361,6 +361,11 @@ impl GpuSampling {
                 _ => {}
             }
         }
+        // The MIG devices of each GPU read this time, so that an event on the GPU names the pods
+        // on them (a GPU not read keeps the devices it last had).
+        for s in samples.iter().filter(|s| s.error.is_none() && !s.lost && !s.uuid.is_empty()) {
+            self.identity.set_mig_devices(&s.uuid, s.mig_devices.iter().cloned());
+        }
         // The inventory goes first: a reboot's proof of repair is a complete inventory of the
         // new boot, then the lost GPU's own heartbeat.
         let mut events: Vec<HealthEvent> = self

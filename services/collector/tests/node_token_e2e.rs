@@ -2,11 +2,15 @@
 //! record carries the token file's content in `gpumedic.node-token`; a record spooled while Kafka
 //! was unreachable leaves with the token current when it is sent, not the one of when it was
 //! spooled; a token the kubelet rotates reaches the next records without a restart; and
-//! `--require-node-token` refuses to start without the file.
+//! `--require-node-token` refuses to start without the file. With `--node-auth-proof signature`
+//! (the default), the token is published to the node-token directory and records carry its key id
+//! and a signature that verifies under the token's key, the token itself only until the directory
+//! has taken it.
 
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::record_headers;
+use gpumedic_runtime::kafka::node_proof::{NodeKey, directory_key};
+use gpumedic_runtime::kafka::{Record, record_headers};
 use gpumedic_runtime::testbed;
 use gpumedic_schemas::topics;
 
@@ -44,16 +48,20 @@ async fn inject(addr: std::net::SocketAddr) -> String {
     panic!("the synthetic endpoint did not answer: {last}")
 }
 
-/// The node token header of the raw record of event `id`.
-async fn token_of(id: &str) -> Vec<u8> {
-    let record = testbed::wait_for_record(
+/// The raw record of event `id`.
+async fn record_of(id: &str) -> Record {
+    testbed::wait_for_record(
         topics::HEALTH_RAW,
         |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
         Duration::from_secs(60),
     )
     .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    record.header(record_headers::NODE_TOKEN).expect("a node token header").to_vec()
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The node token header of the raw record of event `id`.
+async fn token_of(id: &str) -> Vec<u8> {
+    record_of(id).await.header(record_headers::NODE_TOKEN).expect("a node token header").to_vec()
 }
 
 /// Starts a collector for `node` with fault injection on; the process and its injection address.
@@ -62,9 +70,10 @@ fn start_with_addr(
     node: &str,
     state: &std::path::Path,
     token: &std::path::Path,
+    proof: &[(&str, String)],
 ) -> (testbed::ServiceProcess, std::net::SocketAddr) {
     let synthetic = testbed::free_local_addr().expect("a free port");
-    let env = [
+    let mut env = vec![
         ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
         ("GPUMEDIC_NODE_NAME", node.to_owned()),
         ("GPUMEDIC_GPU_BACKEND", "off".into()),
@@ -75,6 +84,7 @@ fn start_with_addr(
         ("GPUMEDIC_NODE_TOKEN_FILE", token.display().to_string()),
         ("GPUMEDIC_REQUIRE_NODE_TOKEN", "true".into()),
     ];
+    env.extend(proof.iter().cloned());
     (testbed::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
 }
 
@@ -89,14 +99,15 @@ async fn records_carry_the_token_of_when_they_are_sent() {
 
     // Kafka unreachable (nothing listens there): the event is spooled.
     let nowhere = testbed::free_local_addr().expect("a free port").to_string();
-    let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token);
+    let token_mode = [("GPUMEDIC_NODE_AUTH_PROOF", "token".to_owned())];
+    let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token, &token_mode);
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let spooled = inject(addr).await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
     // The kubelet rotated the token meanwhile; Kafka is back.
     std::fs::write(&token, "token-after-the-outage\n").unwrap();
-    let (mut collector, addr) = start_with_addr(bootstrap.clone(), &node, &state, &token);
+    let (mut collector, addr) = start_with_addr(bootstrap.clone(), &node, &state, &token, &token_mode);
     collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     let direct = inject(addr).await;
     assert_eq!(token_of(&spooled).await, b"token-after-the-outage", "a spooled record leaves with today's token");
@@ -131,5 +142,78 @@ async fn records_carry_the_token_of_when_they_are_sent() {
     );
     assert_eq!(code, Some(64), "{stderr}");
     assert!(stderr.contains("--node-token-file") && stderr.contains("/nonexistent/gpumedic/token"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test]
+async fn signed_records_name_a_token_the_directory_holds() {
+    let bootstrap = testbed::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let node = testbed::unique_name("signing-node");
+    let directory = testbed::unique_name("node-tokens");
+    let dir = std::env::temp_dir().join(testbed::unique_name("collector-signing"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (state, token) = (dir.join("state"), dir.join("token"));
+    std::fs::write(&token, "first-token\n").unwrap();
+    let signature_mode = [("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone())];
+    let (mut collector, addr) = start_with_addr(bootstrap, &node, &state, &token, &signature_mode);
+    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+
+    // Signed once the directory holds the token: until then a record may carry the token.
+    let signed_with = |token: &'static [u8]| {
+        let node = node.clone();
+        move |r: &Record| {
+            let key = NodeKey::of(token);
+            r.header(record_headers::NODE_TOKEN).is_none()
+                && r.header(record_headers::NODE_KEY_ID) == Some(key.id().as_bytes())
+                && key.verify(
+                    node.as_bytes(),
+                    r.payload.as_deref().unwrap_or_default(),
+                    r.header(record_headers::NODE_SIGNATURE).unwrap_or_default(),
+                )
+        }
+    };
+    let mut signed = false;
+    for _ in 0..40 {
+        let record = record_of(&inject(addr).await).await;
+        if record.header(record_headers::NODE_TOKEN).is_none() {
+            assert!(signed_with(b"first-token")(&record), "a record without the token is signed with its key");
+            signed = true;
+            break;
+        }
+        assert_eq!(record.header(record_headers::NODE_TOKEN), Some(&b"first-token"[..]));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(signed, "records are signed once the directory took the token");
+    let first = NodeKey::of(b"first-token");
+    let entry = testbed::wait_for_record(
+        &directory,
+        |r| r.key.as_deref() == Some(directory_key(&node, first.id()).as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the directory holds the token: {e}"));
+    assert_eq!(entry.payload.as_deref(), Some(&b"first-token"[..]));
+
+    // Rotated: the new token reaches the directory, then the signatures.
+    std::fs::write(&token, "second-token\n").unwrap();
+    let mut rotated = false;
+    for _ in 0..40 {
+        let record = record_of(&inject(addr).await).await;
+        if signed_with(b"second-token")(&record) {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(rotated, "records are signed with the rotated token's key");
+    let second = NodeKey::of(b"second-token");
+    testbed::wait_for_record(
+        &directory,
+        |r| r.key.as_deref() == Some(directory_key(&node, second.id()).as_bytes()),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the directory holds the rotated token: {e}"));
+    collector.terminate(Duration::from_secs(15)).await.expect("stops");
     std::fs::remove_dir_all(&dir).ok();
 }

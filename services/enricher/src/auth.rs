@@ -145,6 +145,14 @@ pub enum Refusal {
     /// Valid, but not the collector's ServiceAccount (nor the operator's).
     #[error("node token not the collector's service account: {0}")]
     NotCollector(String),
+    /// Signed with a key id the node-token directory does not hold (never published, expired,
+    /// or forged).
+    #[error("node key id {0} unknown to the node-token directory")]
+    UnknownKey(String),
+    /// The token is valid for the record's node, but the signature is not its key's signature of
+    /// this record's key and value.
+    #[error("node signature does not match the record")]
+    BadSignature,
 }
 
 impl Refusal {
@@ -156,6 +164,8 @@ impl Refusal {
             Self::Expired => "expired",
             Self::WrongNode { .. } => "wrong_node",
             Self::NotCollector(_) => "not_collector",
+            Self::UnknownKey(_) => "unknown_key",
+            Self::BadSignature => "bad_signature",
         }
     }
 }

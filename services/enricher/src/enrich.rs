@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::enriched::{NodeContext, Workload, XidCatalogEntry};
-use gpumedic_schemas::health::Detail;
+use gpumedic_schemas::health::{Detail, GpuWorkload};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 
 use crate::catalog::XidCatalog;
@@ -70,9 +70,14 @@ pub fn node_context(all: &BTreeMap<String, String>, selected: &[String], cluster
 /// Joins `event` with the node's cached info (`None`: the cache does not know the node), the GPU
 /// the event names as resolved from the node's inventory (`gpu`), and the Xid catalog.
 ///
-/// Workloads are narrowed to the affected GPU when the event names one (by the resolved UUID, so
-/// a kernel-log fault that knows only the PCI bus id is narrowed too): the pods whose GPUs include
-/// it, plus the pods whose GPUs are unknown (they may be on it). Otherwise every GPU pod on the node
+/// Workloads: when the event carries the collector's list (`workloads`, from the node's kubelet,
+/// present even when empty), exactly those pods, one entry per pod with the devices of its
+/// containers, and the owner the cache knows for the pod. The kubelet's assignment is what the
+/// device plugin actually gave each container, on the node, at the time of the event; the
+/// annotation is what someone wrote on the pod, if anyone did. Otherwise the cache's pods are
+/// narrowed to the affected GPU when the event names one (by the resolved UUID, so a kernel-log
+/// fault that knows only the PCI bus id is narrowed too): the pods whose GPUs include it, plus the
+/// pods whose GPUs are unknown (they may be on it); with no GPU named, every GPU pod on the node
 /// is listed.
 pub fn enrich(
     event: HealthEvent,
@@ -105,15 +110,10 @@ pub fn enrich(
     // An unresolved event may still carry a UUID of its own (no inventory yet): pods are tied to
     // GPUs by UUID, so it narrows as well as a resolved one would.
     let uuid = gpu.as_ref().and_then(|g| g.uuid.as_deref()).or(event.entity.gpu_uuid.as_deref());
-    let workloads = match (node, uuid) {
-        (None, _) => Vec::new(),
-        (Some(n), Some(uuid)) => n
-            .workloads
-            .iter()
-            .filter(|w| w.gpu_uuids.is_empty() || w.gpu_uuids.iter().any(|g| g.eq_ignore_ascii_case(uuid)))
-            .cloned()
-            .collect(),
-        (Some(n), None) => n.workloads.clone(),
+    // The collector's list wins, even empty: see the doc above.
+    let workloads = match &event.workloads {
+        Some(held) => from_collector(held, node),
+        None => from_cache(node, uuid),
     };
     EnrichedHealthEvent {
         node_context: node.map(|n| n.context.clone()).unwrap_or_default(),
@@ -124,6 +124,46 @@ pub fn enrich(
         event,
         gpu,
         gpu_unresolved,
+    }
+}
+
+/// The collector's containers as the enriched event's pods: one entry per pod, with the devices
+/// of all its containers on the GPU, and the owner the cache knows for the pod.
+fn from_collector(held: &[GpuWorkload], node: Option<&NodeInfo>) -> Vec<Workload> {
+    let mut pods: BTreeMap<(&str, &str), Vec<String>> = BTreeMap::new();
+    for w in held {
+        let devices = pods.entry((&w.namespace, &w.pod)).or_default();
+        for id in &w.gpu_uuids {
+            if !devices.contains(id) {
+                devices.push(id.clone());
+            }
+        }
+    }
+    pods.into_iter()
+        .map(|((namespace, pod), gpu_uuids)| {
+            let known = node.and_then(|n| n.workloads.iter().find(|w| w.namespace == namespace && w.pod == pod));
+            Workload {
+                namespace: namespace.to_owned(),
+                pod: pod.to_owned(),
+                owner_kind: known.and_then(|w| w.owner_kind.clone()),
+                owner_name: known.and_then(|w| w.owner_name.clone()),
+                gpu_uuids,
+            }
+        })
+        .collect()
+}
+
+/// The cache's pods of the node, narrowed to GPU `uuid` when the event names one.
+fn from_cache(node: Option<&NodeInfo>, uuid: Option<&str>) -> Vec<Workload> {
+    match (node, uuid) {
+        (None, _) => Vec::new(),
+        (Some(n), Some(uuid)) => n
+            .workloads
+            .iter()
+            .filter(|w| w.gpu_uuids.is_empty() || w.gpu_uuids.iter().any(|g| g.eq_ignore_ascii_case(uuid)))
+            .cloned()
+            .collect(),
+        (Some(n), None) => n.workloads.clone(),
     }
 }
 
@@ -202,6 +242,42 @@ mod tests {
         assert_eq!(e.event, event, "the raw event is carried unchanged");
         assert_eq!(pods(&e), ["on-b", "unknown"], "the pods on that GPU, and those whose GPUs are unknown");
         assert_eq!(e.node_context.expected_gpus, Some(2));
+    }
+
+    #[test]
+    fn the_collectors_pods_win_over_the_cache_even_when_none() {
+        let inv = inventory();
+        let held = |pod: &str, container: &str, gpu: &str| GpuWorkload {
+            namespace: "ml".into(),
+            pod: pod.into(),
+            container: container.into(),
+            gpu_uuids: vec![gpu.into()],
+        };
+        let mut event = kernel_xid("0000:2a:00.0");
+        // The kubelet says on-a's containers hold B (the annotation says A), and a pod the cache
+        // does not know holds it too.
+        event.workloads = Some(vec![held("on-a", "main", B), held("on-a", "sidecar", B), held("new", "c", B)]);
+        let mut known = node();
+        known.workloads[0].owner_kind = Some("Job".into());
+        known.workloads[0].owner_name = Some("train".into());
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event.clone(), Some(&known), gpu, &XidCatalog::embedded(), Utc::now());
+        assert_eq!(pods(&e), ["new", "on-a"], "exactly the collector's pods, one entry per pod");
+        let on_a = &e.workloads[1];
+        assert_eq!((on_a.owner_kind.as_deref(), on_a.owner_name.as_deref()), (Some("Job"), Some("train")));
+        assert_eq!(on_a.gpu_uuids, [B]);
+        assert_eq!(e.event, event, "the raw event is carried unchanged");
+
+        // An empty list: the kubelet says no pod uses the GPU.
+        event.workloads = Some(Vec::new());
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        assert!(enrich(event.clone(), Some(&node()), gpu, &XidCatalog::embedded(), Utc::now()).workloads.is_empty());
+
+        // No list: the cache, narrowed to the GPU, as before.
+        event.workloads = None;
+        let gpu = inv.resolve("n", &event.entity, event.component, event.observed_at);
+        let e = enrich(event, Some(&node()), gpu, &XidCatalog::embedded(), Utc::now());
+        assert_eq!(pods(&e), ["on-b", "unknown"]);
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub(crate) mod names {
     pub(crate) const TOKEN_REVIEWS_TOTAL: &str = "gpumedic_enricher_token_reviews_total";
     /// Reviews held in the token cache.
     pub(crate) const TOKEN_CACHE_ENTRIES: &str = "gpumedic_enricher_token_cache_entries";
+    /// Node keys held in the node-token directory.
+    pub(crate) const DIRECTORY_ENTRIES: &str = "gpumedic_enricher_directory_entries";
+    /// Node-token directory entries ignored.
+    pub(crate) const DIRECTORY_ENTRIES_IGNORED_TOTAL: &str = "gpumedic_enricher_directory_entries_ignored_total";
     /// Failed watches of the cluster cache, by `resource`.
     pub(crate) const WATCH_FAILURES_TOTAL: &str = "gpumedic_enricher_watch_failures_total";
 }

@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod cache;
 pub mod catalog;
+pub mod directory;
 pub mod enrich;
 pub mod inventory;
 
@@ -28,7 +29,9 @@ use clap::Parser;
 use gpumedic_runtime::BoxError;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate};
 use gpumedic_runtime::k8s;
-use gpumedic_runtime::kafka::{self, BatchHandler, BatchSettings, Disposition, Producer, Record, record_headers};
+use gpumedic_runtime::kafka::{
+    self, BatchHandler, BatchSettings, Disposition, Producer, Record, node_proof, record_headers,
+};
 use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
 use gpumedic_runtime::stage::{BatchArgs, Stage, StageArgs, StageDefaults, StageSettings};
@@ -38,6 +41,7 @@ use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, top
 use crate::auth::{Accepted, KubeReviewer, NodeAuthMode, Policy, ServiceAccountRef, Verifier};
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
+use crate::directory::{Directory, DirectoryError, NodeAuth};
 use crate::events::{InternalEvent as _, OperatorRecord, RecordUnauthenticated, UnknownNodeEvent, names};
 use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
 
@@ -112,6 +116,11 @@ pub struct Args {
     /// Most token reviews cached (one per collector token: a node's token changes about hourly).
     #[arg(long, env = "GPUMEDIC_NODE_TOKEN_CACHE_SIZE", default_value_t = 100_000)]
     node_token_cache_size: usize,
+    /// The node-token directory: collectors publish their token here once per rotation and sign
+    /// each raw record instead of carrying the token (read only when node authentication is
+    /// enforced).
+    #[arg(long, env = "GPUMEDIC_NODE_TOKENS_TOPIC", default_value = topics::NODE_TOKENS)]
+    node_tokens_topic: String,
 }
 
 /// How node tokens are checked, when they are.
@@ -119,8 +128,10 @@ pub struct Args {
 pub struct NodeAuthSettings {
     /// Whose tokens are accepted.
     pub policy: Policy,
-    /// Most reviews cached.
+    /// Most reviews cached (and most directory entries kept).
     pub cache_size: usize,
+    /// The node-token directory topic.
+    pub directory_topic: String,
 }
 
 /// The validated configuration.
@@ -198,6 +209,7 @@ impl Validate for Args {
             (Some(NodeAuthMode::Enforce), Some(collector)) => Some(NodeAuthSettings {
                 policy: Policy { collector, operator },
                 cache_size: self.node_token_cache_size,
+                directory_topic: self.node_tokens_topic.clone(),
             }),
             _ => None,
         };
@@ -274,7 +286,25 @@ pub async fn run(config: Config) -> Result<(), RunError> {
                 operator = settings.policy.operator.as_ref().map(ServiceAccountRef::username).unwrap_or_default(),
                 "Node authentication is enforced: a raw record is enriched only with a token of the collector on the node it claims."
             );
-            Some(Verifier::new(KubeReviewer::new(client), settings.policy.clone(), settings.cache_size))
+            let spec = node_proof::directory_topic(&settings.directory_topic);
+            let directory = match config.stage.kafka.ensure_topics(std::slice::from_ref(&spec)).await {
+                Ok(()) => {
+                    Directory::start(&config.stage.kafka, &spec.name, settings.cache_size, service.shutdown.token())
+                        .await
+                }
+                Err(e) => Err(DirectoryError::Behind { topic: spec.name.clone(), reason: e.to_string() }),
+            };
+            let directory = match directory {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::error!(error = %e, "Cannot read the node-token directory.");
+                    return Err(RunError::setup("the node-token directory", e));
+                }
+            };
+            Some(NodeAuth {
+                verifier: Verifier::new(KubeReviewer::new(client), settings.policy.clone(), settings.cache_size),
+                directory,
+            })
         }
     };
     let handler = Enrich {
@@ -298,7 +328,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 /// (consumers deduplicate by event id).
 pub struct Enrich {
     /// The node token check, when enforced.
-    auth: Option<Verifier<KubeReviewer>>,
+    auth: Option<NodeAuth<KubeReviewer>>,
     cache: ClusterCache,
     /// Owned by the handler, which is one task: no lock on the hot path.
     inventory: InventoryCache,
@@ -319,14 +349,14 @@ impl BatchHandler for Enrich {
         let now_s = now.timestamp();
         // Every token of the batch reviewed (or cached) first; an apiserver that does not answer
         // fails the batch, which is retried: no record is accepted unreviewed.
-        let reviews = match &mut self.auth {
+        let (reviews, proofs) = match &mut self.auth {
             Some(auth) => {
-                let tokens = records
-                    .iter()
-                    .map(|r| (r.key.as_deref().unwrap_or_default(), r.header(record_headers::NODE_TOKEN)));
-                auth.prepare(tokens, now_s).await?
+                let proofs = auth.proofs(records).await?;
+                let tokens =
+                    records.iter().zip(&proofs).map(|(r, p)| (r.key.as_deref().unwrap_or_default(), p.token(r)));
+                (auth.verifier.prepare(tokens, now_s).await?, proofs)
             }
-            None => Vec::new(),
+            None => (Vec::new(), Vec::new()),
         };
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {
@@ -343,13 +373,7 @@ impl BatchHandler for Enrich {
             };
             if let Some(auth) = &self.auth {
                 let review = reviews.get(i).and_then(Option::as_deref);
-                match auth.check_reviewed(
-                    review,
-                    record.header(record_headers::NODE_TOKEN),
-                    &event.node,
-                    record.key.as_deref(),
-                    now_s,
-                ) {
+                match auth.check(review, &proofs[i], record, &event.node, now_s) {
                     Ok(Accepted::Node) => {}
                     Ok(Accepted::Operator) => {
                         OperatorRecord { node: &event.node, event_id: &event.event_id }.emit();

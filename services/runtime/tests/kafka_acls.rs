@@ -29,7 +29,7 @@ const SERVICES: [&str; 4] = ["collector", "enricher", "classifier", "remediator"
 fn may_produce(user: &str, topic: &str) -> bool {
     let dlq = dead_letter_topic;
     match user {
-        "collector" => topic == topics::HEALTH_RAW,
+        "collector" => topic == topics::HEALTH_RAW || topic == topics::NODE_TOKENS,
         "enricher" => topic == topics::HEALTH_ENRICHED || topic == dlq(topics::HEALTH_RAW),
         "classifier" => {
             topic == topics::VERDICTS || topic == dlq(topics::HEALTH_ENRICHED) || topic == dlq(topics::ACTIONS)
@@ -43,7 +43,7 @@ fn may_produce(user: &str, topic: &str) -> bool {
 /// The topics a principal may read; every other is refused.
 fn may_read(user: &str, topic: &str) -> bool {
     match user {
-        "enricher" => topic == topics::HEALTH_RAW,
+        "enricher" => topic == topics::HEALTH_RAW || topic == topics::NODE_TOKENS,
         "classifier" => topic == topics::HEALTH_ENRICHED || topic == topics::ACTIONS,
         "remediator" | "console" => topic == topics::VERDICTS,
         "operator" => true,
@@ -54,6 +54,7 @@ fn may_read(user: &str, topic: &str) -> bool {
 /// Every topic of the pipeline with the consumers' dead-letter topics.
 fn all_topics() -> Vec<String> {
     let mut all: Vec<String> = topics::ALL.iter().map(|t| (*t).to_owned()).collect();
+    all.push(topics::NODE_TOKENS.to_owned());
     for t in [topics::HEALTH_RAW, topics::HEALTH_ENRICHED, topics::ACTIONS, topics::VERDICTS] {
         all.push(dead_letter_topic(t));
     }
@@ -330,7 +331,7 @@ async fn each_service_principal_may_do_only_what_its_acls_allow() {
     // Read: every principal against every pipeline topic, without a group; all at once.
     let mut reads = Vec::new();
     for user in ["operator", "collector", "enricher", "classifier", "remediator", "console"] {
-        for topic in topics::ALL {
+        for topic in topics::ALL.into_iter().chain([topics::NODE_TOKENS]) {
             let settings = kafka.settings(user);
             reads.push(async move {
                 let result = read(&settings, user, topic, |_| true, Duration::from_secs(20)).await;

@@ -28,6 +28,7 @@ pub mod consume;
 pub mod context;
 pub mod dead_letter;
 pub mod hold;
+pub mod node_proof;
 pub mod produce;
 pub mod record;
 pub mod settings;

@@ -117,6 +117,12 @@ pub mod record_headers {
     /// `gpumedic`), bound to its Pod and so to its node. The enricher verifies it against the
     /// record's node (docs/security.md).
     pub const NODE_TOKEN: &str = "gpumedic.node-token";
+    /// On a raw health record instead of the token: the key id of the collector's token, published
+    /// once per rotation in the node-token directory ([`crate::kafka::node_proof`]).
+    pub const NODE_KEY_ID: &str = "gpumedic.node-key-id";
+    /// With [`NODE_KEY_ID`]: the HMAC-SHA256 of the record's key and value under the key derived
+    /// from that token ([`crate::kafka::node_proof::NodeKey::sign`]).
+    pub const NODE_SIGNATURE: &str = "gpumedic.node-signature";
 }
 
 /// The OpenTelemetry context a `traceparent` header carries, if it is a valid one.
