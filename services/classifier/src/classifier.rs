@@ -9,6 +9,7 @@ use gpumedic_runtime::kafka::{self, Envelope, Producer};
 use gpumedic_runtime::postgres;
 use gpumedic_schemas::{Codec, Record as _, Verdict};
 
+use crate::events::{InternalEvent as _, StateRebuilt, VerdictPublished, WorkloadFault, names};
 use crate::rules::RuleSet;
 use crate::rules::engine::{Decision, Engine};
 use crate::{lemons, observe, persist, store, workload};
@@ -106,15 +107,21 @@ impl Classifier {
             }
             let open = rebuilt.open_incidents().len();
             self.engine.adopt(rebuilt);
-            tracing::info!(partitions = ?gained, nodes = nodes.len(), events, open_incidents = open,
-                renamed = reattached.renamed, restored = reattached.restored,
-                seconds = started.elapsed().as_secs_f64(), "Rebuilt the state of the nodes of newly assigned partitions.");
-            metrics::histogram!("gpumedic_classifier_rebuild_seconds").record(started.elapsed().as_secs_f64());
+            StateRebuilt {
+                partitions: &gained,
+                nodes: nodes.len(),
+                events,
+                open_incidents: open,
+                renamed: reattached.renamed,
+                restored: reattached.restored,
+                elapsed: started.elapsed(),
+            }
+            .emit();
         }
         if forgotten > 0 {
             tracing::info!(nodes = forgotten, "Forgot the nodes of partitions another replica now owns.");
         }
-        metrics::gauge!("gpumedic_classifier_owned_nodes").set(self.engine.node_count() as f64);
+        metrics::gauge!(names::OWNED_NODES).set(self.engine.node_count() as f64);
         self.owned = Owned { generation: Some(generation), partitions: owned };
         Ok(())
     }
@@ -148,13 +155,15 @@ impl Classifier {
         let trace_ids = futures::future::try_join_all(sends).await?;
         lemons::announce(out.iter().map(|(d, _)| d));
         for (_, v) in &out {
-            tracing::info!(node = %v.node, rule = %v.rule_id, severity = ?v.severity, action = ?v.action,
-                recovery = v.recovery, verdict_id = %v.verdict_id, "Verdict published.");
-            // The rule is a label: rules are few (the rules directory's), and a dashboard shows
-            // which of them decide.
-            metrics::counter!("gpumedic_classifier_verdicts_total", "rule" => v.rule_id.clone(),
-                "severity" => format!("{:?}", v.severity).to_lowercase(), "recovery" => v.recovery.to_string())
-            .increment(1);
+            VerdictPublished {
+                node: &v.node,
+                rule: &v.rule_id,
+                severity: &v.severity,
+                action: &v.action,
+                recovery: v.recovery,
+                verdict_id: &v.verdict_id,
+            }
+            .emit();
         }
         Ok(out.into_iter().zip(trace_ids).map(|((d, v), t)| (d, v, t)).collect())
     }
@@ -179,9 +188,14 @@ impl Classifier {
                     incoming_trace: None,
                 };
                 kafka::publish_record(&self.producer, envelope, &bytes).await?;
-                tracing::warn!(workload = %fault.workload, nodes = fault.nodes.len(), gpus = fault.gpus, xids = ?fault.xids,
-                    verdict_id = %v.verdict_id, "Workload fault: one job's application errors on several nodes; no node action.");
-                metrics::counter!("gpumedic_classifier_workload_faults_total").increment(1);
+                WorkloadFault {
+                    workload: &fault.workload,
+                    nodes: fault.nodes.len(),
+                    gpus: fault.gpus,
+                    xids: &fault.xids,
+                    verdict_id: &v.verdict_id,
+                }
+                .emit();
             }
             tx.commit().await?;
         }

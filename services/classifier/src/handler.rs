@@ -4,19 +4,20 @@
 use std::sync::Arc;
 
 use gpumedic_runtime::BoxError;
+use gpumedic_runtime::fault::Labeled;
 use gpumedic_runtime::kafka::{BatchHandler, Disposition, Record, record_headers};
 use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent};
 use tokio::sync::Mutex;
 
 use crate::classifier::{Classifier, ClassifierError};
+use crate::events::{BatchRecorded, BatchStage, ClockSkewClamped, InputRefused, InternalEvent as _};
 use crate::rules::engine::{Absorbed, Decision, Engine};
 use crate::{nvlink, observe, persist, store, workload};
 
 /// Where a batch's time goes: `decode` (Avro and the JSON kept in Postgres), `classify` (the
 /// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
 fn stage_seconds(stage: &'static str, from: std::time::Instant, to: std::time::Instant) {
-    metrics::histogram!("gpumedic_classifier_batch_stage_seconds", "stage" => stage)
-        .record(to.duration_since(from).as_secs_f64());
+    BatchStage { stage, elapsed: to.duration_since(from) }.emit();
 }
 
 /// Identifies a batch by its first and last record and its length: the consumer loop offers a
@@ -208,18 +209,21 @@ impl BatchHandler for Handler {
             Ok(written) => {
                 let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
                 let rollups = batch.iter().map(|b| b.rollups.len() as u64).sum::<u64>();
-                metrics::counter!("gpumedic_classifier_events_total").increment(observations.len() as u64);
-                metrics::counter!("gpumedic_classifier_recorded_events_total").increment(rows);
-                metrics::counter!("gpumedic_classifier_rollups_total").increment(rollups);
-                metrics::counter!("gpumedic_classifier_duplicate_events_total")
-                    .increment(rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)));
+                BatchRecorded {
+                    observations: observations.len() as u64,
+                    rows,
+                    rollups,
+                    duplicates: rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)),
+                }
+                .emit();
                 Ok(dispositions)
             }
             Err(e) => {
                 if let Some(key) = key {
                     self.retrying = Some((key, decisions, absorbed, kept));
                 }
-                Err(Box::new(e))
+                // Counted by what failed (handler_retries_total{kind}).
+                Err(Box::new(Labeled::new(e)))
             }
         }
     }
@@ -227,9 +231,13 @@ impl BatchHandler for Handler {
 
 /// Counts and logs an event whose observed_at was bounded by its record's timestamp.
 fn clock_skew_clamped(event: &EnrichedHealthEvent, to: chrono::DateTime<chrono::Utc>) {
-    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(1);
-    tracing::warn!(node = %event.event.node, event_id = %event.event.event_id, observed_at = %event.event.observed_at,
-        record_time = %to, "An event said it happened after the record carrying it was written; it counts at the record's time.");
+    ClockSkewClamped {
+        node: &event.event.node,
+        event_id: &event.event.event_id,
+        observed_at: &event.event.observed_at,
+        record_time: &to,
+    }
+    .emit();
 }
 
 /// Counts and logs the observations the engine refused as impossible: never a fault, never
@@ -237,7 +245,6 @@ fn clock_skew_clamped(event: &EnrichedHealthEvent, to: chrono::DateTime<chrono::
 /// bug, a clock far off).
 fn count_refused(engine: &mut Engine) {
     for r in engine.take_refused() {
-        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => r.reason.as_str()).increment(1);
-        tracing::warn!(node = %r.node, event_id = %r.event_id, reason = %r.reason, "Refused an impossible observation before any rule.");
+        InputRefused { node: &r.node, event_id: &r.event_id, reason: r.reason.as_str() }.emit();
     }
 }

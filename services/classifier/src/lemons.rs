@@ -30,6 +30,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, LemonFound};
 use crate::rules::engine::{Decision, DecisionKind};
 use crate::rules::{Action, FieldValue, Observation, Severity};
 
@@ -406,9 +407,15 @@ fn humantime_days(d: Duration) -> String {
 pub fn announce<'a>(decisions: impl IntoIterator<Item = &'a Decision>) {
     for d in decisions.into_iter().filter(|d| is_lemon_rule(&d.rule_id) && d.kind == DecisionKind::Open) {
         let part = if d.rule_id == GPU_RULE { "gpu" } else { "node" };
-        metrics::counter!("gpumedic_classifier_lemons_total", "part" => part).increment(1);
-        tracing::error!(node = %d.node, gpu = ?d.gpu, incident_id = %d.incident_id, action = %d.action,
-            "A part is a lemon: it stays out of service until an operator replaces it. {}", d.reason);
+        LemonFound {
+            part,
+            node: &d.node,
+            gpu: &d.gpu,
+            incident_id: &d.incident_id,
+            action: &d.action,
+            reason: &d.reason,
+        }
+        .emit();
     }
 }
 

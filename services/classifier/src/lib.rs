@@ -40,6 +40,7 @@ pub mod workload;
 mod classifier;
 mod config;
 mod database;
+mod events;
 mod handler;
 mod ticker;
 
@@ -53,12 +54,13 @@ use std::time::Duration;
 
 use gpumedic_runtime::kafka;
 use gpumedic_runtime::postgres;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::Stage;
 use tokio::sync::Mutex;
 
 use crate::classifier::Owned;
+use crate::events::names;
 use crate::rules::engine::Engine;
 use crate::ticker::ticker;
 
@@ -69,20 +71,20 @@ pub const NAME: &str = "classifier";
 /// the start: dashboards and alerts find them, and `increase()` sees their first step.
 fn register_metrics() {
     for reason in rules::sanity::Invalid::ALL {
-        metrics::counter!("gpumedic_classifier_invalid_inputs_total", "reason" => reason.as_str()).increment(0);
+        metrics::counter!(names::INVALID_INPUTS_TOTAL, "reason" => reason.as_str()).increment(0);
     }
-    metrics::counter!("gpumedic_classifier_workload_faults_total").increment(0);
+    metrics::counter!(names::WORKLOAD_FAULTS_TOTAL).increment(0);
     for part in ["gpu", "node"] {
-        metrics::counter!("gpumedic_classifier_lemons_total", "part" => part).increment(0);
+        metrics::counter!(names::LEMONS_TOTAL, "part" => part).increment(0);
     }
-    metrics::counter!("gpumedic_classifier_clock_skew_clamped_total").increment(0);
+    metrics::counter!(names::CLOCK_SKEW_CLAMPED_TOTAL).increment(0);
     for result in ["ok", "refused"] {
-        metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => result).increment(0);
+        metrics::counter!(names::RULE_RELOADS_TOTAL, "result" => result).increment(0);
     }
 }
 
 /// Runs the classifier until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let api_pool = api::SharedPool::default();
     let access = auth::Access::start(NAME, &config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(api_pool.clone(), access));
@@ -119,7 +121,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(c) => Arc::new(Mutex::new(c)),
         Err(e) => {
             tracing::error!(error = %e, "Cannot start the classifier.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(e) });
+            return Err(RunError::setup("the classifier", e));
         }
     };
     let pool = classifier.lock().await.pool.clone();
@@ -136,7 +138,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
         Err(e) => {
             tracing::error!(error = %e, "Cannot open the incident API's database pool.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(e) });
+            return Err(RunError::setup("the incident API database pool", e));
         }
     }
     service.shutdown.spawn(

@@ -25,6 +25,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, SympatheticEvent};
 use crate::rules::engine::{Absorbed, Decision, DecisionKind};
 use crate::rules::model::{CodeRange, codes_contain};
 use crate::rules::{DomainRoot, Observation, RuleSet};
@@ -154,10 +155,16 @@ type RootRow = (Uuid, String, String, Option<String>, String, DateTime<Utc>);
 pub fn absorbed(events: &[Absorbed]) {
     for a in events {
         let scope = if a.root_node == a.node { "node" } else { "nvlink_domain" };
-        metrics::counter!("gpumedic_classifier_sympathetic_events_total", "root" => scope).increment(1);
-        tracing::info!(node = %a.node, gpu = ?a.gpu, event_id = %a.event_id, incident_id = %a.incident_id,
-            root_node = %a.root_node, root_gpu = ?a.root_gpu, root = scope,
-            "A sympathetic error joined the root incident of its NVLink peer instead of opening its own.");
+        SympatheticEvent {
+            root: scope,
+            node: &a.node,
+            gpu: &a.gpu,
+            event_id: &a.event_id,
+            incident_id: &a.incident_id,
+            root_node: &a.root_node,
+            root_gpu: &a.root_gpu,
+        }
+        .emit();
     }
 }
 

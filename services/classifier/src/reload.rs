@@ -18,6 +18,7 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::classifier::Classifier;
+use crate::events::{InternalEvent as _, RulesRefused, RulesReloaded};
 use crate::rules::{RuleError, RuleSet, SyntheticPolicy, check_dir};
 
 /// What identifies the state of a rules directory: each rule file's name, size and modification
@@ -89,16 +90,13 @@ pub(crate) async fn watch(
                 let rules = if allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules };
                 let count = rules.rules.len();
                 classifier.lock().await.replace_rules(rules);
-                metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => "ok").increment(1);
-                tracing::info!(dir = %dir.display(), rules = count, "Rules reloaded; state of unchanged rules kept.");
+                RulesReloaded { dir: &dir.display(), rules: count }.emit();
             }
             Some(Err(errors)) => {
                 for e in &errors {
                     tracing::warn!(problem = %e, "Rule file problem.");
                 }
-                metrics::counter!("gpumedic_classifier_rule_reloads_total", "result" => "refused").increment(1);
-                tracing::warn!(dir = %dir.display(), problems = errors.len(),
-                    "New rules refused; the rules in force stay.");
+                RulesRefused { dir: &dir.display(), problems: errors.len() }.emit();
             }
         }
     }

@@ -15,6 +15,8 @@ use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{InternalEvent as _, RetentionFailed, RetentionRan};
+
 /// Partitions are created this many days ahead of today, so a job that fails for a while (or a
 /// clock a little ahead) never sends the day's events to the default partition.
 pub const DAYS_AHEAD: u32 = 3;
@@ -146,21 +148,8 @@ fn bound(day: NaiveDate) -> String {
 /// carries on (the days ahead give it time to succeed on a later run).
 pub async fn maintain_logged(pool: &PgPool, retention: Duration) {
     match maintain(pool, retention, Utc::now()).await {
-        Ok(r) => {
-            metrics::counter!("gpumedic_classifier_retention_runs_total", "result" => "ok").increment(1);
-            metrics::counter!("gpumedic_classifier_event_partitions_created_total").increment(r.created.len() as u64);
-            metrics::counter!("gpumedic_classifier_event_partitions_dropped_total").increment(r.dropped.len() as u64);
-            metrics::counter!("gpumedic_classifier_expired_events_deleted_total").increment(r.default_rows_deleted);
-            let days = |v: &[NaiveDate]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-            tracing::info!(created = %days(&r.created), dropped = %days(&r.dropped),
-                default_rows_deleted = r.default_rows_deleted, sightings_deleted = r.sightings_deleted,
-                rollups_deleted = r.rollups_deleted, retention_days = retention.as_secs() / 86_400,
-                "Event partitions maintained.");
-        }
-        Err(e) => {
-            metrics::counter!("gpumedic_classifier_retention_runs_total", "result" => "failed").increment(1);
-            tracing::warn!(error = %e, "Cannot maintain the event partitions; retrying within the hour.");
-        }
+        Ok(report) => RetentionRan { report: &report, retention }.emit(),
+        Err(error) => RetentionFailed { error: &error }.emit(),
     }
 }
 

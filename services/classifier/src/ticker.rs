@@ -31,7 +31,7 @@ pub(crate) async fn ticker(
         }
         let decisions: Vec<(Decision, Option<&[u8]>)> =
             c.engine.tick(chrono::Utc::now().timestamp_micros()).into_iter().map(|d| (d, None)).collect();
-        metrics::gauge!("gpumedic_classifier_nodes_awaiting_time").set(c.engine.nodes_awaiting_time() as f64);
+        metrics::gauge!(crate::events::names::NODES_AWAITING_TIME).set(c.engine.nodes_awaiting_time() as f64);
         if decisions.is_empty() {
             continue;
         }

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::events::{IngestCallRefused, InternalEvent as _, names};
 use crate::publisher::{Outcome, PublishError, Sink};
 // The socket claim lives in its own module (the spool uses it as its lock); re-exported here,
 // where callers have always found it.
@@ -174,18 +175,15 @@ impl IngestService {
             }
             response.results.push(result);
         }
-        metrics::counter!("gpumedic_collector_ingest_events_total", "outcome" => "published")
+        metrics::counter!(names::INGEST_EVENTS_TOTAL, "outcome" => "published")
             .increment(u64::from(response.published));
-        metrics::counter!("gpumedic_collector_ingest_events_total", "outcome" => "rejected")
-            .increment(u64::from(response.rejected));
+        metrics::counter!(names::INGEST_EVENTS_TOTAL, "outcome" => "rejected").increment(u64::from(response.rejected));
         Ok(Response::new(response))
     }
 }
 
 fn refuse(index: usize, error: &IngestError) -> Status {
-    metrics::counter!("gpumedic_collector_ingest_calls_refused_total", "code" => format!("{:?}", error.code()))
-        .increment(1);
-    tracing::warn!(index, %error, "Refused an ingest call.");
+    IngestCallRefused { index, error, code: format!("{:?}", error.code()) }.emit();
     error.to_status(index)
 }
 

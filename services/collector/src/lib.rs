@@ -24,6 +24,8 @@ pub mod sources;
 pub mod spool;
 pub mod synthetic;
 
+mod events;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -31,8 +33,8 @@ use std::time::Duration;
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration, parse_socket_addr};
 use gpumedic_runtime::kafka::{self, KafkaArgs, KafkaSettings};
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_schemas::health::Source;
 use gpumedic_schemas::topics;
 
@@ -457,19 +459,20 @@ pub enum CollectorError {
 type SamplingBackend = (&'static str, sources::BackendOpener, Option<Box<dyn GpuBackend>>);
 
 /// Runs the collector until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let mut service = Service::start(NAME, &config.common);
     let ready = service.readiness.register("publisher");
     let token = service.shutdown.token();
-    let failed = |task: &str, e: CollectorError| ShutdownError::TaskFailed { task: task.into(), source: Box::new(e) };
+    let failed = |step: &'static str, e: CollectorError| RunError::setup(step, e);
     // Kafka's own deadline for an acknowledgement, unless the operator set one: past it the event
     // goes to the spool. Operator options come later and win.
     let mut kafka = config.kafka.clone();
     kafka.options.insert(0, ("message.timeout.ms".into(), config.delivery_timeout.as_millis().to_string()));
-    let producer = kafka.producer(&format!("{NAME}-{}", config.node_name)).map_err(|e| failed("producer", e.into()))?;
+    let producer =
+        kafka.producer(&format!("{NAME}-{}", config.node_name)).map_err(|e| failed("the producer", e.into()))?;
     // With a schema registry, this build's schema must be registered before the first event is
     // encoded: an unreachable registry stops the start (the kernel-log cursor keeps its place).
-    let codec = config.kafka.codec().await.map_err(|e| failed("schema-registry", e.into()))?;
+    let codec = config.kafka.codec().await.map_err(|e| failed("the schema registry", e.into()))?;
     // A simulated node keeps the boot id of its last simulated reboot across a restart of the
     // collector (the classifier refuses events from a boot it saw replaced).
     let boot_id = match config.backend {
@@ -516,7 +519,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         codec,
         node_identity,
     )
-    .map_err(|e| failed("spool", e.into()))?;
+    .map_err(|e| failed("the spool", e.into()))?;
     let publisher = publisher.with_node_token(node_token);
     service.shutdown.spawn("publisher", publisher.run(token.clone()));
     ready.set(true);
@@ -620,7 +623,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     service.shutdown.spawn("cloud-maintenance", cloud);
     if let Some(path) = config.kmsg_path.clone() {
         if let Err(e) = std::fs::create_dir_all(&config.state_dir) {
-            return Err(ShutdownError::TaskFailed { task: "state-dir".into(), source: Box::new(e) });
+            return Err(RunError::setup("the state directory", e));
         }
         service.shutdown.spawn(
             "kernel-log",

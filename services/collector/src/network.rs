@@ -26,6 +26,7 @@ use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{Component, CustomDetail, Detail, Entity, MonitorHealthDetail, MonitorState, Source};
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{InternalEvent as _, NetworkReadFailed, names};
 use crate::publisher::Sink;
 
 /// The `monitor` of every event this source publishes.
@@ -327,8 +328,7 @@ pub async fn watch_fabric(settings: NetworkSettings, sink: Sink, token: Cancella
                 events
             }
             Ok(Err(e)) => {
-                metrics::counter!("gpumedic_collector_network_read_failures_total").increment(1);
-                tracing::warn!(error = %e, "The InfiniBand ports cannot be read; trying again at the next interval.");
+                NetworkReadFailed { error: &e }.emit();
                 if std::mem::replace(&mut failing, true) {
                     Vec::new()
                 } else {
@@ -343,7 +343,7 @@ pub async fn watch_fabric(settings: NetworkSettings, sink: Sink, token: Cancella
         for e in &events {
             if let Detail::Custom(c) = &e.detail {
                 let check = c.values.get("check").map_or("", String::as_str);
-                metrics::counter!("gpumedic_collector_network_events_total", "check" => check.to_owned()).increment(1);
+                metrics::counter!(names::NETWORK_EVENTS_TOTAL, "check" => check.to_owned()).increment(1);
             }
             if !sink.emit_until_done(e, &token).await {
                 return Ok(());

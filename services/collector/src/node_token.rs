@@ -26,6 +26,8 @@ use gpumedic_runtime::kafka::node_proof::{self, NodeKey};
 use gpumedic_runtime::kafka::{KafkaSettings, Producer};
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{InternalEvent as _, NodeTokenReadFailed, names};
+
 /// Where the collector DaemonSet projects the token (k8s/base/collector.yaml).
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/gpumedic/token";
 /// How often the file's metadata is checked for a rotation.
@@ -178,7 +180,7 @@ impl NodeToken {
                         published = Some((token, std::time::Instant::now()));
                     }
                     Err(e) => {
-                        metrics::counter!("gpumedic_collector_node_key_publish_failures_total").increment(1);
+                        metrics::counter!(names::NODE_KEY_PUBLISH_FAILURES_TOTAL).increment(1);
                         if !failing {
                             tracing::warn!(error = %e, topic = %topic,
                                 "Cannot publish this node's token to the node-token directory; records carry the token itself until it can.");
@@ -249,11 +251,8 @@ impl Watch {
                 }
             }
             Err(e) => {
-                metrics::counter!("gpumedic_collector_node_token_read_failures_total").increment(1);
-                if !self.failing {
-                    tracing::warn!(error = %e, "Cannot re-read the node token; records keep the last one read, which expires.");
-                    self.failing = true;
-                }
+                NodeTokenReadFailed { error: &e, first: !self.failing }.emit();
+                self.failing = true;
             }
         }
     }

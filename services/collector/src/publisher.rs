@@ -60,6 +60,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{DeliveryFailed, EventLost, EventRefused, InternalEvent as _, names};
 use crate::identity::NodeIdentity;
 use crate::node_token::{NodeToken, Proof};
 use crate::spool::{Appended, Spool, SpoolError, SpoolRecord};
@@ -221,14 +222,12 @@ impl Outbox {
                 continue;
             }
             if e.healthy {
-                metrics::counter!("gpumedic_collector_heartbeats_dropped_total").increment(1);
+                metrics::counter!(names::HEARTBEATS_DROPPED_TOTAL).increment(1);
                 continue;
             }
             if self.backlog.len() >= OUTBOX_CAPACITY {
                 let lost = self.backlog.pop_front().expect("full");
-                metrics::counter!("gpumedic_collector_events_lost_total", "kind" => format!("{:?}", lost.kind))
-                    .increment(1);
-                tracing::error!(event_id = %lost.event_id, "The publisher has taken nothing for a long time; dropping the sampler's oldest waiting fault.");
+                EventLost { event_id: &lost.event_id, kind: &lost.kind }.emit();
             }
             self.backlog.push_back(e);
         }
@@ -280,9 +279,7 @@ impl Failure {
 
 /// Counts and logs a record Kafka refuses for good.
 fn refused(record: &SpoolRecord, failure: &Failure) {
-    metrics::counter!("gpumedic_collector_events_refused_total", "kind" => record.kind.clone()).increment(1);
-    tracing::error!(id = %record.id, kind = %record.kind, bytes = record.value.len(), error = %failure.error,
-        "Kafka refuses a health event for good; it is not kept.");
+    EventRefused { id: &record.id, kind: &record.kind, error: &failure.error, bytes: Some(record.value.len()) }.emit();
 }
 
 struct Direct {
@@ -447,7 +444,7 @@ impl Publisher {
         while let Some(o) = state.waiting.pop_front() {
             match self.spool.append(&o.record) {
                 Ok(Appended::Stored) => {
-                    metrics::counter!("gpumedic_collector_spooled_total", "kind" => o.record.kind.clone()).increment(1);
+                    metrics::counter!(names::SPOOLED_TOTAL, "kind" => o.record.kind.clone()).increment(1);
                     state.spooled_acks.extend(o.ack);
                 }
                 Ok(Appended::Dropped) => {
@@ -566,7 +563,7 @@ impl Publisher {
                         state.set_up(true);
                         state.alone = false;
                         self.spool.ack(seq)?;
-                        metrics::counter!("gpumedic_collector_events_total", "kind" => kind).increment(1);
+                        metrics::counter!(names::EVENTS_TOTAL, "kind" => kind).increment(1);
                     }
                     Err(f) if f.permanent && !alone => {
                         // Refused with the others in its request: send one at a time.
@@ -578,10 +575,7 @@ impl Publisher {
                     Err(f) if f.permanent => {
                         // Refused alone: out of the spool's head, so the records behind it drain.
                         self.spool.ack(seq)?;
-                        metrics::counter!("gpumedic_collector_events_refused_total", "kind" => kind.clone())
-                            .increment(1);
-                        tracing::error!(id = %event, %kind, error = %f.error,
-                            "Kafka refuses a spooled health event for good; it is removed from the spool.");
+                        EventRefused { id: &event, kind: &kind, error: &f.error, bytes: None }.emit();
                     }
                     Err(f) => {
                         state.failed(&f.error);
@@ -636,7 +630,7 @@ impl Publisher {
 }
 
 fn published(record: &SpoolRecord) {
-    metrics::counter!("gpumedic_collector_events_total", "kind" => record.kind.clone()).increment(1);
+    metrics::counter!(names::EVENTS_TOTAL, "kind" => record.kind.clone()).increment(1);
 }
 
 /// The publisher's bookkeeping between loop turns.
@@ -692,14 +686,11 @@ impl State {
             self.backoff = Duration::from_millis(200);
         }
         self.up = up;
-        metrics::gauge!("gpumedic_collector_kafka_up").set(if up { 1.0 } else { 0.0 });
+        metrics::gauge!(names::KAFKA_UP).set(if up { 1.0 } else { 0.0 });
     }
 
     fn failed(&mut self, error: &str) {
-        metrics::counter!("gpumedic_collector_delivery_failures_total").increment(1);
-        if self.up {
-            tracing::warn!(%error, "Kafka did not acknowledge an event; spooling events to disk until it does.");
-        }
+        DeliveryFailed { error, was_up: self.up }.emit();
         self.set_up(false);
         self.retry_due = false;
         self.retry_at = Instant::now() + self.backoff;

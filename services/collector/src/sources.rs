@@ -13,6 +13,7 @@ use gpumedic_schemas::{HealthEvent, Record as _, topics};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{InternalEvent as _, MonitorHung, names};
 use crate::gpu::{BackendError, GpuBackend, GpuSample};
 use crate::inventory::Inventory;
 use crate::kernel_log::kmsg::{self, Admission, Cursor, KmsgReader, Resume, Skip, read_boot_time, wall_time};
@@ -61,7 +62,7 @@ impl Emitter {
                 kafka::publish(&self.producer, topics::HEALTH_RAW, &event.node, &bytes, &headers).await?;
             }
         }
-        metrics::counter!("gpumedic_collector_events_total", "kind" => format!("{:?}", event.kind)).increment(1);
+        metrics::counter!(names::EVENTS_TOTAL, "kind" => format!("{:?}", event.kind)).increment(1);
         Ok(())
     }
 
@@ -268,12 +269,7 @@ impl GpuSampling {
                 worker.stuck = Some(answer);
                 if !self.hung {
                     self.hung = true;
-                    metrics::counter!("gpumedic_collector_monitor_hung_total", "monitor" => self.name).increment(1);
-                    tracing::warn!(
-                        monitor = self.name,
-                        timeout_ms = self.timeout.as_millis() as u64,
-                        "A GPU sample hung; reporting it."
-                    );
+                    MonitorHung { monitor: self.name, timeout: self.timeout }.emit();
                     events.push(self.monitor(
                         MonitorState::Hung,
                         format!("{} did not answer within {:?}", self.name, self.timeout),
@@ -294,8 +290,7 @@ impl GpuSampling {
                     .saturating_mul(1 << self.open_failures.min(12))
                     .min(MAX_OPEN_BACKOFF);
                 self.next_open = Some(now + backoff);
-                metrics::counter!("gpumedic_collector_backend_open_failures_total", "monitor" => self.name)
-                    .increment(1);
+                metrics::counter!(names::BACKEND_OPEN_FAILURES_TOTAL, "monitor" => self.name).increment(1);
                 tracing::warn!(
                     monitor = self.name,
                     error = %e,
@@ -455,7 +450,7 @@ pub async fn follow_kernel_log(
             Ok(()) => return Ok(()),
             Err(e) => {
                 let message = e.to_string();
-                metrics::counter!("gpumedic_collector_kmsg_read_failures_total").increment(1);
+                metrics::counter!(names::KMSG_READ_FAILURES_TOTAL).increment(1);
                 tracing::warn!(
                     path = %log.path.display(),
                     error = %message,
@@ -561,8 +556,7 @@ async fn follow_kernel_log_once(
                     }
                     Err(Skip::Seen) => continue,
                     Err(skip) => {
-                        metrics::counter!("gpumedic_collector_kmsg_records_skipped_total", "reason" => skip.as_str())
-                            .increment(1);
+                        metrics::counter!(names::KMSG_RECORDS_SKIPPED_TOTAL, "reason" => skip.as_str()).increment(1);
                         tracing::debug!(
                             seq = record.seq,
                             reason = skip.as_str(),

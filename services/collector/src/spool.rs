@@ -43,6 +43,8 @@ use std::io::Write as _;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
+use crate::events::{InternalEvent as _, SpoolFull, SpoolTruncated, names};
+
 /// The first bytes of every segment file (format version 1).
 pub const MAGIC: &[u8; 8] = b"GPMSPL1\n";
 const FRAME_HEADER: u64 = 8;
@@ -247,8 +249,7 @@ impl Spool {
             let (records, valid_len) = scan(&data, &mut self.next_seq);
             if valid_len < data.len() as u64 {
                 let torn = data.len() as u64 - valid_len;
-                metrics::counter!("gpumedic_collector_spool_truncated_total").increment(1);
-                tracing::warn!(path = %path.display(), bytes = torn, "The spool segment ends in a torn or corrupt record (a crash while writing); truncating it there.");
+                SpoolTruncated { path: &path.display(), bytes: torn }.emit();
                 let f = OpenOptions::new().write(true).open(&path).map_err(io(&path))?;
                 f.set_len(valid_len).map_err(io(&path))?;
                 f.sync_all().map_err(io(&path))?;
@@ -301,8 +302,8 @@ impl Spool {
     }
 
     fn report(&self) {
-        metrics::gauge!("gpumedic_collector_spool_bytes").set(self.bytes as f64);
-        metrics::gauge!("gpumedic_collector_spool_records").set(self.records as f64);
+        metrics::gauge!(names::SPOOL_BYTES).set(self.bytes as f64);
+        metrics::gauge!(names::SPOOL_RECORDS).set(self.records as f64);
     }
 
     /// Appends `record`, making room by dropping the oldest unsent droppable records when the
@@ -479,15 +480,7 @@ impl Spool {
                 None => by_kind.push((k, 1)),
             }
         }
-        let total: u64 = by_kind.iter().map(|(_, n)| n).sum();
-        for (kind, n) in &by_kind {
-            count_dropped(kind, *n);
-        }
-        tracing::warn!(
-            dropped = total,
-            segment = seg.id,
-            "The spool is full; dropping its oldest healthy evidence (heartbeats) to keep the faults."
-        );
+        SpoolFull { dropped: &by_kind, segment: seg.id }.emit();
         let tmp = seg.path.with_extension("tmp");
         let path = seg.path.clone();
         {
@@ -520,7 +513,7 @@ impl Spool {
 }
 
 fn count_dropped(kind: &str, n: u64) {
-    metrics::counter!("gpumedic_collector_spool_dropped_total", "kind" => kind.to_owned()).increment(n);
+    metrics::counter!(names::SPOOL_DROPPED_TOTAL, "kind" => kind.to_owned()).increment(n);
 }
 
 /// Reads the valid records of a segment; returns them and the length of the valid prefix (where

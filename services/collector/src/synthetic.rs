@@ -42,6 +42,7 @@ use gpumedic_schemas::health::{
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::names;
 use crate::gpu::SimulatedControl;
 use crate::publisher::{Outcome, Sink};
 
@@ -243,7 +244,7 @@ async fn inject(State(endpoint): State<Endpoint>, body: axum::body::Bytes) -> Re
     };
     match publish(&endpoint.sink, &events).await {
         Ok(ids) => {
-            metrics::counter!("gpumedic_collector_synthetic_events_total").increment(ids.len() as u64);
+            metrics::counter!(names::SYNTHETIC_EVENTS_TOTAL).increment(ids.len() as u64);
             tracing::info!(events = ids.len(), "Published synthetic events on request.");
             (StatusCode::OK, Json(serde_json::json!({ "event_ids": ids }))).into_response()
         }
@@ -319,7 +320,7 @@ async fn simulate(endpoint: &Endpoint, action: Simulation) -> Response {
                     return error(StatusCode::SERVICE_UNAVAILABLE, "the Xid 79 event could not be published");
                 }
             }
-            metrics::counter!("gpumedic_collector_synthetic_events_total").increment(1);
+            metrics::counter!(names::SYNTHETIC_EVENTS_TOTAL).increment(1);
             tracing::warn!(gpu = index, pci_bus_id = %gpu.pci_bus_id, "Simulated GPU fell off the bus on request.");
             let body = serde_json::json!({ "event_ids": [event.event_id.to_string()], "pci_bus_id": gpu.pci_bus_id });
             (StatusCode::OK, Json(body)).into_response()

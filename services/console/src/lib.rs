@@ -20,6 +20,7 @@ pub mod store;
 pub mod view;
 
 mod config;
+mod events;
 
 pub use config::{Args, Config};
 
@@ -29,14 +30,15 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpumedic_runtime::api_auth::Access;
 use gpumedic_runtime::postgres;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::api::Api;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio_util::sync::CancellationToken;
 
+use crate::events::names;
 use crate::live::Live;
 use crate::view::Console;
 
@@ -55,12 +57,12 @@ pub enum ConsoleError {
 }
 
 /// Runs the console until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let client = match gpumedic_runtime::k8s::client().await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "Cannot start the console without a Kubernetes client.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(ConsoleError::from(e)) });
+            return Err(RunError::setup("the Kubernetes client", ConsoleError::from(e)));
         }
     };
     let (nodes, nodes_writer) = reflector::store::<Node>();
@@ -78,8 +80,8 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     });
     let access = Access::start(NAME, &config.api_auth).await;
     let mut service = Service::start_with_routes(NAME, &config.common, api::routes(console.clone(), access));
-    metrics::gauge!("gpumedic_console_live_clients").set(0.0);
-    metrics::counter!("gpumedic_console_live_verdicts_total").increment(0);
+    metrics::gauge!(names::LIVE_CLIENTS).set(0.0);
+    metrics::counter!(names::LIVE_VERDICTS_TOTAL).increment(0);
     let db_ready = service.readiness.register("database");
     let nodes_ready = service.readiness.register("kubernetes-nodes-synced");
     let assigned = service.readiness.register("kafka-partitions-assigned");
@@ -102,7 +104,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         }
         Err(e) => {
             tracing::error!(error = %e, "Cannot open the console's database pool.");
-            return Err(ShutdownError::TaskFailed { task: "setup".into(), source: Box::new(ConsoleError::from(e)) });
+            return Err(RunError::setup("the database pool", ConsoleError::from(e)));
         }
     }
 
@@ -181,13 +183,13 @@ async fn fleet_gauges(console: Arc<Console>, every: Duration, token: Cancellatio
     loop {
         if let Ok(nodes) = console.summaries() {
             let f = fleet::fleet(&nodes, 0);
-            metrics::gauge!("gpumedic_console_fleet_gpu_in_service_ratio").set(f.gpus.in_service_ratio);
-            metrics::gauge!("gpumedic_console_fleet_gpus", "service" => "in").set(f.gpus.in_service as f64);
-            metrics::gauge!("gpumedic_console_fleet_gpus", "service" => "out").set(f.gpus.out_of_service as f64);
+            metrics::gauge!(names::FLEET_GPU_IN_SERVICE_RATIO).set(f.gpus.in_service_ratio);
+            metrics::gauge!(names::FLEET_GPUS, "service" => "in").set(f.gpus.in_service as f64);
+            metrics::gauge!(names::FLEET_GPUS, "service" => "out").set(f.gpus.out_of_service as f64);
             for (state, n) in fleet::ordered_states(&f.nodes_by_state) {
                 // Only the known states: a label value is not a bounded label set.
                 if fleet::STATES.contains(&state.as_str()) {
-                    metrics::gauge!("gpumedic_console_fleet_nodes", "state" => state).set(n as f64);
+                    metrics::gauge!(names::FLEET_NODES, "state" => state).set(n as f64);
                 }
             }
         }

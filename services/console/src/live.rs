@@ -21,6 +21,8 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, LiveVerdictUndecodable, names};
+
 /// How many verdicts a slow page may fall behind before it skips some (it is told, and reloads).
 pub const CHANNEL_CAPACITY: usize = 1024;
 
@@ -82,7 +84,7 @@ impl Default for Live {
 impl Live {
     /// Hands `verdict` to every open page.
     pub fn publish(&self, verdict: LiveVerdict) {
-        metrics::counter!("gpumedic_console_live_verdicts_total").increment(1);
+        metrics::counter!(names::LIVE_VERDICTS_TOTAL).increment(1);
         // No page open is not an error.
         let _ = self.sender.send(Arc::new(verdict));
     }
@@ -130,14 +132,14 @@ struct Clients;
 
 impl Clients {
     fn enter() -> Clients {
-        metrics::gauge!("gpumedic_console_live_clients").increment(1.0);
+        metrics::gauge!(names::LIVE_CLIENTS).increment(1.0);
         Clients
     }
 }
 
 impl Drop for Clients {
     fn drop(&mut self) {
-        metrics::gauge!("gpumedic_console_live_clients").decrement(1.0);
+        metrics::gauge!(names::LIVE_CLIENTS).decrement(1.0);
     }
 }
 
@@ -175,9 +177,7 @@ pub async fn run(
         match codec.decode::<Verdict>(payload).await {
             Ok(v) => live.publish(LiveVerdict::from(&v)),
             Err(e) => {
-                metrics::counter!("gpumedic_console_live_undecodable_total").increment(1);
-                tracing::debug!(error = %e, partition = record.partition, offset = record.offset,
-                    "Skipped a verdict record the console cannot decode (the classifier's consumers dead-letter it).");
+                LiveVerdictUndecodable { error: &e, partition: record.partition, offset: record.offset }.emit();
             }
         }
     }

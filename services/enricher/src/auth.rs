@@ -34,6 +34,8 @@ use futures::StreamExt as _;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use kube::api::{Api, PostParams};
 
+use crate::events::names;
+
 /// The audience collector tokens are minted for, and reviewed with.
 pub const AUDIENCE: &str = "gpumedic";
 /// The user extra field in which a Pod-bound ServiceAccount token's review names its node.
@@ -413,7 +415,7 @@ impl<R: Reviewer> Verifier<R> {
             }
         }
         drop(answers);
-        metrics::counter!("gpumedic_enricher_token_reviews_total").increment(reviewed.len() as u64);
+        metrics::counter!(names::TOKEN_REVIEWS_TOTAL).increment(reviewed.len() as u64);
         let mut fresh: HashMap<Digest, Arc<Review>> = HashMap::with_capacity(reviewed.len());
         for (d, exp, review) in reviewed {
             let lifetime = match review {
@@ -448,7 +450,7 @@ impl<R: Reviewer> Verifier<R> {
             self.memo.clear();
         }
         self.cache.insert(d, entry);
-        metrics::gauge!("gpumedic_enricher_token_cache_entries").set(self.cache.len() as f64);
+        metrics::gauge!(names::TOKEN_CACHE_ENTRIES).set(self.cache.len() as f64);
     }
 
     /// The decision for one record after [`Verifier::prepare`] saw its token: `token` its header

@@ -19,6 +19,7 @@ use kube::{Api, Client, ResourceExt as _};
 use tokio_util::sync::CancellationToken;
 
 use crate::enrich::{NodeInfo, node_context};
+use crate::events::{InternalEvent as _, WatchFailed};
 
 /// The resource name of NVIDIA GPUs in pod requests.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -331,15 +332,8 @@ where
             }
         };
         synced.set(I::RESOURCE, false);
-        metrics::counter!("gpumedic_enricher_watch_failures_total", "resource" => I::RESOURCE).increment(1);
         let delay = backoff.next().unwrap_or(Duration::from_secs(30));
-        tracing::warn!(
-            resource = I::RESOURCE,
-            error = %failure,
-            retry_in_ms = delay.as_millis() as u64,
-            "The watch of {} failed; the cluster cache serves what it holds and is not ready until it has listed them again.",
-            I::RESOURCE
-        );
+        WatchFailed { resource: I::RESOURCE, error: &failure, retry_in: delay }.emit();
         tokio::select! {
             () = token.cancelled() => return,
             () = tokio::time::sleep(delay) => {}

@@ -29,6 +29,7 @@ use rdkafka::{Message as _, Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{Accepted, Refusal, Review, Reviewer, Verifier, unverified_expiry};
+use crate::events::names;
 
 /// How often a collector publishes its current token again, whether or not it rotated (the
 /// directory topic keeps entries for two hours).
@@ -150,7 +151,7 @@ impl Directory {
         inner.next.insert(partition, offset + 1);
         let Some(token) = token.map(<[u8]>::trim_ascii).filter(|t| !t.is_empty()) else { return };
         let Some(exp) = unverified_expiry(token) else {
-            metrics::counter!("gpumedic_enricher_directory_entries_ignored_total").increment(1);
+            metrics::counter!(names::DIRECTORY_ENTRIES_IGNORED_TOTAL).increment(1);
             tracing::debug!(node = %String::from_utf8_lossy(node.unwrap_or_default()),
                 "A node-token directory entry is not a token; ignoring it.");
             return;
@@ -175,7 +176,7 @@ impl Directory {
         let token: Arc<[u8]> = Arc::from(token);
         inner.by_id.insert(id.clone(), Arc::new(Known { key: NodeKey::of(&token), token, exp }));
         inner.order.push_back(id);
-        metrics::gauge!("gpumedic_enricher_directory_entries").set(inner.by_id.len() as f64);
+        metrics::gauge!(names::DIRECTORY_ENTRIES).set(inner.by_id.len() as f64);
     }
 
     /// The token with key id `id`, if read and not expired.

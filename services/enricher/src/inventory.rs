@@ -17,6 +17,8 @@ use std::fmt;
 use chrono::{DateTime, TimeDelta, Utc};
 use gpumedic_schemas::health::{Component, Entity, GpuIdentity, GpuInventoryDetail};
 
+use crate::events::names;
+
 /// A PCI address (`domain:bus:device.function`), parsed so that every way of writing it compares
 /// equal: `0000:1B:00.0`, `00000000:1b:00.0` (NVML), `PCI:0000:1b:00` (the kernel log, function 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -367,7 +369,7 @@ impl InventoryCache {
 /// evictions.
 pub fn report(node: &str, applied: &Applied) {
     for conflict in &applied.conflicts {
-        metrics::counter!("gpumedic_enricher_inventory_conflicts_total", "kind" => conflict.kind()).increment(1);
+        metrics::counter!(names::INVENTORY_CONFLICTS_TOTAL, "kind" => conflict.kind()).increment(1);
     }
     if applied.log_conflicts {
         let conflicts: Vec<String> = applied.conflicts.iter().map(ToString::to_string).collect();
@@ -378,11 +380,11 @@ pub fn report(node: &str, applied: &Applied) {
         );
     }
     if applied.dropped > 0 {
-        metrics::counter!("gpumedic_enricher_inventory_gpus_dropped_total").increment(applied.dropped as u64);
+        metrics::counter!(names::INVENTORY_GPUS_DROPPED_TOTAL).increment(applied.dropped as u64);
         tracing::debug!(node, dropped = applied.dropped, "GPUs past the per-node cap left out of the inventory.");
     }
     if let Some(evicted) = &applied.evicted {
-        metrics::counter!("gpumedic_enricher_inventory_evictions_total").increment(1);
+        metrics::counter!(names::INVENTORY_EVICTIONS_TOTAL).increment(1);
         tracing::debug!(node = %evicted, "Node's GPU inventory forgotten to make room (least recently updated).");
     }
 }

@@ -20,6 +20,8 @@ pub mod directory;
 pub mod enrich;
 pub mod inventory;
 
+mod events;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -30,8 +32,8 @@ use gpumedic_runtime::k8s;
 use gpumedic_runtime::kafka::{
     self, BatchHandler, BatchSettings, Disposition, Producer, Record, node_proof, record_headers,
 };
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::{BatchArgs, Stage, StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::health::Detail;
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, Record as _, topics};
@@ -40,6 +42,7 @@ use crate::auth::{Accepted, KubeReviewer, NodeAuthMode, Policy, ServiceAccountRe
 use crate::cache::{ClusterCache, ContextSettings};
 use crate::catalog::XidCatalog;
 use crate::directory::{Directory, DirectoryError, NodeAuth};
+use crate::events::{InternalEvent as _, OperatorRecord, RecordUnauthenticated, UnknownNodeEvent, names};
 use crate::inventory::{InventoryCache, InventoryLimits, Resolution, Unresolved};
 
 /// The service's name, as used in metric names and logs.
@@ -236,7 +239,7 @@ impl Validate for Args {
 }
 
 /// Runs the enricher until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let mut service = Service::start(NAME, &config.common);
     let synced = service.readiness.register("cluster-cache-synced");
     let token = service.shutdown.token();
@@ -252,7 +255,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "Cannot create the Kafka producer.");
-            return Err(ShutdownError::TaskFailed { task: "producer".into(), source: Box::new(e) });
+            return Err(RunError::setup("the producer", e));
         }
     };
     tracing::info!(catalog_version = %config.catalog.version, codes = config.catalog.len(), "Xid catalog loaded.");
@@ -260,7 +263,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "Cannot use the schema registry.");
-            return Err(ShutdownError::TaskFailed { task: "schema-registry".into(), source: Box::new(e) });
+            return Err(RunError::setup("the schema registry", e));
         }
     };
     let auth = match &config.node_auth {
@@ -275,7 +278,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "Cannot build the Kubernetes client that reviews node tokens.");
-                    return Err(ShutdownError::TaskFailed { task: "node-auth".into(), source: Box::new(e) });
+                    return Err(RunError::setup("node authentication", e));
                 }
             };
             tracing::info!(
@@ -295,7 +298,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::error!(error = %e, "Cannot read the node-token directory.");
-                    return Err(ShutdownError::TaskFailed { task: "node-auth".into(), source: Box::new(e) });
+                    return Err(RunError::setup("the node-token directory", e));
                 }
             };
             Some(NodeAuth {
@@ -373,22 +376,24 @@ impl BatchHandler for Enrich {
                 match auth.check(review, &proofs[i], record, &event.node, now_s) {
                     Ok(Accepted::Node) => {}
                     Ok(Accepted::Operator) => {
-                        metrics::counter!("gpumedic_enricher_records_operator_total").increment(1);
-                        tracing::info!(node = %event.node, event_id = %event.event_id, "An operator published a raw event for a node; enriching it.");
+                        OperatorRecord { node: &event.node, event_id: &event.event_id }.emit();
                     }
                     Err(refusal) => {
                         // A node the cluster does not know is one label, whatever name it claims:
                         // the label set stays bounded by the cluster's nodes.
-                        let claimed = if self.cache.node(&event.node).is_some() {
+                        let label = if self.cache.node(&event.node).is_some() {
                             event.node.clone()
                         } else {
                             "unknown".to_owned()
                         };
-                        metrics::counter!("gpumedic_enricher_records_unauthenticated_total", "claimed_node" => claimed, "reason" => refusal.label())
-                            .increment(1);
-                        // The consumer loop logs the dead-lettering with the reason; this adds who was claimed.
-                        tracing::debug!(claimed_node = %event.node, event_id = %event.event_id, reason = %refusal,
-                            "A raw record does not carry a valid token of the node it claims; dead-lettering it.");
+                        RecordUnauthenticated {
+                            claimed_node: &event.node,
+                            label,
+                            event_id: &event.event_id,
+                            reason: &refusal,
+                            reason_label: refusal.label(),
+                        }
+                        .emit();
                         dispositions[i] = Disposition::DeadLetter(refusal.to_string());
                         continue;
                     }
@@ -396,8 +401,7 @@ impl BatchHandler for Enrich {
             }
             let node = self.cache.node(&event.node);
             if node.is_none() {
-                metrics::counter!("gpumedic_enricher_unknown_node_events_total").increment(1);
-                tracing::debug!(node = %event.node, "Event for a node the cache does not know; passing it on marked.");
+                UnknownNodeEvent { node: &event.node }.emit();
             }
             if let Detail::GpuInventory(detail) = &event.detail {
                 // Applied before the event is resolved and in partition order, so the node's events
@@ -431,13 +435,13 @@ impl BatchHandler for Enrich {
         for result in futures::future::join_all(sends).await {
             result?;
         }
-        metrics::counter!("gpumedic_enricher_events_total").increment(out.len() as u64);
+        metrics::counter!(names::EVENTS_TOTAL).increment(out.len() as u64);
         for (reason, n) in Unresolved::ALL.iter().zip(unresolved) {
             if n > 0 {
-                metrics::counter!("gpumedic_enricher_gpu_unresolved_total", "reason" => reason.as_str()).increment(n);
+                metrics::counter!(names::GPU_UNRESOLVED_TOTAL, "reason" => reason.as_str()).increment(n);
             }
         }
-        metrics::gauge!("gpumedic_enricher_inventory_nodes").set(self.inventory.len() as f64);
+        metrics::gauge!(names::INVENTORY_NODES).set(self.inventory.len() as f64);
         Ok(dispositions)
     }
 }

@@ -20,6 +20,10 @@ use serde_json::{Map, Value, json};
 
 use crate::dra::{self, DraError, Ensured};
 use crate::drain::{DrainError, DrainPolicy, DrainReport, drain, drain_holders};
+use crate::events::{
+    Drained, GpuQuarantineEscalated, GpuQuarantined, GpusReleased, InternalEvent as _, LadderStarted,
+    WriteRefusedNotLeading,
+};
 use crate::ladder::{Ladder, StepSpec};
 use crate::lease::Validity;
 use crate::plan::{
@@ -204,7 +208,7 @@ impl Remediator {
         if self.validity.current() {
             Ok(())
         } else {
-            metrics::counter!("gpumedic_remediator_writes_refused_not_leading_total").increment(1);
+            WriteRefusedNotLeading.emit();
             Err(ApplyError::NotLeading { node: node.to_owned() })
         }
     }
@@ -336,8 +340,7 @@ impl Remediator {
                 gpu.uuid,
                 max_share * 100.0
             );
-            tracing::info!(node = name, gpu = %gpu.uuid, quarantined, total, "Escalated a GPU quarantine to the node: too many of its GPUs are out.");
-            metrics::counter!("gpumedic_remediator_gpu_quarantine_escalations_total").increment(1);
+            GpuQuarantineEscalated { node: name, gpu: &gpu.uuid, quarantined, total }.emit();
             self.record(&node, &[note("GpuQuarantineEscalated", why, true)]).await;
             return Ok(Route::Node(Remediation { gpu: None, ..request.clone() }));
         }
@@ -395,8 +398,14 @@ impl Remediator {
                 return Ok(Route::Node(Remediation { gpu: None, ..request.clone() }));
             }
             Ensured::Created => {
-                tracing::info!(node = name, gpu = uuid, device = %device, rule = rule_name, incident = %request.incident_id, "Quarantined one GPU with a DeviceTaintRule.");
-                metrics::counter!("gpumedic_remediator_gpu_quarantines_total").increment(1);
+                GpuQuarantined {
+                    node: name,
+                    gpu: uuid,
+                    device: &device,
+                    rule: rule_name,
+                    incident: &request.incident_id,
+                }
+                .emit();
                 let message = format!(
                     "GPU {uuid} (device {device}) tainted NoSchedule by DeviceTaintRule {rule_name} for incident {}; \
                      the node stays schedulable for its other GPUs",
@@ -438,20 +447,21 @@ impl Remediator {
         self.record(node, &[note("DrainStarted", message, false)]).await;
         let started = Instant::now();
         let report = drain_holders(&self.evictions, name, &holders, &self.settings.drain).await?;
-        let result = if report.complete() { "complete" } else { "incomplete" };
-        metrics::histogram!("gpumedic_remediator_drain_seconds", "result" => result)
-            .record(started.elapsed().as_secs_f64());
-        if report.complete() {
-            dra::mark_drained(&self.client, rule_name).await?;
-            self.record(node, &[note("Drained", report.summary(), false)]).await;
-        } else {
-            let mut detail = report.summary();
-            if let Some((pod, why)) = report.blocked.first() {
-                detail.push_str(&format!("; {pod}: {why}"));
+        let incomplete = incomplete_detail(&report);
+        let device_name = device.to_string();
+        Drained {
+            node: name,
+            device: Some(&device_name),
+            elapsed: started.elapsed(),
+            incomplete: incomplete.as_deref(),
+        }
+        .emit();
+        match incomplete {
+            None => {
+                dra::mark_drained(&self.client, rule_name).await?;
+                self.record(node, &[note("Drained", report.summary(), false)]).await;
             }
-            tracing::warn!(node = name, device = %device, report = %detail, "The GPU's drain did not finish by its deadline; the resync drains again.");
-            metrics::counter!("gpumedic_remediator_drains_incomplete_total").increment(1);
-            self.record(node, &[note("DrainIncomplete", detail, true)]).await;
+            Some(detail) => self.record(node, &[note("DrainIncomplete", detail, true)]).await,
         }
         Ok(report)
     }
@@ -469,8 +479,7 @@ impl Remediator {
         if deleted.is_empty() {
             return Ok(());
         }
-        tracing::info!(node = name, rules = ?deleted, incident = %request.incident_id, "Released GPUs: deleted gpumedic's DeviceTaintRules.");
-        metrics::counter!("gpumedic_remediator_gpu_releases_total").increment(deleted.len() as u64);
+        GpusReleased { node: name, rules: &deleted, incident: &request.incident_id }.emit();
         let nodes: Api<Node> = Api::all(self.client.clone());
         if let Ok(Some(node)) = nodes.get_opt(name).await {
             let message = format!(
@@ -590,20 +599,14 @@ impl Remediator {
         let started = Instant::now();
         let report = drain(&self.evictions, name, scope, &self.settings.drain).await?;
         // How long drains take, finished or cut off by their deadline (a dashboard's panel).
-        let result = if report.complete() { "complete" } else { "incomplete" };
-        metrics::histogram!("gpumedic_remediator_drain_seconds", "result" => result)
-            .record(started.elapsed().as_secs_f64());
-        if report.complete() {
-            self.record(node, &[note("Drained", report.summary(), false)]).await;
-            self.advance(nodes, name, State::Drained).await?;
-        } else {
-            let mut detail = report.summary();
-            if let Some((pod, why)) = report.blocked.first() {
-                detail.push_str(&format!("; {pod}: {why}"));
+        let incomplete = incomplete_detail(&report);
+        Drained { node: name, device: None, elapsed: started.elapsed(), incomplete: incomplete.as_deref() }.emit();
+        match incomplete {
+            None => {
+                self.record(node, &[note("Drained", report.summary(), false)]).await;
+                self.advance(nodes, name, State::Drained).await?;
             }
-            tracing::warn!(node = name, report = %detail, "The drain did not finish by its deadline; the resync drains again.");
-            metrics::counter!("gpumedic_remediator_drains_incomplete_total").increment(1);
-            self.record(node, &[note("DrainIncomplete", detail, true)]).await;
+            Some(detail) => self.record(node, &[note("DrainIncomplete", detail, true)]).await,
         }
         Ok(report)
     }
@@ -641,8 +644,7 @@ impl Remediator {
                 Err(kube::Error::Api(s)) if s.is_conflict() => continue,
                 Err(source) => return Err(ApplyError::Patch { node: name.to_owned(), source }),
             }
-            tracing::info!(node = name, incident = %request.incident_id, ladder = %ladder.describe(), "Started a repair ladder.");
-            metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "started").increment(1);
+            LadderStarted { node: name, incident: &request.incident_id, ladder: &ladder.describe() }.emit();
             self.record(&node, &[note("RepairLadderStarted", format!("Repair ladder {}", ladder.describe()), false)])
                 .await;
             return Ok(());
@@ -793,6 +795,19 @@ async fn read(nodes: &Api<Node>, name: &str) -> Result<Node, ApplyError> {
         .await
         .map_err(|source| ApplyError::Read { node: name.to_owned(), source })?
         .ok_or_else(|| ApplyError::NodeNotFound { node: name.to_owned() })
+}
+
+/// What a drain cut off by its deadline left: its summary and the first pod it could not evict;
+/// `None` for a complete drain.
+fn incomplete_detail(report: &DrainReport) -> Option<String> {
+    if report.complete() {
+        return None;
+    }
+    let mut detail = report.summary();
+    if let Some((pod, why)) = report.blocked.first() {
+        detail.push_str(&format!("; {pod}: {why}"));
+    }
+    Some(detail)
 }
 
 enum WriteError {

@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use gpumedic_runtime::BoxError;
+use crate::error::TermError;
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome};
+use crate::events::{DeferredActionRefused, InternalEvent as _};
 use crate::plan::Skip;
 use crate::term::{Shared, persist_trip, publish};
 use crate::{drain, maintenance, verdicts};
@@ -15,7 +16,7 @@ use crate::{drain, maintenance, verdicts};
 /// While leading, carries out the deferred actions recorded on the managed nodes once they are
 /// due (a window open, their time come, their GPU idle), publishes their outcomes and removes the
 /// records. Paused, or held by the breaker or the rate limit, a record stays for the next look.
-pub(crate) async fn carry_out_deferred(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+pub(crate) async fn carry_out_deferred(shared: Arc<Shared>, term: CancellationToken) -> Result<(), TermError> {
     loop {
         tokio::select! {
             () = term.cancelled() => return Ok(()),
@@ -48,13 +49,12 @@ pub(crate) async fn carry_out(
     shared: &Shared,
     node: &k8s_openapi::api::core::v1::Node,
     term: &CancellationToken,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     let name = node.metadata.name.clone().unwrap_or_default();
     let deferred = match maintenance::deferred_on(node) {
         Some(Ok(d)) => d,
         Some(Err(e)) => {
-            tracing::warn!(node = %name, error = %e, "Dropping an unreadable deferred action.");
-            metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "unreadable").increment(1);
+            DeferredActionRefused::Unreadable { node: &name, error: &e }.emit();
             let why = format!("Dropped the unreadable deferred action in {}: {e}", maintenance::DEFERRED_ANNOTATION);
             shared.remediator.record_event(node, "DeferredActionRefused", why, true).await;
             maintenance::clear(&shared.remediator.client(), &name).await?;
@@ -65,8 +65,7 @@ pub(crate) async fn carry_out(
     // The record is data on this node, never a command for another: whoever can annotate one node
     // (its own kubelet can) must not reach a second one through it.
     if deferred.request.node != name {
-        tracing::warn!(node = %name, names = %deferred.request.node, "Dropping a deferred action that names another node.");
-        metrics::counter!("gpumedic_remediator_deferred_refused_total", "reason" => "other_node").increment(1);
+        DeferredActionRefused::OtherNode { node: &name, names: &deferred.request.node }.emit();
         let why = format!(
             "Dropped the deferred action in {}: it names node {}, and a node's annotations act on that node only",
             maintenance::DEFERRED_ANNOTATION,
@@ -98,7 +97,7 @@ pub(crate) async fn carry_out(
         }
         Ok(o) => Ok(o),
         Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
-        Err(e) => return Err(Box::new(e)),
+        Err(e) => return Err(e.into()),
     };
     let outcome = verdicts::outcome_for(deferred.verdict_id, &name, deferred.action, &result);
     tracing::info!(node = %name, verdict_id = %deferred.verdict_id, status = ?outcome.status,

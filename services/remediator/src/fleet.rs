@@ -23,7 +23,7 @@ impl Fleet {
         let n = names.len();
         *self.names.write().expect("fleet lock") = names;
         self.count.store(n, Ordering::Release);
-        metrics::gauge!("gpumedic_remediator_gpu_nodes").set(n as f64);
+        metrics::gauge!(crate::events::names::GPU_NODES).set(n as f64);
         Ok(n)
     }
 

@@ -10,6 +10,7 @@ use gpumedic_schemas::{ActionOutcome, Severity, Verdict};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome};
+use crate::events::{ActionDeferred, InternalEvent as _, VerdictHandled, VerdictStale};
 use crate::plan::{Mode, Skip};
 use crate::repairs::{end_ladder, hold_for_validation};
 use crate::request::Action;
@@ -89,9 +90,8 @@ impl Handler {
             .await
             .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })?;
         let waits_for = maintenance::waits_for(until, not_before);
-        tracing::info!(node = %request.node, verdict_id = %verdict.verdict_id, until = ?until, waits_for = %waits_for, "Deferred an action: the node is marked now, the rest waits.");
-        let label = format!("{until:?}").to_ascii_lowercase();
-        metrics::counter!("gpumedic_remediator_deferred_total", "until" => label).increment(1);
+        ActionDeferred { node: &request.node, verdict_id: &verdict.verdict_id, until: &until, waits_for: &waits_for }
+            .emit();
         Ok(Outcome::Skipped { reason: Skip::Deferred(waits_for), would: None })
     }
 }
@@ -129,10 +129,8 @@ impl Handler {
         let shared = self.shared.clone();
         let managed = shared.fleet.manages(&verdict.node).await.map_err(|e| HandleError::Retry(Box::new(e)))?;
         let result = if let Some(age) = verdicts::stale(&verdict, chrono::Utc::now(), shared.max_verdict_age) {
-            tracing::warn!(node = %verdict.node, verdict_id = %verdict.verdict_id, age_seconds = age.as_secs(),
-                "Did not act on a verdict older than --max-verdict-age; its outcome says stale.");
-            metrics::counter!("gpumedic_remediator_stale_verdicts_total", "recovery" => verdict.recovery.to_string())
-                .increment(1);
+            VerdictStale { node: &verdict.node, verdict_id: &verdict.verdict_id, age, recovery: verdict.recovery }
+                .emit();
             Ok(Outcome::Skipped { reason: Skip::Stale(age), would: None })
         } else if !managed {
             Ok(Outcome::Skipped { reason: Skip::Unmanaged, would: None })
@@ -149,17 +147,22 @@ impl Handler {
                 Ok(outcome) => Ok(outcome),
                 // A node that no longer exists will not come back for this verdict: record and move on.
                 Err(e @ ApplyError::NodeNotFound { .. }) => Err(e.to_string()),
-                Err(e) => return Err(HandleError::Retry(Box::new(e))),
+                Err(e) => return Err(HandleError::retry(e)),
             }
         };
         if verdict.recovery && result.is_ok() {
             shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(&request.incident_id);
         }
         // A trip is durable before the verdict that caused it is acknowledged.
-        persist_trip(&shared).await.map_err(HandleError::Retry)?;
+        persist_trip(&shared).await.map_err(HandleError::retry)?;
         let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);
-        tracing::info!(node = %verdict.node, verdict_id = %verdict.verdict_id, status = ?outcome.status,
-            detail = %outcome.detail, "Verdict handled.");
+        VerdictHandled {
+            node: &verdict.node,
+            verdict_id: &verdict.verdict_id,
+            status: &outcome.status,
+            detail: &outcome.detail,
+        }
+        .emit();
         publish(&shared, &outcome, record.header(record_headers::TRACEPARENT)).await
     }
 }

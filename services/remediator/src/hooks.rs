@@ -543,7 +543,7 @@ impl Webhook {
                 Answer::Retry => "retried",
                 Answer::Refused => "refused",
             };
-            metrics::counter!("gpumedic_remediator_webhook_requests_total", "result" => result).increment(1);
+            metrics::counter!(crate::events::names::WEBHOOK_REQUESTS_TOTAL, "result" => result).increment(1);
             match answer {
                 Answer::Accepted => return Ok(attempt),
                 Answer::Refused => return Err(HookError::Refused(format!("{what} for {key}"))),

@@ -5,13 +5,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpumedic_runtime::BoxError;
+use crate::error::TermError;
 use gpumedic_runtime::admin::ReadyFlag;
 use gpumedic_runtime::keyed;
 use tokio_util::sync::CancellationToken;
 
 use crate::NAME;
 use crate::deferred::carry_out_deferred;
+use crate::events::{InternalEvent as _, LeadershipGained, LeadershipLost, names};
 use crate::handler::Handler;
 use crate::lease::{LeaseClient, Validity};
 use crate::plan::Mode;
@@ -22,7 +23,7 @@ use crate::term::{Shared, begin_term, watch_status};
 pub(crate) enum TermEnd {
     Shutdown,
     Lost,
-    Failed(BoxError),
+    Failed(TermError),
 }
 
 /// Stands by until this replica holds the lease, then leads (consumes verdicts, watches the
@@ -41,7 +42,7 @@ pub(crate) async fn lead(
     validity: Arc<Validity>,
     lease_ready: ReadyFlag,
     token: CancellationToken,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     if !shared.stage.wait_for_topics(&token).await {
         return Ok(());
     }
@@ -74,9 +75,7 @@ pub(crate) async fn lead(
             }
         }
         lease_ready.set(true);
-        tracing::info!(identity = %lease.settings().identity, "Leading: this replica holds the lease and acts on verdicts.");
-        metrics::gauge!("gpumedic_remediator_leader").set(1.0);
-        metrics::counter!("gpumedic_remediator_leadership_terms_total").increment(1);
+        LeadershipGained { identity: &lease.settings().identity }.emit();
         shared.consuming.set(false);
         let term = token.child_token();
         let mut tasks = tokio::task::JoinSet::new();
@@ -99,9 +98,9 @@ pub(crate) async fn lead(
                         break TermEnd::Shutdown;
                     }
                     break TermEnd::Failed(match joined {
-                        Ok(Ok(())) => "a leader task ended on its own".into(),
+                        Ok(Ok(())) => TermError::TaskEnded,
                         Ok(Err(e)) => e,
-                        Err(e) => Box::new(e),
+                        Err(e) => e.into(),
                     });
                 }
                 () = tokio::time::sleep(renew) => {
@@ -122,7 +121,7 @@ pub(crate) async fn lead(
         };
         // No write from here on, before the tasks have even stopped.
         validity.end();
-        metrics::gauge!("gpumedic_remediator_leader").set(0.0);
+        metrics::gauge!(names::LEADER).set(0.0);
         term.cancel();
         // A task stuck in a call that does not answer is not waited for forever.
         let stopped = async {
@@ -138,8 +137,7 @@ pub(crate) async fn lead(
         }
         match end {
             TermEnd::Lost => {
-                tracing::warn!("Lost the lease: stopped acting and left the consumer group; standing by.");
-                metrics::counter!("gpumedic_remediator_leadership_lost_total").increment(1);
+                LeadershipLost.emit();
             }
             TermEnd::Shutdown => {
                 if let Err(e) = lease.release().await {
@@ -158,7 +156,7 @@ pub(crate) async fn lead(
 }
 
 /// Loads what the previous leader left (breaker, pause) and consumes verdicts until `term` ends.
-pub(crate) async fn consume(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+pub(crate) async fn consume(shared: Arc<Shared>, term: CancellationToken) -> Result<(), TermError> {
     loop {
         match begin_term(&shared).await {
             Ok(()) => break,

@@ -48,6 +48,8 @@ pub mod window;
 
 mod config;
 mod deferred;
+mod error;
+mod events;
 mod fleet;
 mod handler;
 mod leader;
@@ -62,13 +64,13 @@ pub use handler::Handler;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 
-use gpumedic_runtime::BoxError;
+use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
-use gpumedic_runtime::shutdown::ShutdownError;
 use gpumedic_runtime::stage::Stage;
 
 use crate::apply::Remediator;
 use crate::control::StatusClient;
+use crate::events::names;
 use crate::fleet::count_gpu_nodes;
 use crate::leader::lead;
 use crate::lease::{LeaseClient, Validity};
@@ -82,32 +84,32 @@ pub const NAME: &str = "remediator";
 /// the start: dashboards and alerts find them, and `increase()` sees their first step.
 fn register_metrics() {
     for recovery in ["false", "true"] {
-        metrics::counter!("gpumedic_remediator_stale_verdicts_total", "recovery" => recovery).increment(0);
+        metrics::counter!(names::STALE_VERDICTS_TOTAL, "recovery" => recovery).increment(0);
     }
     for result in ["ok", "failed"] {
-        metrics::counter!("gpumedic_remediator_resync_runs_total", "result" => result).increment(0);
+        metrics::counter!(names::RESYNC_RUNS_TOTAL, "result" => result).increment(0);
     }
     // Not resync_actions_total: it appears with the resync's first action, which the convergence
     // test waits for by the series' appearance.
     for reason in ["no_record", "unknown_incident"] {
-        metrics::counter!("gpumedic_remediator_resync_skipped_total", "reason" => reason).increment(0);
+        metrics::counter!(names::RESYNC_SKIPPED_TOTAL, "reason" => reason).increment(0);
     }
     for until in ["window", "time", "idle"] {
-        metrics::counter!("gpumedic_remediator_deferred_total", "until" => until).increment(0);
+        metrics::counter!(names::DEFERRED_TOTAL, "until" => until).increment(0);
     }
     for name in [
-        "gpumedic_remediator_writes_refused_not_leading_total",
-        "gpumedic_remediator_drains_incomplete_total",
-        "gpumedic_remediator_breaker_trips_total",
-        "gpumedic_remediator_breaker_resets_total",
-        "gpumedic_remediator_leadership_lost_total",
+        names::WRITES_REFUSED_NOT_LEADING_TOTAL,
+        names::DRAINS_INCOMPLETE_TOTAL,
+        names::BREAKER_TRIPS_TOTAL,
+        names::BREAKER_RESETS_TOTAL,
+        names::LEADERSHIP_LOST_TOTAL,
     ] {
         metrics::counter!(name).increment(0);
     }
 }
 
 /// Runs the remediator until SIGTERM/SIGINT or a failure.
-pub async fn run(config: Config) -> Result<(), ShutdownError> {
+pub async fn run(config: Config) -> Result<(), RunError> {
     let mut service = Service::start(NAME, &config.common);
     register_metrics();
     let kube_ready = service.readiness.register("gpu-nodes-counted");
@@ -117,34 +119,30 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
     let consuming = service.readiness.register("kafka-partitions-assigned-or-standby");
     let token = service.shutdown.token();
     let validity = Arc::new(Validity::for_lease(config.lease.renew_deadline()));
-    let setup = async {
-        let kube_config = kube::Config::infer().await.map_err(|e| Box::new(e) as BoxError)?;
-        let remediator = Remediator::new(
-            kube_config,
-            config.settings.clone(),
-            Gate::new(config.breaker, config.quarantines_per_minute).with_max_gpus(config.breaker_max_gpus),
-        )?
-        .with_validity(validity.clone());
-        let producer = config.stage.kafka.producer(NAME)?;
-        let codec = config.stage.kafka.codec().await?;
-        Ok::<_, BoxError>((remediator, producer, codec))
-    };
-    let setup = async {
-        let (remediator, producer, codec) = setup.await?;
-        let hooks = hooks::Hooks {
-            webhook: config.webhook.clone().map(hooks::Webhook::new).transpose()?,
-            resource: config
-                .resource
-                .clone()
-                .map(|r| hooks::CustomResource::new(remediator.client(), r))
-                .transpose()
-                .map_err(BoxError::from)?,
-        };
-        Ok::<_, BoxError>((remediator, producer, codec, hooks))
-    };
-    let (remediator, producer, codec, hooks) = match setup.await {
-        Ok(v) => v,
-        Err(e) => return Err(ShutdownError::TaskFailed { task: "setup".into(), source: e }),
+    let kube_config =
+        kube::Config::infer().await.map_err(|e| RunError::setup("the Kubernetes client configuration", e))?;
+    let remediator = Remediator::new(
+        kube_config,
+        config.settings.clone(),
+        Gate::new(config.breaker, config.quarantines_per_minute).with_max_gpus(config.breaker_max_gpus),
+    )
+    .map_err(|e| RunError::setup("the Kubernetes client", e))?
+    .with_validity(validity.clone());
+    let producer = config.stage.kafka.producer(NAME).map_err(|e| RunError::setup("the producer", e))?;
+    let codec = config.stage.kafka.codec().await.map_err(|e| RunError::setup("the schema registry", e))?;
+    let hooks = hooks::Hooks {
+        webhook: config
+            .webhook
+            .clone()
+            .map(hooks::Webhook::new)
+            .transpose()
+            .map_err(|e| RunError::setup("the webhook", e))?,
+        resource: config
+            .resource
+            .clone()
+            .map(|r| hooks::CustomResource::new(remediator.client(), r))
+            .transpose()
+            .map_err(|e| RunError::setup("the custom resource hook", e))?,
     };
     if config.incident_database_url.is_none() {
         tracing::warn!(
@@ -162,7 +160,7 @@ pub async fn run(config: Config) -> Result<(), ShutdownError> {
         count: Arc::new(AtomicUsize::new(0)),
     };
     service.shutdown.spawn("gpu-node-count", count_gpu_nodes(fleet.clone(), kube_ready, token.clone()));
-    metrics::gauge!("gpumedic_remediator_leader").set(0.0);
+    metrics::gauge!(names::LEADER).set(0.0);
     let shared = Arc::new(Shared {
         remediator,
         producer,

@@ -3,7 +3,10 @@
 
 use std::sync::Arc;
 
-use gpumedic_runtime::BoxError;
+use crate::error::TermError;
+use crate::events::{
+    InternalEvent as _, LadderFailed, LadderRefused, LadderRemediated, RepairStep, Validation, ValidationFailed, names,
+};
 use gpumedic_schemas::{ActionOutcome, ActionStatus};
 use tokio_util::sync::CancellationToken;
 
@@ -39,8 +42,7 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
         shared.remediator.record_event(&node, "Remediated", detail.clone(), false).await;
         let outcome = ladder_outcome(&l, ActionStatus::Applied, detail);
         publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
-        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
-        tracing::info!(node = %request.node, verdict_id = %l.verdict_id, "A repair ladder ended: the node is healthy again.");
+        LadderRemediated { node: &request.node, verdict_id: &l.verdict_id }.emit();
     }
     shared.remediator.leading(&request.node)?;
     ladder::write(&client, &request.node, None, None)
@@ -101,7 +103,7 @@ pub(crate) async fn hold_for_validation(
     let outcome = validation_outcome(&l, ActionStatus::Applied, detail.clone());
     publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
     shared.remediator.record_event(&node, "ValidationStarted", detail, false).await;
-    metrics::counter!("gpumedic_remediator_validations_total", "result" => "started").increment(1);
+    Validation { result: "started" }.emit();
     let written = write_ladder_if_unchanged(shared, &request.node, raw.as_deref(), &l)
         .await
         .map_err(|e| ApplyError::Validation(format!("cannot record the validation on node {}: {e}", request.node)))?;
@@ -121,7 +123,7 @@ async fn drive_validation(
     node: &k8s_openapi::api::core::v1::Node,
     mut l: ladder::Ladder,
     raw: Option<&str>,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     let name = l.request.node.clone();
     let Some(v) = l.validation.clone() else {
         let now = chrono::Utc::now();
@@ -150,7 +152,7 @@ async fn drive_validation(
             let detail = format!("validation passed: {summary}; the node returns to service");
             publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
             shared.remediator.record_event(node, "ValidationPassed", detail, false).await;
-            metrics::counter!("gpumedic_remediator_validations_total", "result" => "passed").increment(1);
+            Validation { result: "passed" }.emit();
             // The ladder ends before the recovery runs, so the driver cannot escalate a node that
             // is returning; the recovery then removes what gpumedic applied.
             end_ladder(shared, &v.recovery).await?;
@@ -173,8 +175,7 @@ async fn drive_validation(
             let detail = format!("validation failed: {summary}");
             publish(shared, &validation_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
             shared.remediator.record_event(node, "ValidationFailed", detail, true).await;
-            metrics::counter!("gpumedic_remediator_validations_total", "result" => "failed").increment(1);
-            tracing::warn!(node = %name, job = %v.job, %summary, "The validation failed: the repair ladder escalates.");
+            ValidationFailed { node: &name, job: &v.job, summary: &summary }.emit();
             l.validation = None;
             l.phase = ladder::Phase::Running;
             escalate(shared, node, &mut l, &format!("validation failed: {summary}"), now).await?;
@@ -213,7 +214,7 @@ pub(crate) fn ladder_outcome(l: &ladder::Ladder, status: ActionStatus, detail: S
 /// While leading in full-remediation mode: every `--repair-check`, walks the ladders recorded on
 /// the managed nodes one move each (call the hooks of a pending step, read a running step's
 /// status, escalate on failure or timeout). Paused, nothing moves.
-pub(crate) async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+pub(crate) async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) -> Result<(), TermError> {
     use futures::StreamExt as _;
     loop {
         tokio::select! {
@@ -248,14 +249,13 @@ pub(crate) async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) 
 /// One move of the ladder on `node` (see [`ladder::Ladder::decide`]). The hooks are called, the
 /// outcome published and the Event recorded before the new ladder is written: a crash in between
 /// repeats the call under the same idempotency key, which the receiver deduplicates.
-pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) -> Result<(), BoxError> {
+pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core::v1::Node) -> Result<(), TermError> {
     let name = node.metadata.name.clone().unwrap_or_default();
     let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
     let mut l = match ladder::ladder_on(node) {
         Some(Ok(l)) => l,
         Some(Err(e)) => {
-            tracing::warn!(node = %name, error = %e, "Ignoring an unreadable repair ladder.");
-            metrics::counter!("gpumedic_remediator_ladders_refused_total").increment(1);
+            LadderRefused { node: &name, error: &e }.emit();
             // Once per distinct annotation value, not at every look.
             let first = raw.as_ref().is_some_and(|r| {
                 let mut seen = shared.refused_ladders.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -292,7 +292,7 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
                 let detail = format!("{what} handed to the repair hooks ({detail}); timeout {}s", step.timeout_seconds);
                 publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
                 shared.remediator.record_event(node, "RepairStepStarted", detail, false).await;
-                metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "started").increment(1);
+                RepairStep { action: step.action.name(), result: "started" }.emit();
                 l.started(now);
             }
             Err(hooks::HookError::Unavailable(why)) => {
@@ -307,8 +307,8 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
             );
             publish(shared, &ladder_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
             shared.remediator.record_event(node, "RepairSucceeded", detail, false).await;
-            metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "succeeded").increment(1);
-            metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "remediated").increment(1);
+            RepairStep { action: step.action.name(), result: "succeeded" }.emit();
+            metrics::counter!(names::REPAIR_LADDERS_TOTAL, "result" => "remediated").increment(1);
             l.succeeded(now);
         }
         ladder::Move::Escalate(why) => escalate(shared, node, &mut l, &why, now).await?,
@@ -333,11 +333,10 @@ pub(crate) async fn escalate(
     l: &mut ladder::Ladder,
     why: &str,
     now: chrono::DateTime<chrono::Utc>,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     let (number, total, step) = (l.step_number(), l.steps.len(), l.step());
     let name = l.request.node.clone();
-    metrics::counter!("gpumedic_remediator_repair_steps_total", "action" => step.action.name(), "result" => "failed")
-        .increment(1);
+    RepairStep { action: step.action.name(), result: "failed" }.emit();
     if l.at_top() {
         l.escalate(why, now);
         let detail = format!(
@@ -351,8 +350,7 @@ pub(crate) async fn escalate(
             .remediator
             .restate_condition(&name, l.request.subsystem.condition_type(), "RepairFailed", &detail)
             .await?;
-        metrics::counter!("gpumedic_remediator_repair_ladders_total", "result" => "failed").increment(1);
-        tracing::error!(node = %name, verdict_id = %l.verdict_id, %detail, "A repair ladder failed on its last step: an operator must act.");
+        LadderFailed { node: &name, verdict_id: &l.verdict_id, detail: &detail }.emit();
     } else {
         let next = l.steps[l.current + 1].action.name();
         let detail = format!("repair step {number}/{total} {} failed ({why}); escalating to {next}", l.step_name());
@@ -370,7 +368,7 @@ pub(crate) async fn write_ladder_if_unchanged(
     name: &str,
     before: Option<&str>,
     l: &ladder::Ladder,
-) -> Result<bool, BoxError> {
+) -> Result<bool, TermError> {
     let client = shared.remediator.client();
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     for _ in 0..5 {
@@ -382,8 +380,8 @@ pub(crate) async fn write_ladder_if_unchanged(
         match ladder::write(&client, name, Some(l), node.metadata.resource_version.as_deref()).await {
             Ok(()) => return Ok(true),
             Err(kube::Error::Api(s)) if s.is_conflict() => continue,
-            Err(e) => return Err(Box::new(e)),
+            Err(e) => return Err(e.into()),
         }
     }
-    Err(format!("node {name} changed under every attempt to write its repair ladder").into())
+    Err(TermError::LadderConflict { node: name.to_owned() })
 }

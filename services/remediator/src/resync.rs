@@ -25,7 +25,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::sync::Arc;
 
-use gpumedic_runtime::BoxError;
+use crate::error::TermError;
+use crate::events::{InternalEvent as _, ResyncActionFailed, ResyncFailed, ResyncFinished, names};
 use gpumedic_schemas::verdict::{RecommendedAction, Verdict};
 use k8s_openapi::api::core::v1::Node;
 use sqlx::PgPool;
@@ -205,7 +206,7 @@ fn verdict_from(record: Option<String>) -> Option<Verdict> {
 
 impl IncidentStore {
     /// A pool of two connections to `url`, with the runtime's statement and lock timeouts.
-    pub(crate) async fn connect(url: &str) -> Result<Self, BoxError> {
+    pub(crate) async fn connect(url: &str) -> Result<Self, TermError> {
         Ok(IncidentStore { pool: gpumedic_runtime::postgres::connect(url, 2).await? })
     }
 
@@ -262,7 +263,7 @@ impl IncidentStore {
 
 /// While leading: every `interval`, one resync (see the module's documentation). The first runs
 /// one interval after the term starts, so a new leader first takes up the verdicts in flight.
-pub(crate) async fn resync_loop(shared: Arc<Shared>, url: String, term: CancellationToken) -> Result<(), BoxError> {
+pub(crate) async fn resync_loop(shared: Arc<Shared>, url: String, term: CancellationToken) -> Result<(), TermError> {
     let handler = Handler { shared: shared.clone(), term: term.clone() };
     let mut store: Option<IncidentStore> = None;
     loop {
@@ -277,8 +278,7 @@ pub(crate) async fn resync_loop(shared: Arc<Shared>, url: String, term: Cancella
             match IncidentStore::connect(&url).await {
                 Ok(s) => store = Some(s),
                 Err(e) => {
-                    tracing::warn!(error = %e, "Cannot reach the incident store; the resync waits for the next interval.");
-                    metrics::counter!("gpumedic_remediator_resync_runs_total", "result" => "failed").increment(1);
+                    ResyncFailed { error: &e, unreachable: true }.emit();
                     continue;
                 }
             }
@@ -287,12 +287,10 @@ pub(crate) async fn resync_loop(shared: Arc<Shared>, url: String, term: Cancella
         let started = std::time::Instant::now();
         match resync_once(&shared, &handler, s, &term).await {
             Ok(()) => {
-                metrics::counter!("gpumedic_remediator_resync_runs_total", "result" => "ok").increment(1);
-                metrics::histogram!("gpumedic_remediator_resync_seconds").record(started.elapsed().as_secs_f64());
+                ResyncFinished { elapsed: started.elapsed() }.emit();
             }
             Err(e) => {
-                tracing::warn!(error = %e, "The resync did not finish; the next interval tries again.");
-                metrics::counter!("gpumedic_remediator_resync_runs_total", "result" => "failed").increment(1);
+                ResyncFailed { error: &e, unreachable: false }.emit();
             }
         }
     }
@@ -304,7 +302,7 @@ async fn resync_once(
     handler: &Handler,
     store: &IncidentStore,
     term: &CancellationToken,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     // The nodes first, then the store: a record on a node at listing time was written after its
     // verdict, which the classifier published before it wrote the incident, so the store read
     // after the listing knows every incident a record holds.
@@ -315,7 +313,7 @@ async fn resync_once(
         snapshots.iter().flat_map(|n| n.held.iter()).filter_map(|id| Uuid::parse_str(id).ok()).collect();
     let open = store.open_on(&names).await?;
     let resolved = store.resolved_among(&held).await?;
-    metrics::gauge!("gpumedic_remediator_resync_open_incidents").set(open.len() as f64);
+    metrics::gauge!(names::RESYNC_OPEN_INCIDENTS).set(open.len() as f64);
     let plan = {
         let recovered = shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         decide(&snapshots, &open, &resolved, &|id| recovered.contains(id))
@@ -325,12 +323,10 @@ async fn resync_once(
             count = plan.no_record,
             "Some incidents have no whole verdict in the store (written before it kept them); the resync leaves them to their verdicts."
         );
-        metrics::counter!("gpumedic_remediator_resync_skipped_total", "reason" => "no_record")
-            .increment(plan.no_record as u64);
+        metrics::counter!(names::RESYNC_SKIPPED_TOTAL, "reason" => "no_record").increment(plan.no_record as u64);
     }
     if plan.unknown > 0 {
-        metrics::counter!("gpumedic_remediator_resync_skipped_total", "reason" => "unknown_incident")
-            .increment(plan.unknown as u64);
+        metrics::counter!(names::RESYNC_SKIPPED_TOTAL, "reason" => "unknown_incident").increment(plan.unknown as u64);
     }
     tracing::debug!(nodes = snapshots.len(), open = open.len(), steps = plan.steps.len(), "Resync decided.");
     for step in plan.steps {
@@ -348,10 +344,7 @@ async fn resync_once(
             Step::Release(v) => (v, "recovery"),
         };
         if let Err(e) = resync_verdict(shared, handler, &verdict, kind).await {
-            tracing::warn!(node = %verdict.node, incident = %verdict.incident_id, error = %e,
-                "The resync could not act on an incident; the next interval tries again.");
-            metrics::counter!("gpumedic_remediator_resync_actions_total", "kind" => kind, "result" => "failed")
-                .increment(1);
+            ResyncActionFailed { node: &verdict.node, incident: &verdict.incident_id, kind, error: &e }.emit();
         }
     }
     Ok(())
@@ -364,7 +357,7 @@ async fn resync_verdict(
     handler: &Handler,
     verdict: &Verdict,
     kind: &'static str,
-) -> Result<(), BoxError> {
+) -> Result<(), TermError> {
     if !shared.fleet.manages(&verdict.node).await? {
         return Ok(());
     }
@@ -373,7 +366,7 @@ async fn resync_verdict(
     persist_trip(shared).await?;
     let result = match outcome {
         Ok(o) => o,
-        Err(e) => return Err(Box::new(e)),
+        Err(e) => return Err(e.into()),
     };
     if verdict.recovery {
         shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(&request.incident_id);
@@ -384,7 +377,7 @@ async fn resync_verdict(
         Outcome::Skipped { reason: Skip::Deferred(_), .. } => "deferred",
         Outcome::Skipped { .. } => "held",
     };
-    metrics::counter!("gpumedic_remediator_resync_actions_total", "kind" => kind, "result" => label).increment(1);
+    metrics::counter!(names::RESYNC_ACTIONS_TOTAL, "kind" => kind, "result" => label).increment(1);
     if !matches!(result, Outcome::Applied { .. } | Outcome::Skipped { reason: Skip::Deferred(_), .. }) {
         return Ok(());
     }

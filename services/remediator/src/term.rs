@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use gpumedic_runtime::BoxError;
+use crate::error::TermError;
 use gpumedic_runtime::admin::ReadyFlag;
 use gpumedic_runtime::kafka::{self, HandleError, Producer};
 use gpumedic_runtime::stage::Stage;
@@ -14,10 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::Remediator;
 use crate::control::StatusClient;
+use crate::events::{BreakerReset, BreakerTripped, InternalEvent as _, OutcomePublished, PauseChanged};
 use crate::fleet::Fleet;
 use crate::safety::Gate;
 use crate::window::Window;
-use crate::{control, hooks, maintenance, plan};
+use crate::{control, events, hooks, maintenance, plan};
 
 /// What every part of a running remediator shares.
 pub(crate) struct Shared {
@@ -58,10 +59,10 @@ pub(crate) struct Shared {
 /// A new leader's state: the pause and an open breaker from the status object, and the
 /// quarantines still within the breaker's window from the nodes (gpumedic's taint and its
 /// `timeAdded`), so a failover neither closes the breaker nor hands out a fresh budget.
-pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
+pub(crate) async fn begin_term(shared: &Shared) -> Result<(), TermError> {
     let status = shared.status.read().await?;
     shared.remediator.set_paused(status.paused);
-    metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
+    events::paused(status.paused);
     let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
     // gpumedic's DeviceTaintRules are its GPU quarantines; a cluster that serves none has none.
     let gpus = crate::dra::quarantined_gpus(&shared.remediator.client()).await.unwrap_or_else(|e| {
@@ -103,7 +104,7 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), BoxError> {
     });
     gate.breaker.restore_gpus(gpus, now);
     shared.open_persisted.store(status.breaker_open, Ordering::Release);
-    metrics::gauge!("gpumedic_remediator_breaker_open").set(if status.breaker_open { 1.0 } else { 0.0 });
+    events::breaker_open(status.breaker_open);
     Ok(())
 }
 
@@ -123,7 +124,7 @@ pub(crate) fn lock_gate(remediator: &Remediator) -> std::sync::MutexGuard<'_, Ga
 
 /// Writes the breaker's ledger when it counts a quarantine the status object does not show yet
 /// (expired entries go at the next write), so every leader shares one budget.
-async fn persist_ledger(shared: &Shared) -> Result<(), BoxError> {
+async fn persist_ledger(shared: &Shared) -> Result<(), TermError> {
     let (now, wall) = (Instant::now(), chrono::Utc::now());
     let entries = lock_gate(&shared.remediator).breaker.ledger(now);
     let ledger: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>> = entries
@@ -145,7 +146,7 @@ async fn persist_ledger(shared: &Shared) -> Result<(), BoxError> {
 /// Writes what the breaker counts (its ledger) and a trip the gate has that the status object
 /// does not show yet. Called after every remediation, before its outcome is acknowledged, so
 /// neither a quarantine counted nor a trip is lost to a crash or a failover.
-pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
+pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), TermError> {
     persist_ledger(shared).await?;
     if shared.open_persisted.load(Ordering::Acquire) {
         return Ok(());
@@ -158,9 +159,7 @@ pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
     let _writing = shared.status_writes.lock().await;
     shared.status.patch(&control::trip_patch(&reason, &control::now(), counted)).await?;
     shared.open_persisted.store(true, Ordering::Release);
-    metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
-    metrics::counter!("gpumedic_remediator_breaker_trips_total").increment(1);
-    tracing::error!(%reason, "The circuit breaker tripped: no new quarantines until an operator runs `gpumedic breaker reset`.");
+    BreakerTripped { reason: &reason }.emit();
     record_status_event(
         shared,
         "CircuitBreakerTripped",
@@ -173,7 +172,7 @@ pub(crate) async fn persist_trip(shared: &Shared) -> Result<(), BoxError> {
 
 /// Follows the status object while leading: the pause, a reset request, and a breaker the object
 /// shows closed while this leader holds it open (re-written: only a reset closes it).
-pub(crate) async fn watch_status(shared: Arc<Shared>, term: CancellationToken) -> Result<(), BoxError> {
+pub(crate) async fn watch_status(shared: Arc<Shared>, term: CancellationToken) -> Result<(), TermError> {
     loop {
         if let Err(e) = follow_status(&shared).await {
             tracing::warn!(error = %e, "Cannot read the status object; keeping the last pause and breaker state.");
@@ -185,13 +184,11 @@ pub(crate) async fn watch_status(shared: Arc<Shared>, term: CancellationToken) -
     }
 }
 
-pub(crate) async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
+pub(crate) async fn follow_status(shared: &Shared) -> Result<(), TermError> {
     let status = shared.status.read().await?;
     if status.paused != shared.remediator.paused() {
-        tracing::warn!(paused = status.paused, by = ?status.paused_by, reason = ?status.pause_reason,
-            "{}", if status.paused { "Remediation paused: verdicts are reported, nothing is changed." } else { "Remediation resumed." });
+        PauseChanged { paused: status.paused, by: &status.paused_by, reason: &status.pause_reason }.emit();
         shared.remediator.set_paused(status.paused);
-        metrics::gauge!("gpumedic_remediator_paused").set(if status.paused { 1.0 } else { 0.0 });
     }
     if status.reset_requested() {
         let by = status.reset_requested_by.clone().unwrap_or_else(|| "unknown".to_owned());
@@ -201,9 +198,7 @@ pub(crate) async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
         shared.status.patch(&control::reset_done_patch(&by, &control::now())).await?;
         shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         shared.open_persisted.store(false, Ordering::Release);
-        metrics::gauge!("gpumedic_remediator_breaker_open").set(0.0);
-        metrics::counter!("gpumedic_remediator_breaker_resets_total").increment(1);
-        tracing::warn!(%by, was_open, "The circuit breaker was reset: closed, with a fresh quarantine budget.");
+        BreakerReset { by: &by, was_open }.emit();
         drop(_writing);
         record_status_event(
             shared,
@@ -219,7 +214,7 @@ pub(crate) async fn follow_status(shared: &Shared) -> Result<(), BoxError> {
         // Opened by hand (`breaker: open`): honour it like a trip.
         let reason = status.breaker_reason.unwrap_or_else(|| "opened in the status object".to_owned());
         lock_gate(&shared.remediator).breaker.open(reason, Instant::now());
-        metrics::gauge!("gpumedic_remediator_breaker_open").set(1.0);
+        events::breaker_open(true);
     }
     persist_trip(shared).await
 }
@@ -249,7 +244,7 @@ pub(crate) async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Opt
     // The label is the status as the action record spells it (blocked_by_breaker, dry_run, ...).
     let action =
         serde_json::to_value(outcome.action).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-    metrics::counter!("gpumedic_remediator_outcomes_total", "action" => action, "status" => status).increment(1);
+    OutcomePublished { action, status }.emit();
     let bytes = shared.codec.encode(outcome).map_err(|e| HandleError::Invalid(e.to_string()))?;
     let id = outcome.verdict_id.to_string();
     let envelope = kafka::Envelope {

@@ -31,6 +31,8 @@ use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use kube::api::{Api, PostParams};
 
+use crate::events::{metric_name, names};
+
 /// The API group of the resource the APIs are authorized as.
 pub const API_GROUP: &str = "gpumedic.io";
 /// The resource the APIs are authorized as (it exists only in RBAC rules).
@@ -172,7 +174,7 @@ async fn within<T>(
     review: &'static str,
     call: impl Future<Output = Result<T, kube::Error>>,
 ) -> Result<T, AuthError> {
-    metrics::counter!(format!("gpumedic_{service}_api_auth_reviews_total"), "review" => review).increment(1);
+    metrics::counter!(metric_name(service, names::API_AUTH_REVIEWS_TOTAL), "review" => review).increment(1);
     match tokio::time::timeout(REVIEW_TIMEOUT, call).await {
         Err(_) => Err(AuthError::Timeout(review)),
         Ok(r) => r.map_err(|source| AuthError::Review { review, source }),
@@ -395,7 +397,7 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// The outcome of one request, counted and logged in one place.
 fn record(service: &'static str, result: &'static str, verb: Verb, username: Option<&str>, error: Option<&AuthError>) {
-    metrics::counter!(format!("gpumedic_{service}_api_auth_total"), "result" => result).increment(1);
+    metrics::counter!(metric_name(service, names::API_AUTH_TOTAL), "result" => result).increment(1);
     match (result, error) {
         (_, Some(e)) => {
             tracing::warn!(service, verb = verb.as_str(), error = %e, "Cannot tell whether an API request is allowed; answered 503.");

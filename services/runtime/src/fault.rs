@@ -12,6 +12,7 @@
 use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 
 use crate::BoxError;
+use crate::events::MetricLabel;
 
 /// Wraps an error a handler knows is caused by the records it was given, not by a dependency:
 /// the same records fail the same way every time. The consumer loops treat it as permanent
@@ -26,6 +27,65 @@ impl RecordFault {
     pub fn new(error: impl Into<BoxError>) -> Self {
         Self(error.into())
     }
+}
+
+/// An error carrying its own kind for the failure counters ([`MetricLabel`]), so the consumer
+/// loops count a handler's typed failure under its kind (`handler_retries_total{kind}`) although
+/// they see it boxed. It shows and chains exactly as the error it wraps.
+#[derive(Debug)]
+pub struct Labeled {
+    kind: &'static str,
+    error: BoxError,
+}
+
+impl Labeled {
+    /// Wraps `error`, keeping its [`MetricLabel::metric_label`].
+    pub fn new<E: MetricLabel + std::error::Error + Send + Sync + 'static>(error: E) -> Self {
+        Self { kind: error.metric_label(), error: Box::new(error) }
+    }
+}
+
+impl std::fmt::Display for Labeled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for Labeled {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+/// The kinds [`metric_label`] gives errors it knows by their type; a [`Labeled`] error gives its own.
+pub const KINDS: [&str; 5] = ["record", "kafka", "postgres", "kubernetes", "other"];
+
+/// The kind `error` is counted under: its own when it is [`Labeled`], else the first error of its
+/// source chain the runtime knows (a [`RecordFault`], Kafka, PostgreSQL, the Kubernetes API), else
+/// `other`.
+pub fn metric_label(error: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(l) = e.downcast_ref::<Labeled>() {
+            return l.kind;
+        }
+        if e.is::<RecordFault>() {
+            return "record";
+        }
+        if e.is::<RdKafkaError>() {
+            return "kafka";
+        }
+        #[cfg(feature = "postgres")]
+        if e.is::<sqlx::Error>() {
+            return "postgres";
+        }
+        #[cfg(feature = "k8s")]
+        if e.is::<kube::Error>() {
+            return "kubernetes";
+        }
+        next = e.source();
+    }
+    "other"
 }
 
 /// Whether Kafka refuses a produced record for good: retrying it cannot succeed (it is too large
@@ -70,6 +130,10 @@ pub fn is_permanent(error: &(dyn std::error::Error + 'static)) -> bool {
     while let Some(e) = next {
         if e.is::<RecordFault>() {
             return true;
+        }
+        if let Some(l) = e.downcast_ref::<Labeled>() {
+            next = Some(l.error.as_ref());
+            continue;
         }
         if let Some(k) = e.downcast_ref::<RdKafkaError>() {
             if let RdKafkaError::MessageProduction(code) = k {
@@ -146,6 +210,28 @@ mod tests {
         assert!(!is_permanent(plain.as_ref()));
         #[cfg(feature = "postgres")]
         assert!(!is_permanent(&sqlx::Error::PoolTimedOut));
+    }
+
+    #[test]
+    fn failures_are_counted_by_the_kind_they_name_or_the_dependency_in_their_chain() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("node n changed under every attempt")]
+        struct Conflict(#[source] RecordFault);
+        impl MetricLabel for Conflict {
+            fn metric_label(&self) -> &'static str {
+                "conflict"
+            }
+        }
+        let labeled = Labeled::new(Conflict(RecordFault::new("bad")));
+        assert_eq!(metric_label(&labeled), "conflict");
+        assert_eq!(labeled.to_string(), "node n changed under every attempt", "shown as the error it wraps");
+        assert!(is_permanent(&labeled), "what it wraps still decides whether it is permanent");
+        assert_eq!(metric_label(&KafkaError::Commit(RdKafkaError::Canceled)), "kafka");
+        assert_eq!(metric_label(&RecordFault::new("bad")), "record");
+        let plain: BoxError = "the database is down".into();
+        assert_eq!(metric_label(plain.as_ref()), "other");
+        #[cfg(feature = "postgres")]
+        assert_eq!(metric_label(&sqlx::Error::PoolTimedOut), "postgres");
     }
 
     #[test]

@@ -30,6 +30,7 @@ use rdkafka::consumer::Consumer as _;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::events::{InternalEvent as _, RecordRetried, RecordsHandled, count_retry};
 use crate::fault;
 use crate::kafka::{self, Consumer, HandleError, KafkaError, Producer, Record};
 
@@ -90,7 +91,6 @@ async fn process<H: SharedHandler>(
     record: Record,
     token: &CancellationToken,
 ) -> (Record, bool) {
-    let records_total = format!("gpumedic_{service}_records_total");
     let span = kafka::record_span(service, &record);
     let started = std::time::Instant::now();
     let mut backoff = Duration::from_millis(100);
@@ -98,26 +98,22 @@ async fn process<H: SharedHandler>(
     loop {
         let refused = match handler.handle(&record).instrument(span.clone()).await {
             Ok(()) => {
-                metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "ok").increment(1);
+                RecordsHandled { service, topic: &record.topic, outcome: "ok", count: 1 }.emit();
                 break;
             }
             Err(HandleError::Invalid(reason)) => reason,
             Err(HandleError::Retry(e)) => {
-                metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+                let kind = fault::metric_label(e.as_ref());
                 if fault::is_permanent(e.as_ref()) {
                     permanent += 1;
                 }
                 if permanent >= kafka::DEFAULT_POISON_ATTEMPTS {
+                    count_retry(service, kind);
                     let reason = fault::error_chain(e.as_ref());
-                    metrics::counter!(format!("gpumedic_{service}_poison_records_total"), "topic" => record.topic.clone())
-                        .increment(1);
-                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset,
-                        attempts = permanent, %reason,
-                        "The handler fails on this record the same way every time; it goes to the dead-letter topic.");
+                    kafka::report_poison(service, &record, permanent, &reason);
                     reason
                 } else {
-                    tracing::warn!(error = %e, topic = %record.topic, offset = record.offset,
-                        backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                    RecordRetried { service, kind, record: &record, error: &e, backoff }.emit();
                     tokio::select! {
                         () = token.cancelled() => return (record, false),
                         () = tokio::time::sleep(backoff) => {}
@@ -130,7 +126,7 @@ async fn process<H: SharedHandler>(
         if !kafka::dead_letter_until_done(dlq, service, &record, &refused, token).await {
             return (record, false);
         }
-        metrics::counter!(records_total, "topic" => record.topic.clone(), "outcome" => "dead_lettered").increment(1);
+        RecordsHandled { service, topic: &record.topic, outcome: "dead_lettered", count: 1 }.emit();
         break;
     }
     kafka::observe_latency(service, &record, started);

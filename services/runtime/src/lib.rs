@@ -9,6 +9,7 @@ pub mod admin;
 #[cfg(feature = "k8s")]
 pub mod api_auth;
 pub mod config;
+pub mod events;
 pub mod fault;
 #[cfg(feature = "k8s")]
 pub mod k8s;

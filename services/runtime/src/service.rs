@@ -6,11 +6,39 @@
 use std::future::Future;
 use std::process::ExitCode;
 
+use crate::BoxError;
 use crate::admin::{self, Readiness};
 use crate::config::CommonConfig;
+use crate::events::{metric_name, names};
 use crate::kafka::{self, BatchHandler, BatchSettings};
 use crate::shutdown::{Shutdown, ShutdownError};
 use crate::stage::Stage;
+
+/// Why a service process did not end with a clean, requested shutdown.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Something the service needs failed at start (its clients, its schema, its state), before
+    /// any task ran.
+    #[error("cannot start: {step}: {source}")]
+    Setup {
+        /// What was being set up.
+        step: &'static str,
+        /// Why it failed.
+        #[source]
+        source: BoxError,
+    },
+    /// The service ran and stopped: a task failed, ended or panicked, or the shutdown deadline
+    /// passed.
+    #[error(transparent)]
+    Stopped(#[from] ShutdownError),
+}
+
+impl RunError {
+    /// A failure at start, while setting up `step`.
+    pub fn setup(step: &'static str, source: impl Into<BoxError>) -> Self {
+        Self::Setup { step, source: source.into() }
+    }
+}
 
 /// A running service: its name, readiness checks and task tree.
 pub struct Service {
@@ -35,7 +63,7 @@ impl Service {
         let readiness = Readiness::default();
         let mut shutdown = Shutdown::new(common.shutdown_deadline);
         shutdown.spawn("admin-server", admin::serve(common.admin_addr, readiness.clone(), shutdown.token(), routes));
-        metrics::gauge!(format!("gpumedic_{name}_up")).set(1.0);
+        metrics::gauge!(metric_name(name, names::UP)).set(1.0);
         Self { name, readiness, shutdown }
     }
 
@@ -58,8 +86,8 @@ impl Service {
     }
 
     /// Runs until a signal or a failed task, then shuts down within the deadline.
-    pub async fn run(self) -> Result<(), ShutdownError> {
-        self.shutdown.run().await
+    pub async fn run(self) -> Result<(), RunError> {
+        Ok(self.shutdown.run().await?)
     }
 }
 

@@ -35,6 +35,7 @@ use gpumedic_schemas::HealthEvent;
 use gpumedic_schemas::health::{CloudMaintenanceDetail, CloudProvider, Component, Detail, Entity, Source};
 use tokio_util::sync::CancellationToken;
 
+use crate::events::names;
 use crate::publisher::Sink;
 
 /// The link-local address of the instance metadata service on AWS, GCP, Azure and OCI alike. GCP's
@@ -343,7 +344,7 @@ impl Tracker {
         e.healthy = healthy;
         e.raw = n.raw.clone();
         metrics::counter!(
-            "gpumedic_collector_cloud_notices_total",
+            names::CLOUD_NOTICES_TOTAL,
             "provider" => provider_name(n.provider),
             "state" => if healthy { "ended" } else { "scheduled" }
         )
@@ -417,7 +418,7 @@ pub async fn watch_maintenance(
                 }
             }
             Err(e) => {
-                metrics::counter!("gpumedic_collector_cloud_poll_failures_total", "provider" => provider_name(poller.provider()))
+                metrics::counter!(names::CLOUD_POLL_FAILURES_TOTAL, "provider" => provider_name(poller.provider()))
                     .increment(1);
                 // Known notices stay known: a failed poll is no evidence that they ended.
                 if !std::mem::replace(&mut failing, true) {

@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::diag::{DiagError, DiagReport, DiagStatus, parse_diag};
 use super::exporter::{DcgmGpuReading, ExporterScrape, parse_metrics};
+use crate::events::{DiagFinished, InternalEvent as _, names};
 use crate::gpu::GpuSample;
 use crate::publisher::Sink;
 use crate::sampler::Sampler;
@@ -320,7 +321,7 @@ struct MonitorStatus {
 
 impl MonitorStatus {
     fn failed(&mut self, node: &str, monitor: &str, state: MonitorState, message: String) -> Option<HealthEvent> {
-        metrics::counter!("gpumedic_collector_dcgm_failures_total", "monitor" => monitor.to_owned()).increment(1);
+        metrics::counter!(names::DCGM_FAILURES_TOTAL, "monitor" => monitor.to_owned()).increment(1);
         if std::mem::replace(&mut self.failing, true) {
             // Said once already; the counter keeps the tally.
             tracing::debug!(monitor, state = ?state, error = %message, "A DCGM source is still not answering.");
@@ -592,8 +593,7 @@ pub async fn watch_health(
         let events: Vec<HealthEvent> = match outcome {
             HealthOutcome::Report(report) => {
                 set = false;
-                metrics::counter!("gpumedic_collector_dcgm_health_checks_total", "overall" => report.overall.clone())
-                    .increment(1);
+                metrics::counter!(names::DCGM_HEALTH_CHECKS_TOTAL, "overall" => report.overall.clone()).increment(1);
                 status
                     .answered(&node, MONITOR)
                     .into_iter()
@@ -651,9 +651,7 @@ pub async fn schedule_diag(
         let events: Vec<HealthEvent> = match outcome {
             DiagOutcome::Report(report) => {
                 let failed = report.failed().len();
-                metrics::counter!("gpumedic_collector_dcgm_diag_runs_total", "result" => if failed > 0 { "fail" } else { "pass" })
-                    .increment(1);
-                tracing::info!(failed, tests = report.tests.len(), "The DCGM diagnostic finished.");
+                DiagFinished { failed, tests: report.tests.len() }.emit();
                 status
                     .answered(&node, MONITOR)
                     .into_iter()

@@ -20,6 +20,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use crate::events::{InternalEvent as _, KmsgRecordsLost};
+
 /// What went wrong with the kernel log or its cursor.
 #[derive(Debug, thiserror::Error)]
 pub enum KmsgError {
@@ -313,8 +315,7 @@ impl KmsgReader {
                 }
                 Ok(n) => return parse_record(&self.buf[..n]),
                 Err(e) if e.raw_os_error() == Some(32) => {
-                    metrics::counter!("gpumedic_collector_kmsg_records_lost_total").increment(1);
-                    tracing::warn!("Kernel log records were overwritten before they were read.");
+                    KmsgRecordsLost.emit();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(source) => return Err(KmsgError::Read { path: self.path.clone(), source }),

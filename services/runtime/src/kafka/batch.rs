@@ -7,6 +7,7 @@ use rdkafka::consumer::Consumer as _;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Problems, Validate};
+use crate::events::{BatchHandled, BatchRetried, InternalEvent as _, RecordsHandled, count_retry};
 use crate::{BoxError, fault};
 
 use super::{
@@ -133,16 +134,18 @@ async fn settle_batch<H: BatchHandler>(
             Ok(d) => return Some(Ok(d)),
             Err(e) => e,
         };
-        metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
-        if fault::is_permanent(e.as_ref()) {
+        let kind = fault::metric_label(e.as_ref());
+        let attempt = if fault::is_permanent(e.as_ref()) {
             permanent += 1;
             if permanent >= attempts {
+                count_retry(service, kind);
                 return Some(Err(fault::error_chain(e.as_ref())));
             }
-            tracing::warn!(error = %e, records = records.len(), attempt = permanent, backoff_ms = backoff.as_millis() as u64, "Batch handler failed on the records themselves; retrying the batch.");
+            Some(permanent)
         } else {
-            tracing::warn!(error = %e, records = records.len(), backoff_ms = backoff.as_millis() as u64, "Batch handler failed; retrying the batch.");
-        }
+            None
+        };
+        BatchRetried { service, kind, records: records.len(), attempt, error: &e, backoff }.emit();
         // Leave without storing offsets: the batch comes again after restart.
         if !hold.wait(backoff, token).await {
             return None;
@@ -170,9 +173,6 @@ pub async fn run_batch_consumer<H: BatchHandler>(
     batch: BatchSettings,
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
-    let records_total = format!("gpumedic_{service}_records_total");
-    let batches_total = format!("gpumedic_{service}_batches_total");
-    let batch_seconds = format!("gpumedic_{service}_batch_seconds");
     let max = batch.max.max(1);
     let max_bytes = batch.limits.max_bytes;
     let attempts = batch.limits.poison_attempts.max(1);
@@ -248,11 +248,10 @@ pub async fn run_batch_consumer<H: BatchHandler>(
                 None => counts.push((&record.topic, outcome, 1)),
             }
         }
-        for (topic, outcome, n) in counts {
-            metrics::counter!(records_total.clone(), "topic" => topic.to_owned(), "outcome" => outcome).increment(n);
+        for (topic, outcome, count) in counts {
+            RecordsHandled { service, topic, outcome, count }.emit();
         }
-        metrics::counter!(batches_total.clone()).increment(1);
-        metrics::histogram!(batch_seconds.clone()).record(started.elapsed().as_secs_f64());
+        BatchHandled { service, elapsed: started.elapsed() }.emit();
         // Every effect of the batch is durable: store each partition's highest offset (records
         // of one partition arrive in order, so the last one seen is the highest).
         let mut highest: Vec<(&str, i32, i64)> = Vec::new();

@@ -8,6 +8,9 @@ use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::events::{
+    InternalEvent as _, RecordPoisoned, RecordRetried, RecordSettled, RecordsHandled, count_retry, metric_name, names,
+};
 use crate::fault;
 
 use super::{
@@ -21,9 +24,7 @@ pub const DEFAULT_POISON_ATTEMPTS: u32 = 5;
 /// A record a handler failed on in the same permanent way too often: counted
 /// (`gpumedic_<service>_poison_records_total`) and logged before it goes to the dead-letter topic.
 pub(crate) fn report_poison(service: &'static str, record: &Record, attempts: u32, reason: &str) {
-    metrics::counter!(format!("gpumedic_{service}_poison_records_total"), "topic" => record.topic.clone()).increment(1);
-    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, attempts, %reason,
-        "The handler fails on this record the same way every time; it goes to the dead-letter topic.");
+    RecordPoisoned { service, record, attempts, reason }.emit();
 }
 
 /// Registers, at zero, the consumer counters of `service` for each of its `topics`, so `/metrics`
@@ -32,15 +33,17 @@ pub(crate) fn report_poison(service: &'static str, record: &Record, attempts: u3
 pub(crate) fn register_consumer_metrics(service: &str, topics: &[&str]) {
     // Recorded into the exporter `/metrics` renders, however early the consumer is made.
     crate::admin::metrics_handle();
-    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(0);
+    for kind in fault::KINDS {
+        metrics::counter!(metric_name(service, names::HANDLER_RETRIES_TOTAL), "kind" => kind).increment(0);
+    }
     for topic in topics {
         let topic = (*topic).to_owned();
         for outcome in ["ok", "dead_lettered"] {
-            metrics::counter!(format!("gpumedic_{service}_records_total"), "topic" => topic.clone(), "outcome" => outcome)
+            metrics::counter!(metric_name(service, names::RECORDS_TOTAL), "topic" => topic.clone(), "outcome" => outcome)
                 .increment(0);
         }
-        for name in ["dead_letters_failed_total", "poison_records_total"] {
-            metrics::counter!(format!("gpumedic_{service}_{name}"), "topic" => topic.clone()).increment(0);
+        for name in [names::DEAD_LETTERS_FAILED_TOTAL, names::POISON_RECORDS_TOTAL] {
+            metrics::counter!(metric_name(service, name), "topic" => topic.clone()).increment(0);
         }
     }
 }
@@ -56,7 +59,6 @@ pub async fn run_consumer<H: RecordHandler>(
     mut handler: H,
     token: CancellationToken,
 ) -> Result<(), KafkaError> {
-    let records_total = format!("gpumedic_{service}_records_total");
     let mut hold = Hold::new(&consumer);
     'records: loop {
         let Some(record) = hold.next(&token).await else { break };
@@ -67,22 +69,22 @@ pub async fn run_consumer<H: RecordHandler>(
         loop {
             let refused = match hold.run(handler.handle(&record).instrument(span.clone())).await {
                 Ok(()) => {
-                    metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "ok")
-                        .increment(1);
+                    RecordsHandled { service, topic: &record.topic, outcome: "ok", count: 1 }.emit();
                     break;
                 }
                 Err(HandleError::Invalid(reason)) => Some(reason),
                 Err(HandleError::Retry(e)) => {
-                    metrics::counter!(format!("gpumedic_{service}_handler_retries_total")).increment(1);
+                    let kind = fault::metric_label(e.as_ref());
                     if fault::is_permanent(e.as_ref()) {
                         permanent += 1;
                     }
                     if permanent >= DEFAULT_POISON_ATTEMPTS {
+                        count_retry(service, kind);
                         let reason = fault::error_chain(e.as_ref());
                         report_poison(service, &record, permanent, &reason);
                         Some(reason)
                     } else {
-                        tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, backoff_ms = backoff.as_millis() as u64, "Handler failed; retrying.");
+                        RecordRetried { service, kind, record: &record, error: &e, backoff }.emit();
                         None
                     }
                 }
@@ -91,8 +93,7 @@ pub async fn run_consumer<H: RecordHandler>(
                 if !hold.run(dead_letter_until_done(&dlq, service, &record, &reason, &token)).await {
                     break 'records;
                 }
-                metrics::counter!(records_total.clone(), "topic" => record.topic.clone(), "outcome" => "dead_lettered")
-                    .increment(1);
+                RecordsHandled { service, topic: &record.topic, outcome: "dead_lettered", count: 1 }.emit();
                 break;
             }
             // Leave without storing the offset when cancelled: the record comes again after restart.
@@ -126,13 +127,11 @@ pub(crate) fn commit_stored(consumer: &Consumer) -> Result<(), KafkaError> {
 /// (`gpumedic_<service>_record_age_seconds`, from its Kafka timestamp: the pipeline's latency up to
 /// this stage).
 pub(crate) fn observe_latency(service: &'static str, record: &Record, started: std::time::Instant) {
-    metrics::histogram!(format!("gpumedic_{service}_record_seconds"), "topic" => record.topic.clone())
-        .record(started.elapsed().as_secs_f64());
-    if let Some(ts) = record.timestamp_ms {
+    let age = record.timestamp_ms.map(|ts| {
         let age_ms = chrono_now_ms().saturating_sub(ts).max(0);
-        metrics::histogram!(format!("gpumedic_{service}_record_age_seconds"), "topic" => record.topic.clone())
-            .record(age_ms as f64 / 1000.0);
-    }
+        Duration::from_millis(u64::try_from(age_ms).unwrap_or(0))
+    });
+    RecordSettled { service, topic: &record.topic, elapsed: started.elapsed(), age }.emit();
 }
 
 fn chrono_now_ms() -> i64 {

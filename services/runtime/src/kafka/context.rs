@@ -9,6 +9,7 @@ use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 use rdkafka::statistics::Statistics;
 
 use crate::admin::ReadyFlag;
+use crate::events::{metric_name, names};
 
 /// The consumer's context: readiness on assignment, a commit on revoke, lag in the metrics.
 pub struct ServiceContext {
@@ -66,12 +67,11 @@ impl ClientContext for ServiceContext {
             let mut lag = 0i64;
             for p in consumed {
                 lag += p.consumer_lag;
-                metrics::gauge!(format!("gpumedic_{}_partition_lag", self.service), "topic" => topic.clone(),
+                metrics::gauge!(metric_name(self.service, names::PARTITION_LAG), "topic" => topic.clone(),
                     "partition" => p.partition.to_string())
                 .set(p.consumer_lag as f64);
             }
-            metrics::gauge!(format!("gpumedic_{}_consumer_lag", self.service), "topic" => topic.clone())
-                .set(lag as f64);
+            metrics::gauge!(metric_name(self.service, names::CONSUMER_LAG), "topic" => topic.clone()).set(lag as f64);
         }
     }
 }

@@ -7,6 +7,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use tokio_util::sync::CancellationToken;
 
+use crate::events::{DeadLetterGivenUp, InternalEvent as _};
 use crate::fault;
 
 use super::{DEFAULT_POISON_ATTEMPTS, KafkaError, Producer, Record, dead_letter_topic};
@@ -85,11 +86,7 @@ pub(crate) async fn dead_letter_until_done(
         if fault::is_permanent(&e) {
             permanent += 1;
             if permanent >= DEFAULT_POISON_ATTEMPTS {
-                metrics::counter!(format!("gpumedic_{service}_dead_letters_failed_total"), "topic" => record.topic.clone())
-                    .increment(1);
-                let key = record.key.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
-                tracing::error!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset,
-                    key = %key, %reason, "The dead-letter topic refuses the record for good; it is given up and its offset committed.");
+                DeadLetterGivenUp { service, record, error: &e, reason }.emit();
                 return true;
             }
             tracing::warn!(error = %e, topic = %record.topic, offset = record.offset, attempt = permanent,

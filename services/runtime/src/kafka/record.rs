@@ -8,6 +8,8 @@ use rdkafka::message::Headers as _;
 use gpumedic_schemas::Codec;
 
 use crate::BoxError;
+use crate::events::MetricLabel;
+use crate::fault::{self, Labeled};
 
 /// One consumed record, owned, as handlers see it.
 #[derive(Debug, Clone)]
@@ -63,6 +65,24 @@ pub enum HandleError {
     /// and its offset is not stored until it succeeds.
     #[error("transient failure: {0}")]
     Retry(#[source] BoxError),
+}
+
+impl HandleError {
+    /// A transient failure counted under the error's own kind ([`MetricLabel`]).
+    pub fn retry<E: MetricLabel + std::error::Error + Send + Sync + 'static>(error: E) -> Self {
+        Self::Retry(Box::new(Labeled::new(error)))
+    }
+}
+
+impl MetricLabel for HandleError {
+    /// `invalid` for a record that is dead-lettered at once; for a retried failure, its kind
+    /// ([`fault::metric_label`]).
+    fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Invalid(_) => "invalid",
+            Self::Retry(e) => fault::metric_label(e.as_ref()),
+        }
+    }
 }
 
 /// Processes one record. Must be idempotent: after a crash the same record may come again.
