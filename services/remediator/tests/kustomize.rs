@@ -539,14 +539,16 @@ fn assert_monitoring(objects: &[Value]) {
     }
     assert!(literal > 0, "the alerts use gpumedic's own metrics");
     // The runtime's per-service names: gpumedic_{service}_... with these suffixes and labels.
-    let kafka = rust_sources(&repo_root().join("services/runtime/src/kafka"));
+    // The suffixes are constants in the runtime's events module, joined by `metric_name`.
+    let runtime = rust_sources(&repo_root().join("services/runtime/src"));
+    assert!(runtime.contains("format!(\"gpumedic_{service}_{suffix}\")"), "the runtime names its metrics so");
     for (needle, in_alerts) in [
-        ("_consumer_lag", "_consumer_lag"),
-        ("_records_total", "_records_total"),
-        ("_handler_retries_total", "_handler_retries_total"),
+        ("\"consumer_lag\"", "_consumer_lag"),
+        ("\"records_total\"", "_records_total"),
+        ("\"handler_retries_total\"", "_handler_retries_total"),
         ("\"dead_lettered\"", "outcome=\"dead_lettered\""),
     ] {
-        assert!(kafka.contains(needle), "the runtime no longer emits {needle}");
+        assert!(runtime.contains(needle), "the runtime no longer emits {needle}");
         assert!(all.contains(in_alerts), "an alert on {in_alerts}");
     }
     for status in ["failed", "blocked_by_breaker"] {
