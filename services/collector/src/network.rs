@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::HealthEvent;
-use gpumedic_schemas::health::{Component, CustomDetail, Detail, Entity, MonitorHealthDetail, MonitorState, Source};
+use gpumedic_schemas::health::{Component, CustomDetail, Detail, Entity, MonitorState, Source};
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{InternalEvent as _, NetworkReadFailed, names};
@@ -294,15 +294,7 @@ fn values(check: &str, p: &PortReading) -> BTreeMap<String, String> {
 }
 
 fn monitor(node: &str, state: MonitorState, message: String) -> HealthEvent {
-    let mut e = HealthEvent::new(
-        node,
-        Source::KernelLog,
-        Component::Node,
-        Entity::default(),
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: MONITOR.into(), state, message: Some(message) }),
-    );
-    e.healthy = state == MonitorState::Ok;
-    e
+    crate::sources::monitor_event(node, Source::KernelLog, MONITOR, state, message)
 }
 
 /// Reads the fabric every `settings.interval` and publishes what [`PortWatch`] finds. A tree

@@ -19,7 +19,7 @@ use std::time::Duration;
 use gpumedic_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use gpumedic_proto::podresources::v1::{ListPodResourcesRequest, ListPodResourcesResponse};
 use gpumedic_schemas::HealthEvent;
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuWorkload, MonitorHealthDetail, MonitorState, Source};
+use gpumedic_schemas::health::{GpuWorkload, MonitorState, Source};
 use tokio_util::sync::CancellationToken;
 
 use crate::identity::NodeIdentity;
@@ -211,15 +211,7 @@ impl PodResourcesSettings {
 }
 
 fn monitor(node: &str, state: MonitorState, message: String) -> HealthEvent {
-    let mut e = HealthEvent::new(
-        node,
-        Source::KernelLog,
-        Component::Node,
-        Entity::default(),
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: MONITOR.into(), state, message: Some(message) }),
-    );
-    e.healthy = state == MonitorState::Ok;
-    e
+    crate::sources::monitor_event(node, Source::KernelLog, MONITOR, state, message)
 }
 
 /// Asks the kubelet which pods use which GPU every `settings.interval` and keeps the answer in

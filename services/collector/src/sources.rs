@@ -83,10 +83,18 @@ impl Emitter {
     }
 }
 
-fn monitor_event(node: &str, monitor: &str, state: MonitorState, message: String) -> HealthEvent {
+/// A `monitor_health` event about one of the collector's own sources (`monitor`), as `source`
+/// reports it: healthy when `state` is `Ok`.
+pub(crate) fn monitor_event(
+    node: &str,
+    source: Source,
+    monitor: &str,
+    state: MonitorState,
+    message: String,
+) -> HealthEvent {
     let mut e = HealthEvent::new(
         node,
-        Source::Nvml,
+        source,
         Component::Node,
         Entity::default(),
         Detail::MonitorHealth(MonitorHealthDetail { monitor: monitor.into(), state, message: Some(message) }),
@@ -220,7 +228,7 @@ impl GpuSampling {
     }
 
     fn monitor(&self, state: MonitorState, message: String) -> HealthEvent {
-        monitor_event(&self.node, self.name, state, message)
+        monitor_event(&self.node, Source::Nvml, self.name, state, message)
     }
 
     /// One sample at `now`: the events it calls for. Never waits longer than the sample timeout.
@@ -485,9 +493,7 @@ pub const MAX_KMSG_BACKOFF: Duration = Duration::from_secs(60);
 
 /// A `monitor_health` event about the kernel-log source.
 fn kernel_log_monitor(node: &str, state: MonitorState, message: String) -> HealthEvent {
-    let mut e = monitor_event(node, "kernel_log", state, message);
-    e.source = Source::KernelLog;
-    e
+    monitor_event(node, Source::KernelLog, "kernel_log", state, message)
 }
 
 /// [`follow_kernel_log`] until the log fails: reads, publishes and saves the cursor. Publishes

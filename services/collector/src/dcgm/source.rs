@@ -24,9 +24,7 @@ use chrono::{DateTime, Utc};
 use gpumedic_runtime::config::{Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::KafkaError;
 use gpumedic_schemas::HealthEvent;
-use gpumedic_schemas::health::{
-    Component, DcgmDetail, DcgmResult, Detail, Entity, MonitorHealthDetail, MonitorState, Source, XidDetail,
-};
+use gpumedic_schemas::health::{Component, DcgmDetail, DcgmResult, Detail, Entity, MonitorState, Source, XidDetail};
 use tokio_util::sync::CancellationToken;
 
 use super::diag::{DiagError, DiagReport, DiagStatus, parse_diag};
@@ -302,15 +300,7 @@ fn gpu_samples(readings: &[DcgmGpuReading]) -> Vec<GpuSample> {
 
 /// A `monitor_health` event about a DCGM component.
 fn monitor_event(node: &str, monitor: &str, state: MonitorState, message: String) -> HealthEvent {
-    let mut e = HealthEvent::new(
-        node,
-        Source::Dcgm,
-        Component::Node,
-        Entity::default(),
-        Detail::MonitorHealth(MonitorHealthDetail { monitor: monitor.into(), state, message: Some(message) }),
-    );
-    e.healthy = state == MonitorState::Ok;
-    e
+    crate::sources::monitor_event(node, Source::Dcgm, monitor, state, message)
 }
 
 /// Whether a DCGM component answered last time; reports only the changes.
