@@ -8,44 +8,21 @@
 //! record with B's token, and an operator's (`--operator-service-account`, bound to no node),
 //! which is counted.
 
+mod common;
+
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{self, KafkaSettings, Producer, dlq_headers, publish, record_headers};
+use common::{COLLECTOR_SA, Cluster, Topics, dead_letter_reason};
+use gpumedic_runtime::kafka::{Producer, publish, record_headers};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
-const COLLECTOR_SA: &str = "gpumedic-collector";
-
 fn xid(node: &str) -> HealthEvent {
     testkit::event(node).xid(79).text("GPU has fallen off the bus.").build()
-}
-
-/// A token of `sa` bound to Pod `pod` (audience gpumedic), as the kubelet projects it.
-async fn pod_token(client: &kube::Client, ns: &str, sa: &str, pod: &Pod) -> String {
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-    let request: TokenRequest = serde_json::from_value(json!({ "spec": {
-        "audiences": ["gpumedic"], "expirationSeconds": 3600,
-        "boundObjectRef": { "kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name, "uid": pod.metadata.uid } } }))
-    .unwrap();
-    let answer = sas.create_token_request(sa, &PostParams::default(), &request).await.expect("token request");
-    answer.status.and_then(|s| s.token).expect("a token")
-}
-
-async fn create_pod(pods: &Api<Pod>, name: &str, node: &str, sa: &str) -> Pod {
-    pods.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({ "metadata": { "name": name }, "spec": { "nodeName": node,
-            "serviceAccountName": sa, "automountServiceAccountToken": false,
-            "containers": [{ "name": "c", "image": "x" }] } }))
-        .unwrap(),
-    )
-    .await
-    .expect("pod")
 }
 
 async fn send(producer: &Producer, topic: &str, key: &str, event: &HealthEvent, token: Option<&[u8]>) {
@@ -58,55 +35,23 @@ async fn send(producer: &Producer, topic: &str, key: &str, event: &HealthEvent, 
     publish(producer, topic, key, &payload, &headers).await.expect("produced");
 }
 
-/// The dead-letter reason of `event`'s record.
-async fn dead_letter_reason(dlq: &str, event: &HealthEvent) -> String {
-    let id = event.event_id.to_string();
-    let dead = testkit::wait_for_event(dlq, &id, Duration::from_secs(60))
-        .await
-        .unwrap_or_else(|e| panic!("{} was not dead-lettered: {e}", event.node));
-    assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
-    String::from_utf8_lossy(dead.header(dlq_headers::REASON).expect("reason")).into_owned()
-}
-
 #[tokio::test]
 async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_claims() {
-    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let raw = testkit::unique_name("nodeauth-raw");
-    let enriched_topic = testkit::unique_name("nodeauth-enriched");
-    let dlq = kafka::dead_letter_topic(&raw);
-    let settings =
-        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    settings
-        .ensure_topics(&kafka::stage_topics(&[&raw], &[&enriched_topic], gpumedic_schemas::topics::DEFAULT_PARTITIONS))
-        .await
-        .expect("topics");
-
-    let ns = testkit::unique_name("nodeauth");
-    let (node_a, node_b) = (testkit::unique_name("nodeauth-a"), testkit::unique_name("nodeauth-b"));
-    for n in [&node_a, &node_b] {
-        testkit::NodeBuilder::new(n).create(&client).await;
-    }
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
-        .await
-        .expect("namespace");
+    let topics = Topics::create("nodeauth").await;
+    let (raw, enriched_topic, dlq) = (topics.raw.clone(), topics.enriched.clone(), topics.dlq.clone());
+    let cluster = Cluster::create("nodeauth", 2, &[COLLECTOR_SA, "trainer", "operator"]).await;
+    let (ns, client) = (cluster.ns.clone(), cluster.client.clone());
+    let (node_a, node_b) = (cluster.nodes[0].clone(), cluster.nodes[1].clone());
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
-    for sa in [COLLECTOR_SA, "trainer", "operator"] {
-        sas.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": sa } })).unwrap())
-            .await
-            .expect("service account");
-    }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let on_a = create_pod(&pods, "collector-a", &node_a, COLLECTOR_SA).await;
-    let on_b = create_pod(&pods, "collector-b", &node_b, COLLECTOR_SA).await;
-    let gone = create_pod(&pods, "collector-gone", &node_a, COLLECTOR_SA).await;
-    let trainer = create_pod(&pods, "trainer-a", &node_a, "trainer").await;
-    let token_a = pod_token(&client, &ns, COLLECTOR_SA, &on_a).await;
-    let token_b = pod_token(&client, &ns, COLLECTOR_SA, &on_b).await;
-    let token_gone = pod_token(&client, &ns, COLLECTOR_SA, &gone).await;
-    let token_trainer = pod_token(&client, &ns, "trainer", &trainer).await;
+    let on_a = cluster.create_pod("collector-a", &node_a, COLLECTOR_SA).await;
+    let on_b = cluster.create_pod("collector-b", &node_b, COLLECTOR_SA).await;
+    let gone = cluster.create_pod("collector-gone", &node_a, COLLECTOR_SA).await;
+    let trainer = cluster.create_pod("trainer-a", &node_a, "trainer").await;
+    let token_a = cluster.pod_token(COLLECTOR_SA, &on_a).await;
+    let token_b = cluster.pod_token(COLLECTOR_SA, &on_b).await;
+    let token_gone = cluster.pod_token(COLLECTOR_SA, &gone).await;
+    let token_trainer = cluster.pod_token("trainer", &trainer).await;
     // An operator's token, as `kubectl create token operator --audience gpumedic` mints it.
     let operator_request: TokenRequest =
         serde_json::from_value(json!({ "spec": { "audiences": ["gpumedic"], "expirationSeconds": 600 } })).unwrap();
@@ -129,35 +74,12 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     }
     assert!(pods.get_opt("collector-gone").await.expect("get").is_none(), "the pod is deleted");
 
-    let mut enricher = testkit::ServiceProcess::start(
-        BIN,
-        &[],
-        &[
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testkit::unique_name("nodeauth-enricher")),
-            ("GPUMEDIC_RAW_TOPIC", raw.clone()),
-            ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
-            ("GPUMEDIC_NODE_AUTH", "enforce".into()),
-            ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
-            ("GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", format!("{ns}:operator")),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-        ],
-    )
-    .expect("enricher starts");
-    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut enricher =
+        topics.enforcing_enricher(&ns, &[("GPUMEDIC_OPERATOR_SERVICE_ACCOUNT", format!("{ns}:operator"))]).await;
 
-    let producer = settings.producer("nodeauth-test").unwrap();
+    let producer = topics.settings.producer("nodeauth-test").unwrap();
     // A signed-by-nothing token of the right shape, claiming to be valid for an hour.
-    let b64 = |s: String| {
-        use base64::Engine as _;
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
-    };
-    let exp = chrono::Utc::now().timestamp() + 3600;
-    let forged = format!(
-        "{}.{}.c2lnbmF0dXJl",
-        b64(r#"{"alg":"RS256","kid":"forged"}"#.into()),
-        b64(format!(r#"{{"aud":["gpumedic"],"exp":{exp},"sub":"system:serviceaccount:{ns}:{COLLECTOR_SA}"}}"#))
-    );
+    let forged = cluster.forged_token();
     let good_a = xid(&node_a);
     let b_with_a = xid(&node_b);
     let key_b_token_a = xid(&node_a);
@@ -248,18 +170,7 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
 
     // Counted per claimed node; a node the cluster does not know is one label.
     let (_, metrics) = testkit::http_get(enricher.admin_addr(), "/metrics").await.expect("metrics");
-    let count = |node: &str, reason: &str| -> f64 {
-        metrics
-            .lines()
-            .find(|l| {
-                l.starts_with("gpumedic_enricher_records_unauthenticated_total{")
-                    && l.contains(&format!("claimed_node=\"{node}\""))
-                    && l.contains(&format!("reason=\"{reason}\""))
-            })
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    };
+    let count = |node: &str, reason: &str| common::refused(&metrics, Some(node), reason);
     // Labelled with the record's node field: the record keyed B but claiming A counts under A.
     assert_eq!(count(&node_b, "wrong_node"), 1.0, "{metrics}");
     assert_eq!(count(&node_a, "wrong_node"), 1.0);
@@ -272,8 +183,5 @@ async fn a_record_is_enriched_only_with_a_token_of_the_collector_on_the_node_it_
     assert!(metrics.lines().any(|l| l == "gpumedic_enricher_records_operator_total 1"), "{metrics}");
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
-    for n in [&node_a, &node_b] {
-        Api::<Node>::all(client.clone()).delete(n, &DeleteParams::default()).await.unwrap();
-    }
-    namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
+    cluster.delete().await;
 }
