@@ -299,6 +299,11 @@ pub struct Claim {
     /// which did not keep it.
     #[serde(default)]
     pub reason: String,
+    /// The incident's latest verdict carried out on the node (its id), whether from the verdict
+    /// topic or re-issued by the resync; empty in records written before it was kept. The same
+    /// verdict delivered again is then handled as a re-issue: it was carried out already.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub verdict: String,
 }
 
 impl Applied {
@@ -316,6 +321,7 @@ impl Applied {
                 quarantines: self.quarantines() || self.labels.iter().any(|l| l == STATE_LABEL),
                 condition: self.conditions.last().cloned().unwrap_or_default(),
                 reason: String::new(),
+                verdict: String::new(),
             };
             self.incidents.insert(self.incident_id.clone(), claim);
         }
@@ -335,6 +341,13 @@ impl Applied {
             .map(|(id, c)| if c.reason.is_empty() { (*id).clone() } else { format!("{id} ({})", c.reason) })
             .collect::<Vec<_>>()
             .join(", ")
+    }
+
+    /// The record without the verdict ids of its claims: what a write is worth making for.
+    fn without_verdicts(&self) -> Self {
+        let mut r = self.clone();
+        r.incidents.values_mut().for_each(|c| c.verdict.clear());
+        r
     }
 
     /// The incident that holds the node now: the first quarantining one, else the first one.
@@ -644,6 +657,12 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
         record.operator_uncordoned = false;
     }
     let claim = record.incidents.entry(request.incident_id.clone()).or_default();
+    // This very verdict was carried out on the node already (the resync re-issued it from the
+    // incident store before the verdict topic delivered it, or it is delivered again after a
+    // restart): it is handled as the re-issue it is, so it neither rewrites the condition another
+    // incident wrote since nor takes the node over, and reports nothing applied twice.
+    let reissue = request.reissue || (!claim.verdict.is_empty() && claim.verdict == request.verdict_id);
+    request.verdict_id.clone_into(&mut claim.verdict);
     claim.quarantines |= wants_quarantine;
     type_.clone_into(&mut claim.condition);
     claim.reason.clone_from(&request.reason);
@@ -653,9 +672,7 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
     // A resync's re-issue moves nothing: two open incidents re-issued in turn would otherwise
     // take the holder from each other at every pass.
     let holder_quarantines = record.incidents.get(&record.incident_id).is_some_and(|c| c.quarantines);
-    if !(request.reissue && record.incidents.contains_key(&record.incident_id))
-        && (claims_quarantine || !holder_quarantines)
-    {
+    if !(reissue && record.incidents.contains_key(&record.incident_id)) && (claims_quarantine || !holder_quarantines) {
         record.incident_id.clone_from(&request.incident_id);
     }
     let mut plan = Plan::new(
@@ -667,7 +684,7 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
     let current = node.condition(type_);
     let up_to_date = current.is_some_and(|c| {
         c.status == "True"
-            && (request.reissue
+            && (reissue
                 || (c.reason.as_deref() == Some(request.reason.as_str())
                     && c.message.as_deref() == Some(request.message.as_str())))
     });
@@ -718,7 +735,11 @@ fn plan_fault(node: &NodeView, request: &Remediation, policy: &Policy, applied: 
         plan_custom(node, request, &mut plan);
     }
 
-    plan.applied_changed = before.as_ref() != Some(&record);
+    // A new verdict id alone is not worth a write; it is recorded with whatever else is written.
+    plan.applied_changed = before.as_ref().map(Applied::without_verdicts) != Some(record.without_verdicts());
+    if !plan.is_empty() && before.as_ref() != Some(&record) {
+        plan.applied_changed = true;
+    }
     plan.applied = Some(record);
     Ok(plan)
 }
@@ -1236,9 +1257,44 @@ mod tests {
         assert_eq!(view.applied().unwrap().unwrap().incident_id, "both");
         let again = Remediation { reissue: true, ..critical.clone() };
         assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
-        // A verdict from the classifier still writes its reason: the condition tells the latest.
-        let fresh = must_apply(plan(&view, &critical, &Policy::default(), &mut allow()));
+        // A new verdict from the classifier still writes its reason: the condition tells the latest.
+        let fresh = Remediation { verdict_id: "v2".into(), ..critical.clone() };
+        let fresh = must_apply(plan(&view, &fresh, &Policy::default(), &mut allow()));
         assert_eq!(fresh.conditions.len(), 1);
+    }
+
+    #[test]
+    fn a_verdict_the_resync_carried_out_first_is_not_applied_again_when_the_topic_delivers_it() {
+        // The resync re-issues the critical incident's verdict from the store before the verdict
+        // topic delivers it (a new leader, its consumer behind); a minor incident then writes the
+        // shared condition.
+        let mut view = node();
+        let critical = incident("critical", Action::Cordon, Subsystem::Gpu, "Xid79");
+        applied_to(&mut view, &Remediation { reissue: true, ..critical.clone() });
+        applied_to(
+            &mut view,
+            &Remediation {
+                verdict_id: "v-minor".into(),
+                ..incident("minor", Action::Monitor, Subsystem::Gpu, "EccContained")
+            },
+        );
+        assert_eq!(view.applied().unwrap().unwrap().incidents["critical"].verdict, "v1");
+        // The topic's delivery of the same verdict: already done, nothing rewritten or moved.
+        assert_eq!(plan(&view, &critical, &Policy::default(), &mut allow()), Decision::AlreadyDone);
+        // A new verdict of the incident with new words writes them, and records its id with them.
+        let fresh = Remediation { verdict_id: "v3".into(), message: "GPU fell off the bus again".into(), ..critical };
+        let p = must_apply(plan(&view, &fresh, &Policy::default(), &mut allow()));
+        assert_eq!(p.conditions.len(), 1);
+        assert_eq!(p.applied.as_ref().unwrap().incidents["critical"].verdict, "v3");
+    }
+
+    #[test]
+    fn a_new_verdict_id_alone_is_not_worth_a_write() {
+        let mut view = node();
+        let first = request(Action::Cordon);
+        applied_to(&mut view, &first);
+        let again = Remediation { verdict_id: "v2".into(), ..first };
+        assert_eq!(plan(&view, &again, &Policy::default(), &mut allow()), Decision::AlreadyDone);
     }
 
     #[test]
@@ -1248,11 +1304,21 @@ mod tests {
         assert_eq!(rec.incident_id, "critical");
         assert_eq!(
             rec.incidents.get("critical"),
-            Some(&Claim { quarantines: true, condition: "GpuUnhealthy".into(), reason: "Xid79".into() })
+            Some(&Claim {
+                quarantines: true,
+                condition: "GpuUnhealthy".into(),
+                reason: "Xid79".into(),
+                verdict: "v1".into()
+            })
         );
         assert_eq!(
             rec.incidents.get("minor"),
-            Some(&Claim { quarantines: false, condition: "GpuMemoryUnhealthy".into(), reason: "EccContained".into() })
+            Some(&Claim {
+                quarantines: false,
+                condition: "GpuMemoryUnhealthy".into(),
+                reason: "EccContained".into(),
+                verdict: "v1".into()
+            })
         );
         // The written form: camelCase, the single-incident fields kept.
         let json: serde_json::Value = serde_json::from_str(&view.annotations[APPLIED_ANNOTATION]).unwrap();
@@ -1441,7 +1507,12 @@ mod tests {
         let rec = view.applied().unwrap().unwrap();
         assert_eq!(
             rec.incidents.get("old"),
-            Some(&Claim { quarantines: true, condition: "GpuUnhealthy".into(), reason: String::new() })
+            Some(&Claim {
+                quarantines: true,
+                condition: "GpuUnhealthy".into(),
+                reason: String::new(),
+                verdict: String::new()
+            })
         );
         // The same incident again changes nothing on the node.
         let again = Remediation { incident_id: "old".into(), ..request(Action::Cordon) };
@@ -1484,10 +1555,12 @@ mod tests {
         let mut view = node();
         let p = must_apply(plan(&view, &request(Action::Monitor), &Policy::default(), &mut allow()));
         apply_plan(&mut view, &p);
-        let req = Remediation { message: "again".into(), ..request(Action::Monitor) };
+        // The classifier's next verdict of the incident (a verdict id names one step of it).
+        let req = Remediation { message: "again".into(), verdict_id: "v2".into(), ..request(Action::Monitor) };
         let p = must_apply(plan(&view, &req, &Policy::default(), &mut allow()));
         assert_eq!(p.conditions.len(), 1);
         assert!(!p.conditions[0].transition);
-        assert!(!p.applied_changed);
+        // The record only learns which verdict it carried out.
+        assert_eq!(p.applied.as_ref().unwrap().incidents["i1"].verdict, "v2");
     }
 }
