@@ -16,6 +16,13 @@
 //! token changes about hourly), and each record is checked against its node and key
 //! ([`Verifier::check`]).
 //!
+//! `decode_verify_signed_enrich_encode_1000_mixed` is the same with signed records, the
+//! collector's default (`--node-auth-proof signature`): each record carries its node's key id and
+//! an HMAC of its key and value instead of the token; the handler finds each key id in the
+//! node-token directory ([`NodeAuth::proofs`], the directory holding every node's token as read
+//! from its topic), looks the directory's tokens up in the review cache, and checks each record's
+//! node and signature ([`NodeAuth::check`]), as the service's handler does.
+//!
 //! ```sh
 //! cargo bench -p gpumedic-enricher --bench enrich -- --warm-up-time 1 --measurement-time 5
 //! ```
@@ -28,8 +35,11 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpumedic_enricher::auth::{AuthError, Policy, Review, Reviewer, ServiceAccountRef, Verifier};
 use gpumedic_enricher::cache::{ClusterCache, ContextSettings};
 use gpumedic_enricher::catalog::XidCatalog;
+use gpumedic_enricher::directory::{Directory, NodeAuth};
 use gpumedic_enricher::enrich;
 use gpumedic_enricher::inventory::InventoryCache;
+use gpumedic_runtime::kafka::node_proof::NodeKey;
+use gpumedic_runtime::kafka::{Record, record_headers};
 use gpumedic_schemas::health::{
     Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source, TemperatureDetail, XidDetail,
 };
@@ -237,9 +247,11 @@ fn bench(c: &mut Criterion) {
         })
         .collect();
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
-    let policy =
-        Policy { collector: ServiceAccountRef::parse("gpumedic:gpumedic-collector").expect("valid"), operator: None };
-    let mut verifier = Verifier::new(Apiserver, policy, 100_000);
+    let policy = || Policy {
+        collector: ServiceAccountRef::parse("gpumedic:gpumedic-collector").expect("valid"),
+        operator: None,
+    };
+    let mut verifier = Verifier::new(Apiserver, policy(), 100_000);
     let now = Utc::now().timestamp();
     runtime.block_on(verifier.prepare(keyed.iter().map(|(k, t)| (&k[..], Some(&t[..]))), now)).expect("reviewed");
     assert!(verifier.len() > NODES / 2, "one review per node's token");
@@ -260,6 +272,63 @@ fn bench(c: &mut Criterion) {
                 gpumedic_schemas::framing::encode_into(&enriched, &mut out).expect("encodes");
             }
         })
+    });
+
+    // Signed records: a key id and a signature per record, the tokens in the directory.
+    let tokens: BTreeMap<&[u8], &[u8]> = keyed.iter().map(|(node, t)| (&node[..], &t[..])).collect();
+    let signed: Vec<Record> = events
+        .iter()
+        .zip(&keyed)
+        .enumerate()
+        .map(|(offset, (payload, (node, t)))| {
+            let key = NodeKey::of(t);
+            Record {
+                topic: "gpumedic.raw.v1".into(),
+                partition: 0,
+                offset: offset as i64,
+                key: Some(node.clone()),
+                payload: Some(payload.clone()),
+                headers: vec![
+                    (record_headers::NODE_KEY_ID.into(), key.id().as_bytes().to_vec()),
+                    (record_headers::NODE_SIGNATURE.into(), key.sign(node, payload).to_vec()),
+                ],
+                timestamp_ms: None,
+            }
+        })
+        .collect();
+    let mut auth = NodeAuth {
+        verifier: Verifier::new(Apiserver, policy(), 100_000),
+        directory: Directory::of_tokens(tokens.values().copied(), 100_000),
+    };
+    let handle_signed = |auth: &mut NodeAuth<Apiserver>, out: &mut Vec<u8>| {
+        let proofs = runtime.block_on(auth.proofs(black_box(&signed))).expect("every key id known");
+        let tokens = signed.iter().zip(&proofs).map(|(r, p)| (r.key.as_deref().unwrap_or_default(), p.token(r)));
+        let reviews = runtime.block_on(auth.verifier.prepare(tokens, now)).expect("reviewed");
+        for ((record, proof), review) in signed.iter().zip(&proofs).zip(&reviews) {
+            let payload = record.payload.as_deref().expect("a value");
+            let event: HealthEvent = gpumedic_schemas::decode(payload).expect("decodes");
+            let accepted = auth.check(review.as_deref(), proof, record, &event.node, now);
+            assert!(accepted.is_ok(), "{accepted:?}");
+            let node = cache.node(&event.node);
+            let gpu = inventory.resolve(&event.node, &event.entity, event.component, event.observed_at);
+            let enriched = enrich::enrich(event, node.as_deref(), gpu, &catalog, Utc::now());
+            out.clear();
+            gpumedic_schemas::framing::encode_into(&enriched, out).expect("encodes");
+        }
+    };
+    // The first pass reviews each node's token once; the timed passes find them cached.
+    handle_signed(&mut auth, &mut out);
+    assert!(auth.verifier.len() > NODES / 2, "one review per node's token");
+    // The check must be able to fail: a record whose signature lost a bit is refused.
+    let mut forged = signed[0].clone();
+    forged.headers[1].1[0] ^= 1;
+    let proofs = runtime.block_on(auth.proofs(std::slice::from_ref(&forged))).expect("known");
+    let node = std::str::from_utf8(forged.key.as_deref().expect("a key")).expect("a name");
+    let review = runtime.block_on(auth.verifier.prepare([(node.as_bytes(), proofs[0].token(&forged))], now));
+    let refused = auth.check(review.expect("cached")[0].as_deref(), &proofs[0], &forged, node, now);
+    assert!(refused.is_err(), "a record with a bad signature is refused");
+    group.bench_function("decode_verify_signed_enrich_encode_1000_mixed", |b| {
+        b.iter(|| handle_signed(&mut auth, &mut out));
     });
     group.finish();
 }

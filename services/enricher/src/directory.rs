@@ -19,7 +19,7 @@
 //! acceptance.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use gpumedic_runtime::kafka::node_proof::{NodeKey, key_id};
@@ -46,6 +46,14 @@ pub enum DirectoryError {
         /// librdkafka's error.
         #[source]
         source: rdkafka::error::KafkaError,
+    },
+    /// The directory's topic could not be created (at start).
+    #[error("cannot create the node-token directory {topic}: {reason}")]
+    Topic {
+        /// The topic.
+        topic: String,
+        /// Why.
+        reason: String,
     },
     /// The topic's end could not be asked, or was not reached in time (transient: the batch
     /// waiting on it is retried).
@@ -82,9 +90,10 @@ struct Inner {
 #[derive(Clone)]
 pub struct Directory {
     topic: String,
-    inner: Arc<Mutex<Inner>>,
-    /// For the topic's watermarks.
-    watermarks: Arc<BaseConsumer>,
+    /// Written by the reading task, read by every batch: a read lock per look-up.
+    inner: Arc<RwLock<Inner>>,
+    /// For the topic's watermarks; `None` for a directory that reads no topic.
+    watermarks: Option<Arc<BaseConsumer>>,
     max_entries: usize,
 }
 
@@ -122,8 +131,8 @@ impl Directory {
         reader.assign(&list).map_err(err)?;
         let directory = Self {
             topic: topic.to_owned(),
-            inner: Arc::new(Mutex::new(Inner::default())),
-            watermarks,
+            inner: Arc::new(RwLock::new(Inner::default())),
+            watermarks: Some(watermarks),
             max_entries: max_entries.max(1),
         };
         let reading = directory.clone();
@@ -145,9 +154,25 @@ impl Directory {
         Ok(directory)
     }
 
+    /// A directory that holds `tokens` and reads no topic ([`Directory::catch_up`] has nothing to
+    /// wait for): for tests and benchmarks of the record checks, without a broker.
+    #[must_use]
+    pub fn of_tokens<'t>(tokens: impl IntoIterator<Item = &'t [u8]>, max_entries: usize) -> Self {
+        let directory = Self {
+            topic: String::new(),
+            inner: Arc::new(RwLock::new(Inner::default())),
+            watermarks: None,
+            max_entries: max_entries.max(1),
+        };
+        for (offset, token) in (0_i64..).zip(tokens) {
+            directory.read(0, offset, None, Some(token));
+        }
+        directory
+    }
+
     /// Takes in one directory record: key the node, value its token.
     fn read(&self, partition: i32, offset: i64, node: Option<&[u8]>, token: Option<&[u8]>) {
-        let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         inner.next.insert(partition, offset + 1);
         let Some(token) = token.map(<[u8]>::trim_ascii).filter(|t| !t.is_empty()) else { return };
         let Some(exp) = unverified_expiry(token) else {
@@ -181,9 +206,12 @@ impl Directory {
 
     /// The token with key id `id`, if read and not expired.
     pub fn get(&self, id: &[u8]) -> Option<Arc<Known>> {
-        let id = std::str::from_utf8(id).ok()?;
-        let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        inner.by_id.get(id).filter(|k| k.exp > chrono::Utc::now().timestamp()).cloned()
+        self.view().get(id)
+    }
+
+    /// A read view for many look-ups (a batch's): one lock and one reading of the clock for all.
+    fn view(&self) -> View<'_> {
+        View { inner: self.inner.read().unwrap_or_else(PoisonError::into_inner), now: chrono::Utc::now().timestamp() }
     }
 
     /// Waits until every record the topic held when called has been read, for at most `timeout`.
@@ -192,7 +220,8 @@ impl Directory {
     /// [`DirectoryError::Behind`] when the end cannot be asked or is not reached in time.
     pub async fn catch_up(&self, timeout: Duration) -> Result<(), DirectoryError> {
         let behind = |reason: String| DirectoryError::Behind { topic: self.topic.clone(), reason };
-        let (consumer, topic) = (self.watermarks.clone(), self.topic.clone());
+        let Some(consumer) = self.watermarks.clone() else { return Ok(()) };
+        let topic = self.topic.clone();
         let ends = tokio::task::spawn_blocking(move || -> Result<Vec<(i32, i64, i64)>, rdkafka::error::KafkaError> {
             let metadata = consumer.fetch_metadata(Some(&topic), Duration::from_secs(5))?;
             let count = metadata.topics().first().map_or(0, |t| t.partitions().len());
@@ -206,7 +235,7 @@ impl Directory {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let lagging = {
-                let inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
                 ends.iter().filter(|(p, lo, hi)| hi > lo && inner.next.get(p).is_none_or(|n| n < hi)).count()
             };
             if lagging == 0 {
@@ -217,6 +246,19 @@ impl Directory {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+}
+
+/// The directory as read when the view was taken.
+struct View<'d> {
+    inner: RwLockReadGuard<'d, Inner>,
+    now: i64,
+}
+
+impl View<'_> {
+    fn get(&self, id: &[u8]) -> Option<Arc<Known>> {
+        let id = std::str::from_utf8(id).ok()?;
+        self.inner.by_id.get(id).filter(|k| k.exp > self.now).cloned()
     }
 }
 
@@ -273,8 +315,23 @@ impl<R: Reviewer> NodeAuth<R> {
     /// # Errors
     /// [`DirectoryError::Behind`] when the directory cannot catch up: the batch is retried.
     pub async fn proofs(&self, records: &[Record]) -> Result<Vec<Proof>, DirectoryError> {
+        let mut proofs = self.look_up(records);
+        if proofs.iter().any(|p| matches!(p, Proof::UnknownKey)) {
+            self.directory.catch_up(CATCH_UP).await?;
+            let view = self.directory.view();
+            for (p, r) in proofs.iter_mut().zip(records) {
+                if matches!(p, Proof::UnknownKey) {
+                    *p = Self::proof(&view, r);
+                }
+            }
+        }
+        Ok(proofs)
+    }
+
+    /// Each record's proof from the directory as read now, under one read lock.
+    fn look_up(&self, records: &[Record]) -> Vec<Proof> {
+        let view = self.directory.view();
         let mut proofs: Vec<Proof> = Vec::with_capacity(records.len());
-        let mut unknown = false;
         for r in records {
             // A node's records come in a row with one key id: one look-up for the run.
             let same = proofs.last().zip(records.get(proofs.len().wrapping_sub(1))).and_then(|(p, prev)| match p {
@@ -286,27 +343,17 @@ impl<R: Reviewer> NodeAuth<R> {
                 }
                 _ => None,
             });
-            let p = same.unwrap_or_else(|| self.proof(r));
-            unknown |= matches!(p, Proof::UnknownKey);
-            proofs.push(p);
+            proofs.push(same.unwrap_or_else(|| Self::proof(&view, r)));
         }
-        if unknown {
-            self.directory.catch_up(CATCH_UP).await?;
-            for (p, r) in proofs.iter_mut().zip(records) {
-                if matches!(p, Proof::UnknownKey) {
-                    *p = self.proof(r);
-                }
-            }
-        }
-        Ok(proofs)
+        proofs
     }
 
-    fn proof(&self, r: &Record) -> Proof {
+    fn proof(view: &View<'_>, r: &Record) -> Proof {
         if r.header(record_headers::NODE_TOKEN).is_some() {
             return Proof::Token;
         }
         match (r.header(record_headers::NODE_KEY_ID), r.header(record_headers::NODE_SIGNATURE)) {
-            (Some(id), Some(_)) => self.directory.get(id).map_or(Proof::UnknownKey, Proof::Signed),
+            (Some(id), Some(_)) => view.get(id).map_or(Proof::UnknownKey, Proof::Signed),
             _ => Proof::Missing,
         }
     }
@@ -339,5 +386,106 @@ impl<R: Reviewer> NodeAuth<R> {
             }
         }
         Ok(accepted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use base64::Engine as _;
+
+    use super::*;
+    use crate::auth::{AuthError, Policy, ServiceAccountRef};
+
+    fn jwt(node: &str, exp: i64) -> Vec<u8> {
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        format!("{}.{}.{node}", b64(r#"{"alg":"RS256"}"#), b64(&format!(r#"{{"exp":{exp}}}"#))).into_bytes()
+    }
+
+    /// Answers every token as the collector's on the node its last part names.
+    struct Apiserver;
+
+    impl Reviewer for Apiserver {
+        async fn review(&self, token: &str) -> Result<Review, AuthError> {
+            Ok(Review::Authenticated {
+                username: "system:serviceaccount:gpumedic:gpumedic-collector".into(),
+                node: token.rsplit('.').next().map(str::to_owned),
+            })
+        }
+    }
+
+    fn signed(node: &str, token: &[u8], value: &[u8]) -> Record {
+        let key = NodeKey::of(token);
+        Record {
+            topic: "raw".into(),
+            partition: 0,
+            offset: 0,
+            key: Some(node.as_bytes().to_vec()),
+            payload: Some(value.to_vec()),
+            headers: vec![
+                (record_headers::NODE_KEY_ID.into(), key.id().as_bytes().to_vec()),
+                (record_headers::NODE_SIGNATURE.into(), key.sign(node.as_bytes(), value).to_vec()),
+            ],
+            timestamp_ms: None,
+        }
+    }
+
+    /// Each record's decision, as the handler makes it.
+    async fn decide(auth: &mut NodeAuth<Apiserver>, records: &[Record]) -> Vec<Result<Accepted, Refusal>> {
+        let now = chrono::Utc::now().timestamp();
+        let proofs = auth.proofs(records).await.unwrap();
+        let tokens = records.iter().zip(&proofs).map(|(r, p)| (r.key.as_deref().unwrap_or_default(), p.token(r)));
+        let reviews = auth.verifier.prepare(tokens, now).await.unwrap();
+        records
+            .iter()
+            .zip(&proofs)
+            .zip(&reviews)
+            .map(|((r, p), review)| {
+                let node = std::str::from_utf8(r.key.as_deref().unwrap_or_default()).unwrap();
+                auth.check(review.as_deref(), p, r, node, now)
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn signed_records_are_accepted_only_with_a_known_key_and_their_own_signature() {
+        let exp = chrono::Utc::now().timestamp() + 3600;
+        let (a, b) = (jwt("node-a", exp), jwt("node-b", exp));
+        let stale = jwt("node-c", chrono::Utc::now().timestamp() - 1);
+        let directory = Directory::of_tokens([&a[..], &b[..], &stale[..]], 10);
+        assert!(directory.get(NodeKey::of(&a).id().as_bytes()).is_some());
+        assert!(directory.get(NodeKey::of(&stale).id().as_bytes()).is_none(), "an expired token is not held");
+        directory.catch_up(Duration::from_millis(1)).await.expect("nothing to read");
+        let policy =
+            Policy { collector: ServiceAccountRef::parse("gpumedic:gpumedic-collector").unwrap(), operator: None };
+        let mut auth = NodeAuth { verifier: Verifier::new(Apiserver, policy, 10), directory };
+
+        let good = signed("node-a", &a, b"event 1");
+        let mut flipped = signed("node-a", &a, b"event 2");
+        flipped.headers[1].1[0] ^= 1;
+        let mut moved = signed("node-a", &a, b"event 3");
+        moved.payload = Some(b"event 4".to_vec());
+        // node-b's key, claiming node-a: its token is bound to node-b.
+        let borrowed = signed("node-a", &b, b"event 5");
+        let unknown = signed("node-c", &jwt("node-c", exp), b"event 6");
+        let mut unsigned = signed("node-a", &a, b"event 7");
+        unsigned.headers.truncate(1);
+
+        let decisions = decide(&mut auth, &[good, flipped, moved, borrowed, unknown, unsigned]).await;
+        assert_eq!(decisions[0], Ok(Accepted::Node));
+        assert_eq!(decisions[1], Err(Refusal::BadSignature));
+        assert_eq!(decisions[2], Err(Refusal::BadSignature), "the signature covers the value");
+        assert_eq!(decisions[3].as_ref().unwrap_err().label(), "wrong_node");
+        assert_eq!(decisions[4].as_ref().unwrap_err().label(), "unknown_key");
+        assert_eq!(decisions[5], Err(Refusal::Missing));
+    }
+
+    #[test]
+    fn a_full_directory_forgets_the_oldest_entry_first() {
+        let exp = chrono::Utc::now().timestamp() + 3600;
+        let tokens: Vec<Vec<u8>> = (0..3).map(|i| jwt(&format!("node-{i}"), exp)).collect();
+        let directory = Directory::of_tokens(tokens.iter().map(Vec::as_slice), 2);
+        assert!(directory.get(NodeKey::of(&tokens[0]).id().as_bytes()).is_none(), "the oldest went");
+        assert!(directory.get(NodeKey::of(&tokens[1]).id().as_bytes()).is_some());
+        assert!(directory.get(NodeKey::of(&tokens[2]).id().as_bytes()).is_some());
     }
 }

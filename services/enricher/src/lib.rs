@@ -292,7 +292,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
                     Directory::start(&config.stage.kafka, &spec.name, settings.cache_size, service.shutdown.token())
                         .await
                 }
-                Err(e) => Err(DirectoryError::Behind { topic: spec.name.clone(), reason: e.to_string() }),
+                Err(e) => Err(DirectoryError::Topic { topic: spec.name.clone(), reason: e.to_string() }),
             };
             let directory = match directory {
                 Ok(d) => d,
