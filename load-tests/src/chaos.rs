@@ -456,6 +456,11 @@ fn topic_end(bootstrap: &str, topic: &str) -> anyhow::Result<i64> {
     Ok(sum)
 }
 
+/// How long the simulator's producer may take to have every event acknowledged after the stream
+/// stops: a Kafka restart at the end of the schedule took 36 s on a loaded 2-core machine, and the
+/// idempotent producer then re-establishes its id before it sends again.
+const FLUSH_FOR: Duration = Duration::from_secs(600);
+
 const GROUPS: [(&str, &[&str]); 3] = [
     ("gpumedic-enricher", &[topics::HEALTH_RAW]),
     ("gpumedic-classifier", &[topics::HEALTH_ENRICHED, topics::ACTIONS]),
@@ -642,8 +647,26 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                 ids.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.extend(batch);
                 sent.store(n, Ordering::Relaxed);
             }
-            // Through Kafka's restarts the queue waits; give it the time a restart takes.
-            producer.flush(Duration::from_secs(300)).context("flush the simulator's events")?;
+            // Through Kafka's restarts the queue waits; give it the time a restart takes on a
+            // loaded machine, and say what is still waiting while it does.
+            let deadline = Instant::now() + FLUSH_FOR;
+            loop {
+                match producer.flush(Duration::from_secs(30)) {
+                    Ok(()) => break,
+                    Err(e) if Instant::now() < deadline => {
+                        println!(
+                            "chaos: {} events not yet acknowledged ({e}); still waiting",
+                            producer.in_flight_count()
+                        );
+                    }
+                    Err(e) => {
+                        let left = producer.in_flight_count();
+                        return Err(e).with_context(|| {
+                            format!("flush the simulator's events: {left} unacknowledged after {FLUSH_FOR:?}")
+                        });
+                    }
+                }
+            }
             Ok(fleet)
         })
     };
@@ -717,8 +740,8 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
     }
     .await;
     stop.store(true, Ordering::Relaxed);
-    // The producer flushes for at most 300 s; a minute more for the rest.
-    let fleet = bounded("stopping the stream", Duration::from_secs(360), move || {
+    // The producer flushes for at most FLUSH_FOR; a minute more for the rest.
+    let fleet = bounded("stopping the stream", FLUSH_FOR + Duration::from_secs(60), move || {
         producing.join().map_err(|_| anyhow::anyhow!("the producer thread panicked"))?
     })
     .await?;
