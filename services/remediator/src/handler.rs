@@ -40,8 +40,11 @@ impl Handler {
         };
         // A fresh fault that would take a node out ends the burn-in of a node that was about to
         // return (a re-issue by the resync is no new evidence; a warning that only marks is not
-        // enough to undo a passed validation).
-        if !request.recovery
+        // enough to undo a passed validation). Without a burn-in configured no node is read for
+        // it, so a mass failure costs no extra read per verdict.
+        let burn_in = shared.remediator.settings().validation.as_ref().is_some_and(|v| v.burn_in.is_some());
+        if burn_in
+            && !request.recovery
             && !request.reissue
             && request.action.quarantines()
             && !shared.remediator.paused()
