@@ -92,7 +92,7 @@ pub enum ApplyError {
     /// An outcome owed before going on (a repair ladder's end) could not be published.
     #[error("cannot publish an action outcome: {0}")]
     Publish(String),
-    /// The validation Job could not be created.
+    /// The validation step (its Job, its custom resource) could not be started.
     #[error("{0}")]
     Validation(String),
     /// This replica can no longer prove it holds the leader lease, so it writes nothing.
@@ -119,7 +119,7 @@ pub struct Settings {
     pub ladder: Vec<StepSpec>,
     /// How long a custom action run through the repair hooks may take.
     pub custom_timeout: std::time::Duration,
-    /// How a repaired node is validated before it returns (`--validation job`); `None`: it
+    /// How a repaired node is validated before it returns (`--validation`); `None`: it
     /// returns on its recovery verdict.
     pub validation: Option<crate::validate::Settings>,
     /// GPU-level quarantine in DRA clusters.

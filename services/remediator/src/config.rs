@@ -185,9 +185,13 @@ pub struct Args {
     repair_resource_template: Option<std::path::PathBuf>,
     /// Validate a repaired node before it returns to service (full-remediation): `job` runs a
     /// Kubernetes Job on the node when its recovery verdict arrives (by default `dcgmi diag -r 2`,
-    /// or --validation-job-template) and releases it only when the Job passes; a failure or a
-    /// timeout escalates along the repair ladder. `none`: the recovery verdict returns it.
-    #[arg(long, env = "GPUMEDIC_VALIDATION", default_value = "none", value_parser = ["none", "job"])]
+    /// or --validation-job-template); `webhook` asks the repair webhook for the action `validate`
+    /// at every look until it answers Succeeded or Failed; `resource` creates the repair custom
+    /// resource with the action `validate` and reads its phase. The node returns only when the
+    /// validation passes; a failure or a timeout escalates along the repair ladder. `none`: the
+    /// recovery verdict returns it.
+    #[arg(long, env = "GPUMEDIC_VALIDATION", default_value = "none",
+          value_parser = ["none", "job", "webhook", "resource"])]
     validation: String,
     /// A YAML template of the validation Job (batch/v1; `{{node}}`, `{{gpu_uuid}}`,
     /// `{{incident_id}}`, `{{verdict_id}}`, `{{name}}` are filled in; its pod must tolerate
@@ -197,6 +201,11 @@ pub struct Args {
     /// How long a validation Job may take before it counts as failed.
     #[arg(long, env = "GPUMEDIC_VALIDATION_TIMEOUT", default_value = "30m")]
     validation_timeout: String,
+    /// After a validation passes, how long the node stays out (state `burn-in`) without a new
+    /// fault before it returns (`30m`, `24h`); a fault verdict meanwhile escalates the repair
+    /// ladder. Unset or `0s`: no burn-in.
+    #[arg(long, env = "GPUMEDIC_VALIDATION_BURN_IN")]
+    validation_burn_in: Option<String>,
     /// The namespace validation Jobs are created in (a template's own namespace wins); default
     /// the lease namespace.
     #[arg(long, env = "GPUMEDIC_VALIDATION_NAMESPACE")]
@@ -462,8 +471,35 @@ impl Validate for Args {
             ),
             None => serde_yaml::from_str::<serde_json::Value>(validate::DEFAULT_TEMPLATE).ok(),
         };
-        let validation = (self.validation == "job").then(|| validate::Settings {
-            template: validation_template.clone().unwrap_or_default(),
+        let step = match self.validation.as_str() {
+            "job" => Some(validate::Step::Job(validation_template.clone().unwrap_or_default())),
+            "webhook" => {
+                if self.repair_webhook_url.as_deref().is_none_or(|u| u.trim().is_empty()) {
+                    p.push("--validation", "webhook validates through the repair webhook: set --repair-webhook-url");
+                }
+                Some(validate::Step::Webhook)
+            }
+            "resource" => {
+                if self.repair_resource_template.is_none() {
+                    p.push(
+                        "--validation",
+                        "resource validates through the repair custom resource: set --repair-resource-template",
+                    );
+                }
+                Some(validate::Step::Resource)
+            }
+            _ => None,
+        };
+        let burn_in = match self.validation_burn_in.as_deref().map(str::trim).filter(|b| !b.is_empty()) {
+            Some(raw) => p.check("--validation-burn-in", parse_duration(raw)).filter(|b| !b.is_zero()),
+            None => None,
+        };
+        if burn_in.is_some() && step.is_none() {
+            p.push("--validation-burn-in", "a burn-in follows a validation: set --validation too");
+        }
+        let validation = step.map(|step| validate::Settings {
+            burn_in,
+            step,
             namespace: self
                 .validation_namespace
                 .clone()
@@ -727,6 +763,33 @@ mod tests {
                  (--repair-webhook-previous-secret-file)",
             ]
         );
+    }
+
+    #[test]
+    fn validation_through_the_hooks_needs_the_hook_it_names() {
+        let config = validate(&["--repair-webhook-secret", "s", "--validation", "webhook"]).expect("valid");
+        let validation = config.settings.validation.expect("validation on");
+        assert_eq!(validation.step, validate::Step::Webhook);
+        let problems = validate(&["--repair-webhook-secret", "s", "--validation", "resource"]).expect_err("invalid");
+        assert_eq!(
+            problems,
+            ["--validation: resource validates through the repair custom resource: set --repair-resource-template"]
+        );
+        let config = validate(&["--repair-webhook-secret", "s", "--validation", "job"]).expect("valid");
+        assert!(matches!(config.settings.validation.expect("validation on").step, validate::Step::Job(_)));
+    }
+
+    #[test]
+    fn a_burn_in_is_off_unless_set_and_follows_a_validation() {
+        let config = validate(&["--repair-webhook-secret", "s", "--validation", "job"]).expect("valid");
+        assert_eq!(config.settings.validation.expect("validation on").burn_in, None);
+        let on = ["--repair-webhook-secret", "s", "--validation", "job", "--validation-burn-in", "24h"];
+        let config = validate(&on).expect("valid");
+        assert_eq!(config.settings.validation.expect("validation on").burn_in, Some(Duration::from_secs(86_400)));
+        let off = ["--repair-webhook-secret", "s", "--validation", "job", "--validation-burn-in", "0s"];
+        assert_eq!(validate(&off).expect("valid").settings.validation.expect("validation on").burn_in, None);
+        let problems = validate(&["--repair-webhook-secret", "s", "--validation-burn-in", "1h"]).expect_err("invalid");
+        assert_eq!(problems, ["--validation-burn-in: a burn-in follows a validation: set --validation too"]);
     }
 
     #[test]

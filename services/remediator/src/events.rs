@@ -49,8 +49,10 @@ pub(crate) mod names {
     pub(crate) const REPAIR_LADDERS_TOTAL: &str = "gpumedic_remediator_repair_ladders_total";
     /// Repair steps, by `action` and `result`.
     pub(crate) const REPAIR_STEPS_TOTAL: &str = "gpumedic_remediator_repair_steps_total";
-    /// Validation Jobs, by `result`.
+    /// Validations (Jobs, webhook calls, resources), by `result`.
     pub(crate) const VALIDATIONS_TOTAL: &str = "gpumedic_remediator_validations_total";
+    /// Burn-ins after a passed validation, by `result` (`started`, `completed`, `interrupted`).
+    pub(crate) const BURN_INS_TOTAL: &str = "gpumedic_remediator_burn_ins_total";
     /// Unreadable repair ladders ignored.
     pub(crate) const LADDERS_REFUSED_TOTAL: &str = "gpumedic_remediator_ladders_refused_total";
     /// Node writes refused because this replica could not prove it leads.
@@ -376,6 +378,31 @@ impl InternalEvent for ValidationFailed<'_> {
         metrics::counter!(names::VALIDATIONS_TOTAL, "result" => "failed").increment(1);
         tracing::warn!(node = %self.node, job = %self.job, summary = %self.summary,
             "The validation failed: the repair ladder escalates.");
+    }
+}
+
+/// A burn-in started or completed (counted; its outcome and Event tell it).
+pub(crate) struct BurnIn {
+    pub(crate) result: &'static str,
+}
+
+impl InternalEvent for BurnIn {
+    fn emit(self) {
+        metrics::counter!(names::BURN_INS_TOTAL, "result" => self.result).increment(1);
+    }
+}
+
+/// A new fault arrived during a node's burn-in: the repair ladder escalates.
+pub(crate) struct BurnInInterrupted<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) why: &'a str,
+}
+
+impl InternalEvent for BurnInInterrupted<'_> {
+    fn emit(self) {
+        metrics::counter!(names::BURN_INS_TOTAL, "result" => "interrupted").increment(1);
+        tracing::warn!(node = %self.node, why = %self.why,
+            "A new fault arrived during the burn-in: the repair ladder escalates.");
     }
 }
 

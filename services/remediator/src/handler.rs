@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::{ApplyError, Outcome};
 use crate::events::{ActionDeferred, InternalEvent as _, VerdictHandled, VerdictStale};
 use crate::plan::{Mode, Skip};
-use crate::repairs::{end_ladder, hold_for_validation};
+use crate::repairs::{end_ladder, hold_for_validation, interrupt_burn_in};
 use crate::request::Action;
 use crate::term::{Shared, persist_trip, publish};
 use crate::{maintenance, request, verdicts};
@@ -38,6 +38,20 @@ impl Handler {
             not_before: verdict.not_before,
             deferrable: verdict.deferrable,
         };
+        // A fresh fault that would take a node out ends the burn-in of a node that was about to
+        // return (a re-issue by the resync is no new evidence; a warning that only marks is not
+        // enough to undo a passed validation). Without a burn-in configured no node is read for
+        // it, so a mass failure costs no extra read per verdict.
+        let burn_in = shared.remediator.settings().validation.as_ref().is_some_and(|v| v.burn_in.is_some());
+        if burn_in
+            && !request.recovery
+            && !request.reissue
+            && request.action.quarantines()
+            && !shared.remediator.paused()
+            && shared.remediator.settings().policy.mode == Mode::FullRemediation
+        {
+            interrupt_burn_in(shared, request, verdict.issued_at).await?;
+        }
         let waits = !shared.remediator.paused() && shared.remediator.settings().policy.mode != Mode::MonitorOnly;
         let Some((until, not_before)) =
             waits.then(|| maintenance::hold(request.action, timing, &shared.windows, now)).flatten()

@@ -16,6 +16,11 @@
 //!   instead of creating a second. The controller reports through a status field (`status.phase`
 //!   by default): `Succeeded` ends the ladder, `Failed` escalates.
 //!
+//! The same hooks validate a node before it returns to service (`--validation webhook|resource`,
+//! see [`crate::validate`]): asked for the action [`VALIDATE_ACTION`], the webhook under its own
+//! idempotency key ([`validation_key`]) at every look, answering with the validation's state
+//! ([`answer_of`]), the custom resource under the validation's name, reporting as a repair does.
+//!
 //! The signature and its check, the body, the retry classification, the template rendering and the phase
 //! reading are pure and tested here; [`Webhook`], [`CustomResource`] and [`Hooks`] are the edge.
 
@@ -372,6 +377,16 @@ pub fn idempotency_key(verdict_id: &str, step: usize) -> String {
     format!("{verdict_id}:{step}")
 }
 
+/// The action a validation step asks of the hooks (`--validation webhook` or `resource`): the
+/// webhook body's `action`, the resource template's `{{action}}`.
+pub const VALIDATE_ACTION: &str = "validate";
+
+/// The idempotency key of the validation after step `step` of the ladder started by
+/// `verdict_id`: the step's key with `:validate`, the same at every look.
+pub fn validation_key(verdict_id: &str, step: usize) -> String {
+    format!("{}:{VALIDATE_ACTION}", idempotency_key(verdict_id, step))
+}
+
 /// The GPU in a webhook body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -417,6 +432,12 @@ pub struct WebhookBody {
 impl WebhookBody {
     /// The body for attempt `attempt` of the current step of `ladder`, sent at `now`.
     pub fn new(ladder: &Ladder, attempt: u32, now: DateTime<Utc>) -> Self {
+        Self::asking(ladder, ladder.step_name(), ladder.step().timeout_seconds, attempt, now)
+    }
+
+    /// The body asking for `action` (a repair, a custom action's name, or [`VALIDATE_ACTION`])
+    /// about the current step of `ladder`, within `timeout_seconds`: attempt `attempt`, sent at `now`.
+    pub fn asking(ladder: &Ladder, action: String, timeout_seconds: u64, attempt: u32, now: DateTime<Utc>) -> Self {
         let r = &ladder.request;
         Self {
             verdict_id: ladder.verdict_id.clone(),
@@ -427,11 +448,11 @@ impl WebhookBody {
                 pci_bus_id: g.pci_bus_id.clone(),
                 index: g.index,
             }),
-            action: ladder.step_name(),
+            action,
             step: ladder.step_number(),
             steps: ladder.steps.len(),
             attempt,
-            timeout_seconds: ladder.step().timeout_seconds,
+            timeout_seconds,
             reason: r.reason.clone(),
             message: r.message.clone(),
             timestamp: now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
@@ -515,28 +536,62 @@ impl Webhook {
     /// returns how many attempts it took.
     pub async fn call(&self, ladder: &Ladder) -> Result<u32, HookError> {
         let key = idempotency_key(&ladder.verdict_id, ladder.step_number());
+        let delivered = self.deliver(&key, |attempt, now| WebhookBody::new(ladder, attempt, now)).await?;
+        Ok(delivered.attempts)
+    }
+
+    /// Asks the webhook how the validation after the current step of `ladder` goes (`timeout`:
+    /// how long it may take in all), under the same key at every look: the receiver starts the
+    /// validation on the first request and answers each with its state, in the shape of a repair
+    /// resource's status (`{"status": {"phase": "Succeeded", "message": "..."}}`; `Failed`, or
+    /// anything else while it runs). See [`answer_of`].
+    pub async fn validate(&self, ladder: &Ladder, timeout: Duration) -> Result<(Report, Option<String>), HookError> {
+        let key = validation_key(&ladder.verdict_id, ladder.step_number());
+        let secs = timeout.as_secs().max(1);
+        let delivered = self
+            .deliver(&key, |attempt, now| WebhookBody::asking(ladder, VALIDATE_ACTION.to_owned(), secs, attempt, now))
+            .await?;
+        Ok(answer_of(&delivered.body))
+    }
+
+    /// POSTs the body `make_body` makes for each attempt (attempt number, time) under `key`,
+    /// signed, retrying what may be retried; returns the attempts it took and the accepted
+    /// answer's body.
+    async fn deliver(
+        &self,
+        key: &str,
+        make_body: impl Fn(u32, DateTime<Utc>) -> WebhookBody,
+    ) -> Result<Delivered, HookError> {
         let mut last = String::new();
         for attempt in 1..=self.settings.attempts.max(1) {
             if attempt > 1 {
                 tokio::time::sleep(backoff(self.settings.backoff, attempt - 1)).await;
             }
             let now = Utc::now();
-            let body = serde_json::to_vec(&WebhookBody::new(ladder, attempt, now)).expect("the body serializes");
+            let body = serde_json::to_vec(&make_body(attempt, now)).expect("the body serializes");
             let mut request = self
                 .client
                 .post(self.settings.url.clone())
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .header(IDEMPOTENCY_HEADER, &key);
+                .header(IDEMPOTENCY_HEADER, key);
             for (name, value) in sign(self.settings.keys.keys(), now.timestamp(), &body).pairs() {
                 request = request.header(name, value);
             }
             let sent = request.body(body).send().await;
-            let (answer, what) = match sent {
+            let (answer, what, answered) = match sent {
                 Ok(response) => {
                     let status = response.status().as_u16();
-                    (classify(status), format!("HTTP {status}"))
+                    let answer = classify(status);
+                    // Only a taken request's answer is read (a validation's state); a body that
+                    // cannot be read reads as empty (still running).
+                    let answered = if answer == Answer::Accepted {
+                        response.bytes().await.map(|b| b.to_vec()).unwrap_or_default()
+                    } else {
+                        Vec::new()
+                    };
+                    (answer, format!("HTTP {status}"), answered)
                 }
-                Err(e) => (Answer::Retry, format!("{e}")),
+                Err(e) => (Answer::Retry, format!("{e}"), Vec::new()),
             };
             let result = match answer {
                 Answer::Accepted => "accepted",
@@ -545,7 +600,7 @@ impl Webhook {
             };
             metrics::counter!(crate::events::names::WEBHOOK_REQUESTS_TOTAL, "result" => result).increment(1);
             match answer {
-                Answer::Accepted => return Ok(attempt),
+                Answer::Accepted => return Ok(Delivered { attempts: attempt, body: answered }),
                 Answer::Refused => return Err(HookError::Refused(format!("{what} for {key}"))),
                 Answer::Retry => {
                     tracing::warn!(%key, attempt, answer = %what, "The repair webhook did not take the step; retrying.");
@@ -555,6 +610,22 @@ impl Webhook {
         }
         Err(HookError::Unavailable(format!("{last} after {} attempts for {key}", self.settings.attempts.max(1))))
     }
+}
+
+/// A request the webhook took.
+struct Delivered {
+    /// The attempts it took, from 1.
+    attempts: u32,
+    /// The body of the answer.
+    body: Vec<u8>,
+}
+
+/// What a webhook's answer to a validation request says: the answer read as a repair resource's
+/// status (`status.phase`, see [`report_of`]), with its `status.message`; an empty or unreadable
+/// body, or one without a phase, is a validation still running.
+pub fn answer_of(body: &[u8]) -> (Report, Option<String>) {
+    let answer: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    (report_from(&answer, "status.phase", "the validation webhook"), status_message(&answer))
 }
 
 /// The custom resource hook's settings, from the flags.
@@ -594,15 +665,21 @@ pub fn resource_name(verdict_id: &str, step: usize) -> String {
 /// `incident_id`, `reason`, `message`, `name`), working on parsed values so a value cannot change the
 /// document's shape; then the name and gpumedic's labels are set.
 pub fn render(template: &Value, ladder: &Ladder) -> Value {
+    render_as(template, ladder, &ladder.step_name(), &resource_name(&ladder.verdict_id, ladder.step_number()))
+}
+
+/// Renders the template as [`render`] does, asking for `action` under the name `name` (the
+/// validation after a step: [`VALIDATE_ACTION`], under the validation's own name).
+pub fn render_as(template: &Value, ladder: &Ladder, action: &str, name: &str) -> Value {
     let r = &ladder.request;
-    let name = resource_name(&ladder.verdict_id, ladder.step_number());
+    let name = name.to_owned();
     let gpu = r.gpu.as_ref();
     let vars: [(&str, String); 11] = [
         ("node", r.node.clone()),
         ("gpu_uuid", gpu.map(|g| g.uuid.clone()).unwrap_or_default()),
         ("gpu_index", gpu.and_then(|g| g.index).map(|i| i.to_string()).unwrap_or_default()),
         ("pci_bus_id", gpu.map(|g| g.pci_bus_id.clone()).unwrap_or_default()),
-        ("action", ladder.step_name()),
+        ("action", action.to_owned()),
         ("step", ladder.step_number().to_string()),
         ("verdict_id", ladder.verdict_id.clone()),
         ("incident_id", r.incident_id.clone()),
@@ -633,15 +710,27 @@ pub fn render(template: &Value, ladder: &Ladder) -> Value {
 /// What the repair controller reports in `object` at the dotted `path`: `Succeeded` or `Failed`
 /// (any case), with `status.message` as the reason of a failure; anything else is still working.
 pub fn report_of(object: &Value, path: &str) -> Report {
+    report_from(object, path, "the repair controller")
+}
+
+/// What `who` reports in `object` at the dotted `path`, as [`report_of`] reads it.
+pub fn report_from(object: &Value, path: &str, who: &str) -> Report {
     let phase = path.split('.').filter(|p| !p.is_empty()).try_fold(object, |v, key| v.get(key)).and_then(Value::as_str);
     match phase.map(str::to_ascii_lowercase).as_deref() {
         Some("succeeded") => Report::Succeeded,
-        Some("failed") => Report::Failed(object["status"]["message"].as_str().map_or_else(
-            || "the repair controller reported Failed".to_owned(),
-            |m| format!("the repair controller reported Failed: {m}"),
-        )),
+        Some("failed") => Report::Failed(
+            status_message(object)
+                .map_or_else(|| format!("{who} reported Failed"), |m| format!("{who} reported Failed: {m}")),
+        ),
         _ => Report::Working,
     }
+}
+
+/// The `status.message` a hook reported beside its phase, if any (trimmed, at most 512
+/// characters: it goes into outcomes and Events).
+pub fn status_message(object: &Value) -> Option<String> {
+    let m = object["status"]["message"].as_str().map(str::trim).filter(|m| !m.is_empty())?;
+    Some(m.chars().take(512).collect())
 }
 
 /// The custom resource edge; the kind is looked up (discovery) on first use, so the remediator
@@ -685,7 +774,35 @@ impl CustomResource {
     /// Creates the resource for the current step of `ladder`; one that exists already (a retry,
     /// a new leader) is fine. Returns its name.
     pub async fn create(&self, ladder: &Ladder) -> Result<String, HookError> {
-        let object = render(&self.settings.template, ladder);
+        self.create_object(render(&self.settings.template, ladder)).await
+    }
+
+    /// Creates the resource asking for the validation after the current step of `ladder`, named
+    /// `name` (as [`create`](Self::create), with [`VALIDATE_ACTION`]). Returns its kind and name.
+    pub async fn create_validation(&self, ladder: &Ladder, name: &str) -> Result<String, HookError> {
+        let name = self.create_object(render_as(&self.settings.template, ladder, VALIDATE_ACTION, name)).await?;
+        Ok(format!("{} {name}", self.gvk.kind))
+    }
+
+    /// What the controller reports about the validation resource `name` of `ladder`'s current
+    /// step: `None` when the resource is gone, else its report and the message beside it.
+    pub async fn validation_report(
+        &self,
+        ladder: &Ladder,
+        name: &str,
+    ) -> Result<Option<(Report, Option<String>)>, HookError> {
+        let object = render_as(&self.settings.template, ladder, VALIDATE_ACTION, name);
+        let found = self.read_object(&object).await?;
+        Ok(found.map(|v| {
+            (
+                report_from(&v, &self.settings.status_path, &format!("the {} controller", self.gvk.kind)),
+                status_message(&v),
+            )
+        }))
+    }
+
+    /// Creates `object` (a rendered template); one that exists already is fine. Returns its name.
+    async fn create_object(&self, object: Value) -> Result<String, HookError> {
         let api = self.api(&object).await?;
         let name = object["metadata"]["name"].as_str().unwrap_or_default().to_owned();
         let dynamic: DynamicObject =
@@ -703,16 +820,19 @@ impl CustomResource {
 
     /// What the repair controller reports about the current step of `ladder`.
     pub async fn report(&self, ladder: &Ladder) -> Result<Report, HookError> {
-        let object = render(&self.settings.template, ladder);
-        let api = self.api(&object).await?;
-        let name = resource_name(&ladder.verdict_id, ladder.step_number());
-        match api.get_opt(&name).await {
-            Ok(Some(found)) => {
-                let value = serde_json::to_value(&found).unwrap_or_default();
-                Ok(report_of(&value, &self.settings.status_path))
-            }
+        match self.read_object(&render(&self.settings.template, ladder)).await? {
+            Some(value) => Ok(report_of(&value, &self.settings.status_path)),
             // Deleted by someone: nothing to read; the step's timeout decides.
-            Ok(None) => Ok(Report::Working),
+            None => Ok(Report::Working),
+        }
+    }
+
+    /// Reads the resource `object` (a rendered template) names; `None` when it is gone.
+    async fn read_object(&self, object: &Value) -> Result<Option<Value>, HookError> {
+        let api = self.api(object).await?;
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        match api.get_opt(name).await {
+            Ok(found) => Ok(found.map(|f| serde_json::to_value(&f).unwrap_or_default())),
             Err(e) => Err(HookError::Unavailable(format!("{} {name}: {e}", self.gvk.kind))),
         }
     }
@@ -997,6 +1117,41 @@ mod tests {
         assert_eq!(object["spec"]["note"], "GPU has \"fallen\" off the bus");
         assert_eq!(object["spec"]["ref"], "7b2c7a4e-0000-4000-8000-000000000001/1");
         assert!(template_kind(&json!({ "kind": "X" })).is_err());
+    }
+
+    #[test]
+    fn a_validation_asks_for_validate_under_its_own_key_and_name() {
+        let l = ladder();
+        let body = WebhookBody::asking(&l, VALIDATE_ACTION.to_owned(), 900, 1, Utc::now());
+        assert_eq!((body.action.as_str(), body.step, body.timeout_seconds), ("validate", 1, 900));
+        assert_eq!(validation_key(&l.verdict_id, 1), "7b2c7a4e-0000-4000-8000-000000000001:1:validate");
+        assert_ne!(validation_key(&l.verdict_id, 1), idempotency_key(&l.verdict_id, 1));
+        let template: Value =
+            serde_yaml::from_str("apiVersion: repair.example.com/v1\nkind: GpuRepair\nspec:\n  op: '{{action}}'\n")
+                .unwrap();
+        let object = render_as(&template, &l, VALIDATE_ACTION, "gpumedic-validate-x-1");
+        assert_eq!(
+            (object["metadata"]["name"].as_str(), object["spec"]["op"].as_str()),
+            (Some("gpumedic-validate-x-1"), Some("validate"))
+        );
+        assert_eq!(object["metadata"]["labels"][NODE_LABEL], "gpu-1");
+    }
+
+    #[test]
+    fn a_webhooks_answer_to_a_validation_reads_as_a_resources_status() {
+        assert_eq!(answer_of(b""), (Report::Working, None), "an empty answer: still running");
+        assert_eq!(answer_of(b"accepted").0, Report::Working);
+        assert_eq!(answer_of(br#"{"status":{"phase":"Running"}}"#).0, Report::Working);
+        assert_eq!(
+            answer_of(br#"{"status":{"phase":"Succeeded","message":"passed"}}"#),
+            (Report::Succeeded, Some("passed".to_owned()))
+        );
+        assert_eq!(
+            answer_of(br#"{"status":{"phase":"failed","message":" PCIe FAIL "}}"#).0,
+            Report::Failed("the validation webhook reported Failed: PCIe FAIL".into())
+        );
+        let long = json!({ "status": { "message": "m".repeat(2000) } });
+        assert_eq!(status_message(&long).map(|m| m.len()), Some(512));
     }
 
     #[test]

@@ -97,9 +97,12 @@ pub enum Phase {
     Running,
     /// A hook reported success: the node waits for healthy evidence to return to service.
     Succeeded,
-    /// Healthy evidence arrived and the validation Job ([`Ladder::validation`]) decides whether
-    /// the node returns to service or the ladder escalates.
+    /// Healthy evidence arrived and the validation ([`Ladder::validation`]) decides whether the
+    /// node returns to service or the ladder escalates.
     Validating,
+    /// The validation passed at `since`; the node returns once it has had no new fault for the
+    /// validation's burn-in period. A new fault escalates the ladder.
+    BurnIn,
     /// Every step failed: an operator must act.
     Failed,
 }
@@ -125,9 +128,13 @@ pub struct Ladder {
     /// What happened to the earlier steps, one line each.
     #[serde(default)]
     pub history: Vec<String>,
-    /// The validation under way, in [`Phase::Validating`].
+    /// The validation under way, in [`Phase::Validating`] and [`Phase::BurnIn`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation: Option<crate::validate::Validation>,
+    /// A validation (or its burn-in) failed on this ladder: once the ladder has failed, a recovery
+    /// no longer returns the node (only an operator does).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub failed_validation: bool,
 }
 
 /// What the hooks say about the current step.
@@ -175,6 +182,7 @@ impl Ladder {
             since: now,
             history: Vec::new(),
             validation: None,
+            failed_validation: false,
         }
     }
 
@@ -193,6 +201,7 @@ impl Ladder {
             since: now,
             history: Vec::new(),
             validation: None,
+            failed_validation: false,
         }
     }
 
@@ -219,9 +228,22 @@ impl Ladder {
         self.current + 1
     }
 
-    /// Whether the ladder still has work (pending, running or validating).
+    /// Whether the ladder still has work (pending, running, validating or burning in).
     pub fn active(&self) -> bool {
-        matches!(self.phase, Phase::Pending | Phase::Running | Phase::Validating)
+        matches!(self.phase, Phase::Pending | Phase::Running | Phase::Validating | Phase::BurnIn)
+    }
+
+    /// The validation passed at `now`: the burn-in begins.
+    pub fn burning_in(&mut self, now: DateTime<Utc>) {
+        self.phase = Phase::BurnIn;
+        self.since = now;
+    }
+
+    /// Whether the burn-in is over at `now` (it has lasted the validation's burn-in period);
+    /// false outside a burn-in.
+    pub fn burn_in_over(&self, now: DateTime<Utc>) -> bool {
+        let Some(v) = self.validation.as_ref().filter(|_| self.phase == Phase::BurnIn) else { return false };
+        (now - self.since).to_std().unwrap_or_default().as_secs() >= v.burn_in_seconds
     }
 
     /// Healthy evidence arrived: the node is validated by `validation` before it returns.
@@ -256,8 +278,8 @@ impl Ladder {
                 self.step().timeout_seconds
             )),
             Phase::Pending => Move::Start,
-            // Driven by the validation's own reading (see crate::repairs).
-            Phase::Succeeded | Phase::Failed | Phase::Validating => Move::Done,
+            // Driven by the validation's own reading and the burn-in's clock (see crate::repairs).
+            Phase::Succeeded | Phase::Failed | Phase::Validating | Phase::BurnIn => Move::Done,
             Phase::Running => match report {
                 Report::Succeeded => Move::Succeed,
                 Report::Failed(why) => Move::Escalate(why.clone()),
@@ -320,6 +342,7 @@ impl Ladder {
             Phase::Running => "running",
             Phase::Succeeded => "succeeded",
             Phase::Validating => "validating",
+            Phase::BurnIn => "burn-in",
             Phase::Failed => "failed",
         }
     }
@@ -506,6 +529,35 @@ mod tests {
         assert_eq!(l.decide(at(9999), &Report::Working), Move::Done);
         assert_eq!(l.history.len(), 2);
         assert!(l.history[1].contains("replace_node: no spare"), "{:?}", l.history);
+    }
+
+    #[test]
+    fn a_burn_in_lasts_its_period_from_the_passed_validation_and_keeps_the_ladder_active() {
+        let r = request(Action::ResetGpu);
+        let mut l = Ladder::new("v1", RecommendedAction::ResetGpu, &r, &default_ladder(), at(0));
+        l.started(at(0));
+        let v = crate::validate::Validation {
+            kind: crate::validate::Kind::Job,
+            namespace: "gpumedic".into(),
+            job: "gpumedic-validate-v1-1".into(),
+            recovery: Remediation { recovery: true, action: Action::None, ..r },
+            since: at(10),
+            timeout_seconds: 600,
+            burn_in_seconds: 3600,
+            release_from: None,
+        };
+        l.validating(v);
+        assert!(!l.burn_in_over(at(100_000)), "no burn-in while validating");
+        l.burning_in(at(100));
+        assert!(l.active() && l.phase == Phase::BurnIn);
+        assert_eq!(l.decide(at(5000), &Report::Working), Move::Done, "the burn-in's own driver moves it");
+        assert!(!l.burn_in_over(at(100 + 3599)));
+        assert!(l.burn_in_over(at(100 + 3600)));
+        assert!(l.describe().starts_with("burn-in ["), "{}", l.describe());
+        // Written and read back (a restart, a failover), it goes on from the same start.
+        let back: Ladder = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
+        assert_eq!(back, l);
+        assert!(back.burn_in_over(at(100 + 3600)));
     }
 
     #[test]

@@ -94,8 +94,11 @@ pub enum State {
     Remediating,
     /// The repair succeeded; waiting for healthy evidence to return the node.
     Remediated,
-    /// Healthy evidence arrived; a validation Job decides whether the node returns.
+    /// Healthy evidence arrived; a validation (Job or repair hook) decides whether the node returns.
     Validating,
+    /// The validation passed; the node stays out until it has had no new fault for the burn-in
+    /// period (`--validation-burn-in`).
+    BurnIn,
     /// The repair failed; an operator must act.
     Failed,
 }
@@ -110,6 +113,7 @@ impl State {
             State::Remediating => "remediating",
             State::Remediated => "remediated",
             State::Validating => "validating",
+            State::BurnIn => "burn-in",
             State::Failed => "failed",
         }
     }
@@ -123,6 +127,7 @@ impl State {
             State::Remediating,
             State::Remediated,
             State::Validating,
+            State::BurnIn,
             State::Failed,
         ]
         .into_iter()
@@ -547,8 +552,12 @@ pub enum Skip {
     /// The node is marked now and the rest waits for what this says (a maintenance window's
     /// opening, the verdict's `not_before`, an idle GPU).
     Deferred(String),
-    /// The recovery waits for the validation Job this names to pass.
+    /// The recovery waits for the validation this names (`Job ns/name`, `webhook call <key>`,
+    /// `resource <name>`) to pass.
     Validating(String),
+    /// The node failed its validation and its repair ladder has ended without a repair proven
+    /// since: the recovery does not return it; an operator does.
+    ValidationFailed,
 }
 
 impl std::fmt::Display for Skip {
@@ -571,9 +580,12 @@ impl std::fmt::Display for Skip {
             }
             Skip::Recovered => f.write_str("the incident has recovered already; this fault verdict is a replay"),
             Skip::Deferred(waits_for) => write!(f, "the node is marked now; the action waits for {waits_for}"),
-            Skip::Validating(job) => {
-                write!(f, "the node returns to service only once the validation Job {job} passes")
+            Skip::Validating(what) => {
+                write!(f, "the node returns to service only once the validation {what} passes")
             }
+            Skip::ValidationFailed => f.write_str(
+                "the node failed its validation and its repair ladder has ended: it stays out until an operator acts",
+            ),
         }
     }
 }

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use crate::error::TermError;
 use crate::events::{
-    InternalEvent as _, LadderFailed, LadderRefused, LadderRemediated, RepairStep, Validation, ValidationFailed, names,
+    BurnIn, BurnInInterrupted, InternalEvent as _, LadderFailed, LadderRefused, LadderRemediated, RepairStep,
+    Validation, ValidationFailed, names,
 };
 use gpumedic_schemas::{ActionOutcome, ActionStatus};
 use tokio_util::sync::CancellationToken;
@@ -30,7 +31,9 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
     if l.request.incident_id != request.incident_id {
         return Ok(());
     }
-    if l.phase != ladder::Phase::Failed {
+    // A validation before a release from quarantine repaired nothing: no "remediated" to report.
+    let repaired = l.validation.as_ref().is_none_or(|v| v.release_from.is_none());
+    if l.phase != ladder::Phase::Failed && repaired {
         let detail = format!(
             "remediated: healthy evidence (recovery verdict {}) after repair step {}/{} {}; ladder {}",
             request.verdict_id,
@@ -50,12 +53,18 @@ pub(crate) async fn end_ladder(shared: &Shared, request: &request::Remediation) 
         .map_err(|source| ApplyError::Patch { node: request.node.clone(), source })
 }
 
-/// With `--validation job`, the recovery of a node on a repair ladder waits for a validation Job:
-/// the Job is created, the ladder goes [`ladder::Phase::Validating`] holding the recovery, and
-/// the state label reads `validating`. Returns the outcome for the recovery verdict when the
+/// With `--validation`, the recovery of a node on a repair ladder waits for a validation step: the
+/// Job or the custom resource is created (the webhook is asked at the driver's first look), the
+/// ladder goes [`ladder::Phase::Validating`] holding the recovery, and the state label reads
+/// `validating`. Returns the outcome for the recovery verdict when the
 /// recovery waits (also when a validation is already under way: the resync's repeat), `None`
 /// when it goes ahead now (no validation configured, no ladder for the incident, or a ladder
 /// that failed: nothing left to escalate to).
+///
+/// In full-remediation a node that no ladder holds is validated too when this recovery would
+/// release it from a whole-node quarantine ([`crate::validate::release_from`]): a ladder is
+/// recorded for the validation alone, and a failure starts it at its first rung (a drained node)
+/// or leaves the node `failed` for an operator (a node that was only cordoned).
 pub(crate) async fn hold_for_validation(
     shared: &Shared,
     request: &request::Remediation,
@@ -69,37 +78,79 @@ pub(crate) async fn hold_for_validation(
         Err(source) => return Err(ApplyError::Read { node: request.node.clone(), source }),
     };
     let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
-    let Some(Ok(mut l)) = ladder::ladder_on(&node) else { return Ok(None) };
+    let mut release_from = None;
+    let mut l = match ladder::ladder_on(&node) {
+        Some(Ok(l)) => l,
+        Some(Err(_)) => return Ok(None),
+        None => {
+            let policy = shared.remediator.settings().policy;
+            let view = plan::NodeView::from_node(&node);
+            release_from = crate::validate::release_from(&view, request);
+            match release_from {
+                Some(_) if policy.mode == plan::Mode::FullRemediation => {
+                    crate::validate::release_ladder(request, &shared.remediator.settings().ladder, chrono::Utc::now())
+                }
+                _ => return Ok(None),
+            }
+        }
+    };
     if l.request.incident_id != request.incident_id {
         return Ok(None);
     }
     let waiting =
-        |job: &str| crate::apply::Outcome::Skipped { reason: plan::Skip::Validating(job.to_owned()), would: None };
+        |what: &str| crate::apply::Outcome::Skipped { reason: plan::Skip::Validating(what.to_owned()), would: None };
     match (&l.phase, &l.validation) {
+        // No repair has been proven since the node failed its validation: it stays out.
+        (ladder::Phase::Failed, _) if l.failed_validation => {
+            return Ok(Some(crate::apply::Outcome::Skipped { reason: plan::Skip::ValidationFailed, would: None }));
+        }
         (ladder::Phase::Failed, _) => return Ok(None),
-        (ladder::Phase::Validating, Some(v)) => return Ok(Some(waiting(&format!("{}/{}", v.namespace, v.job)))),
+        (ladder::Phase::Validating | ladder::Phase::BurnIn, Some(v)) => return Ok(Some(waiting(&v.describe()))),
         _ => {}
     }
-    let name = crate::validate::job_name(&l.verdict_id, l.step_number());
-    let job = crate::validate::render(&settings.template, request, &name, &settings.namespace);
-    let namespace = job["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
+    let mut name = crate::validate::job_name(&l.verdict_id, l.step_number());
+    let mut namespace = String::new();
     shared.remediator.leading(&request.node)?;
-    crate::validate::create(&client, &job).await.map_err(ApplyError::Validation)?;
+    match &settings.step {
+        crate::validate::Step::Job(template) => {
+            let job = crate::validate::render(template, request, &name, &settings.namespace);
+            namespace = job["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
+            crate::validate::create(&client, &job).await.map_err(ApplyError::Validation)?;
+        }
+        crate::validate::Step::Resource => {
+            let hook = shared.hooks.resource.as_ref().ok_or_else(|| {
+                ApplyError::Validation("--validation resource needs --repair-resource-template".to_owned())
+            })?;
+            hook.create_validation(&l, &name)
+                .await
+                .map_err(|e| ApplyError::Validation(format!("cannot create the validation resource: {e}")))?;
+        }
+        // Asked at every look of the driver, the first one included.
+        crate::validate::Step::Webhook => name = hooks::validation_key(&l.verdict_id, l.step_number()),
+    }
     let now = chrono::Utc::now();
     let timeout_seconds = settings.timeout.as_secs().max(1);
-    l.validating(crate::validate::Validation {
-        namespace: namespace.clone(),
+    let validation = crate::validate::Validation {
+        kind: settings.step.kind(),
+        namespace,
         job: name.clone(),
         recovery: request.clone(),
         since: now,
         timeout_seconds,
-    });
-    let detail = format!(
-        "validating: healthy evidence after repair step {}/{} {}; Job {namespace}/{name} runs on the node before it          returns to service (timeout {timeout_seconds}s)",
-        l.step_number(),
-        l.steps.len(),
-        l.step_name()
-    );
+        burn_in_seconds: settings.burn_in.map_or(0, |b| b.as_secs().max(1)),
+        release_from,
+    };
+    let what = validation.describe();
+    l.validating(validation);
+    let runs = match settings.step {
+        crate::validate::Step::Job(_) => format!("{what} runs on the node"),
+        _ => format!("the repair hooks validate the node ({what})"),
+    };
+    let after = match release_from {
+        Some(state) => format!("healthy evidence for a node in quarantine ({})", state.as_str()),
+        None => format!("healthy evidence after repair step {}/{} {}", l.step_number(), l.steps.len(), l.step_name()),
+    };
+    let detail = format!("validating: {after}; {runs} before it returns to service (timeout {timeout_seconds}s)");
     let outcome = validation_outcome(&l, ActionStatus::Applied, detail.clone());
     publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
     shared.remediator.record_event(&node, "ValidationStarted", detail, false).await;
@@ -111,13 +162,75 @@ pub(crate) async fn hold_for_validation(
         return Err(ApplyError::Validation(format!("the repair ladder of node {} changed meanwhile", request.node)));
     }
     shared.remediator.advance_state(&request.node, plan::State::Validating).await?;
-    tracing::info!(node = %request.node, job = %name, "Healthy evidence after a repair: validating the node before it returns.");
-    Ok(Some(waiting(&format!("{namespace}/{name}"))))
+    tracing::info!(node = %request.node, validation = %what, "Healthy evidence: validating the node before it returns to service.");
+    Ok(Some(waiting(&what)))
 }
 
-/// One look at the validation of the ladder `l` on `node`: a Job that passed releases the node
-/// (the held recovery is carried out and its outcome published), one that failed or ran past its
-/// timeout escalates the ladder, one still running waits.
+/// What the validation `v` of the ladder `l` says now: the Job's status with its pods'
+/// termination messages, or the hooks' report. A Job or resource that is gone has failed; a hook
+/// that cannot be reached is still running (the timeout decides).
+async fn read_validation(
+    shared: &Shared,
+    l: &ladder::Ladder,
+    v: &crate::validate::Validation,
+) -> Result<crate::validate::Verdict, TermError> {
+    use crate::validate::{Kind, Verdict};
+    let client = shared.remediator.client();
+    let gone = || Verdict::Failed(format!("the {} is gone", v.describe()));
+    let unavailable = |e: &hooks::HookError| {
+        tracing::warn!(node = %l.request.node, validation = %v.describe(), error = %e,
+            "The validation hook cannot be asked now; asking again at the next look.");
+        Verdict::Running
+    };
+    let missing =
+        |flag: &str| Verdict::Failed(format!("the {} cannot be read: {flag} is not configured", v.describe()));
+    let timeout = std::time::Duration::from_secs(v.timeout_seconds);
+    Ok(match v.kind {
+        Kind::Job => match crate::validate::read(&client, v).await? {
+            Some(job) => {
+                let verdict = crate::validate::verdict_of(&job);
+                if verdict == Verdict::Running {
+                    verdict
+                } else {
+                    // The summary without the pods is still worth publishing.
+                    let pods = crate::validate::read_pods(&client, v).await.unwrap_or_else(|e| {
+                        tracing::warn!(node = %l.request.node, job = %v.job, error = %e,
+                            "Cannot read the validation Job's pods; its result goes without their messages.");
+                        Vec::new()
+                    });
+                    crate::validate::with_pods(verdict, crate::validate::pod_summary(&pods))
+                }
+            }
+            None => gone(),
+        },
+        Kind::Webhook => match &shared.hooks.webhook {
+            Some(w) => match w.validate(l, timeout).await {
+                Ok((report, message)) => {
+                    crate::validate::hook_verdict(&report, message.as_deref(), "the validation webhook")
+                }
+                Err(e @ hooks::HookError::Unavailable(_)) => unavailable(&e),
+                Err(e) => Verdict::Failed(e.to_string()),
+            },
+            None => missing("--repair-webhook-url"),
+        },
+        Kind::Resource => match &shared.hooks.resource {
+            Some(r) => match r.validation_report(l, &v.job).await {
+                Ok(Some((report, message))) => {
+                    crate::validate::hook_verdict(&report, message.as_deref(), "the validation resource")
+                }
+                Ok(None) => gone(),
+                Err(e @ hooks::HookError::Unavailable(_)) => unavailable(&e),
+                Err(e) => Verdict::Failed(e.to_string()),
+            },
+            None => missing("--repair-resource-template"),
+        },
+    })
+}
+
+/// One look at the validation of the ladder `l` on `node`: a validation that passed releases the
+/// node (the held recovery is carried out and its outcome published), or starts its burn-in when
+/// one is set; one that failed or ran past its timeout escalates the ladder; one still running
+/// waits.
 async fn drive_validation(
     shared: &Shared,
     node: &k8s_openapi::api::core::v1::Node,
@@ -131,17 +244,15 @@ async fn drive_validation(
         write_ladder_if_unchanged(shared, &name, raw, &l).await?;
         return Ok(());
     };
+    let result = read_validation(shared, &l, &v).await?;
     let now = chrono::Utc::now();
-    let result = match crate::validate::read(&shared.remediator.client(), &v).await? {
-        Some(job) => crate::validate::verdict_of(&job),
-        None => crate::validate::Verdict::Failed(format!("the Job {}/{} is gone", v.namespace, v.job)),
-    };
     let elapsed = (now - v.since).to_std().unwrap_or_default();
     let result = match result {
         crate::validate::Verdict::Running if elapsed.as_secs() >= v.timeout_seconds => {
             crate::validate::Verdict::Failed(format!(
-                "the Job {}/{} did not finish within {}s",
-                v.namespace, v.job, v.timeout_seconds
+                "the {} did not finish within {}s",
+                v.describe(),
+                v.timeout_seconds
             ))
         }
         other => other,
@@ -149,44 +260,182 @@ async fn drive_validation(
     match result {
         crate::validate::Verdict::Running => Ok(()),
         crate::validate::Verdict::Passed(summary) => {
-            let detail = format!("validation passed: {summary}; the node returns to service");
+            let then = match v.burn_in_seconds {
+                0 => "the node returns to service".to_owned(),
+                secs => format!(
+                    "the node stays out for a burn-in of {} and returns if no new fault arrives meanwhile",
+                    hooks::human_seconds(secs)
+                ),
+            };
+            let detail = format!("validation passed: {summary}; {then}");
             publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
             shared.remediator.record_event(node, "ValidationPassed", detail, false).await;
             Validation { result: "passed" }.emit();
-            // The ladder ends before the recovery runs, so the driver cannot escalate a node that
-            // is returning; the recovery then removes what gpumedic applied.
-            end_ladder(shared, &v.recovery).await?;
-            let gpu_nodes = shared.fleet.count.load(std::sync::atomic::Ordering::Acquire);
-            let released = shared.remediator.remediate(&v.recovery, gpu_nodes).await.map_err(|e| e.to_string());
-            shared.remediator.leading(&name)?;
-            crate::maintenance::clear_for(&shared.remediator.client(), &name, &v.recovery.incident_id).await?;
-            let verdict_id = uuid::Uuid::parse_str(&v.recovery.verdict_id).unwrap_or_default();
-            let outcome = crate::verdicts::outcome_for(
-                verdict_id,
-                &name,
-                gpumedic_schemas::verdict::RecommendedAction::None,
-                &released,
-            );
-            publish(shared, &outcome, None).await?;
-            tracing::info!(node = %name, job = %v.job, "The validation passed: the node returned to service.");
-            Ok(())
+            if v.burn_in_seconds > 0 {
+                l.burning_in(now);
+                if !write_ladder_if_unchanged(shared, &name, raw, &l).await? {
+                    return Ok(());
+                }
+                shared.remediator.advance_state(&name, plan::State::BurnIn).await?;
+                BurnIn { result: "started" }.emit();
+                tracing::info!(node = %name, burn_in_seconds = v.burn_in_seconds,
+                    "The validation passed: the node burns in before it returns.");
+                return Ok(());
+            }
+            release(shared, &name, &v).await
         }
         crate::validate::Verdict::Failed(summary) => {
             let detail = format!("validation failed: {summary}");
             publish(shared, &validation_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
             shared.remediator.record_event(node, "ValidationFailed", detail, true).await;
             ValidationFailed { node: &name, job: &v.job, summary: &summary }.emit();
-            l.validation = None;
-            l.phase = ladder::Phase::Running;
-            escalate(shared, node, &mut l, &format!("validation failed: {summary}"), now).await?;
-            if !write_ladder_if_unchanged(shared, &name, raw, &l).await? {
-                return Ok(());
-            }
-            let state = if l.phase == ladder::Phase::Failed { plan::State::Failed } else { plan::State::Remediating };
-            shared.remediator.advance_state(&name, state).await?;
-            Ok(())
+            escalate_from_validation(shared, node, l, raw, &format!("validation failed: {summary}"), now).await
         }
     }
+}
+
+/// One look at the burn-in of the ladder `l` on `node`: over without a new fault (a new fault
+/// escalates the ladder when its verdict arrives, [`interrupt_burn_in`]), the node returns.
+async fn drive_burn_in(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    l: ladder::Ladder,
+    raw: Option<&str>,
+) -> Result<(), TermError> {
+    let name = l.request.node.clone();
+    let now = chrono::Utc::now();
+    let Some(v) = l.validation.clone() else {
+        return escalate_from_validation(shared, node, l, raw, "the validation record is missing", now).await;
+    };
+    if !l.burn_in_over(now) {
+        return Ok(());
+    }
+    let detail = format!(
+        "burn-in completed: no new fault on the node for {} after the validation passed; the node returns to service",
+        hooks::human_seconds(v.burn_in_seconds)
+    );
+    publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+    shared.remediator.record_event(node, "BurnInCompleted", detail, false).await;
+    BurnIn { result: "completed" }.emit();
+    release(shared, &name, &v).await
+}
+
+/// A new fault verdict (`request`, issued at `issued_at`) for a node in its burn-in: the burn-in
+/// is interrupted and the ladder escalates, as a failed validation does (the outcome and a Warning
+/// Event say which fault). A verdict issued before the burn-in began (a replay) changes nothing;
+/// nor does one for a node that is not burning in.
+pub(crate) async fn interrupt_burn_in(
+    shared: &Shared,
+    request: &request::Remediation,
+    issued_at: chrono::DateTime<chrono::Utc>,
+) -> Result<(), ApplyError> {
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(shared.remediator.client());
+    let node = match nodes.get_opt(&request.node).await {
+        Ok(Some(n)) => n,
+        Ok(None) => return Ok(()),
+        Err(source) => return Err(ApplyError::Read { node: request.node.clone(), source }),
+    };
+    let Some(Ok(l)) = ladder::ladder_on(&node) else { return Ok(()) };
+    if l.phase != ladder::Phase::BurnIn || issued_at < l.since {
+        return Ok(());
+    }
+    let raw = node.metadata.annotations.as_ref().and_then(|a| a.get(ladder::LADDER_ANNOTATION)).cloned();
+    let now = chrono::Utc::now();
+    let lasted = (now - l.since).to_std().unwrap_or_default().as_secs();
+    let period = l.validation.as_ref().map_or(0, |v| v.burn_in_seconds);
+    let why = format!(
+        "a new fault during the burn-in, {} into {}: {} (verdict {}, incident {})",
+        hooks::human_seconds(lasted),
+        hooks::human_seconds(period),
+        request.reason,
+        request.verdict_id,
+        request.incident_id
+    );
+    shared.remediator.leading(&request.node)?;
+    let moved = async {
+        let detail = format!("burn-in interrupted: {why}");
+        publish(shared, &validation_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
+        shared.remediator.record_event(&node, "BurnInInterrupted", detail, true).await;
+        BurnInInterrupted { node: &request.node, why: &why }.emit();
+        escalate_from_validation(shared, &node, l, raw.as_deref(), &why, now).await
+    };
+    moved
+        .await
+        .map_err(|e| ApplyError::Validation(format!("cannot escalate the burn-in of node {}: {e}", request.node)))
+}
+
+/// The validation (or the burn-in after it) of the ladder `l` on `node` failed for `why` at `now`:
+/// the held recovery is dropped and the ladder escalates from the step the node was on, as a
+/// failed repair step does; the state label follows (`remediating`, or `failed` on the last rung).
+async fn escalate_from_validation(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    mut l: ladder::Ladder,
+    raw: Option<&str>,
+    why: &str,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(), TermError> {
+    let name = l.request.node.clone();
+    l.failed_validation = true;
+    let release_from = l.validation.take().and_then(|v| v.release_from);
+    match release_from {
+        // Validated before a release, with no repair behind it: a drained node starts its repair
+        // ladder at the first rung; one that was only cordoned (work still on it) is not
+        // repaired behind its workloads' backs: it stays out for an operator.
+        Some(from) => {
+            l.history.push(format!("validation before release: {why}"));
+            l.since = now;
+            let detail = if from == plan::State::Drained {
+                l.phase = ladder::Phase::Pending;
+                format!(
+                    "validation before release failed ({why}); the node stays out and its repair ladder starts at {}",
+                    l.step_name()
+                )
+            } else {
+                l.phase = ladder::Phase::Failed;
+                format!(
+                    "validation before release failed ({why}); the node was not drained, so no repair starts: it \
+                     stays out and an operator must act"
+                )
+            };
+            publish(shared, &ladder_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
+            shared.remediator.record_event(node, "ReleaseRefused", detail.clone(), true).await;
+            if l.phase == ladder::Phase::Failed {
+                shared
+                    .remediator
+                    .restate_condition(&name, l.request.subsystem.condition_type(), "ValidationFailed", &detail)
+                    .await?;
+            }
+        }
+        None => {
+            l.phase = ladder::Phase::Running;
+            escalate(shared, node, &mut l, why, now).await?;
+        }
+    }
+    if !write_ladder_if_unchanged(shared, &name, raw, &l).await? {
+        return Ok(());
+    }
+    let state = if l.phase == ladder::Phase::Failed { plan::State::Failed } else { plan::State::Remediating };
+    shared.remediator.advance_state(&name, state).await?;
+    Ok(())
+}
+
+/// The validation `v` (and its burn-in, if any) passed: the ladder ends, then the held recovery is
+/// carried out (the node returns) and its outcome published under the recovery verdict.
+async fn release(shared: &Shared, name: &str, v: &crate::validate::Validation) -> Result<(), TermError> {
+    // The ladder ends before the recovery runs, so the driver cannot escalate a node that
+    // is returning; the recovery then removes what gpumedic applied.
+    end_ladder(shared, &v.recovery).await?;
+    let gpu_nodes = shared.fleet.count.load(std::sync::atomic::Ordering::Acquire);
+    let released = shared.remediator.remediate(&v.recovery, gpu_nodes).await.map_err(|e| e.to_string());
+    shared.remediator.leading(name)?;
+    crate::maintenance::clear_for(&shared.remediator.client(), name, &v.recovery.incident_id).await?;
+    let verdict_id = uuid::Uuid::parse_str(&v.recovery.verdict_id).unwrap_or_default();
+    let outcome =
+        crate::verdicts::outcome_for(verdict_id, name, gpumedic_schemas::verdict::RecommendedAction::None, &released);
+    publish(shared, &outcome, None).await?;
+    tracing::info!(node = %name, validation = %v.describe(), "The validation passed: the node returned to service.");
+    Ok(())
 }
 
 /// A validation's outcome, under the verdict that started the ladder, as `run_diagnostics`.
@@ -277,8 +526,10 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
     }
     // Hooks reboot and replace machines: never called by a replica that cannot prove it leads.
     shared.remediator.leading(&name)?;
-    if l.phase == ladder::Phase::Validating {
-        return drive_validation(shared, node, l, raw.as_deref()).await;
+    match l.phase {
+        ladder::Phase::Validating => return drive_validation(shared, node, l, raw.as_deref()).await,
+        ladder::Phase::BurnIn => return drive_burn_in(shared, node, l, raw.as_deref()).await,
+        _ => {}
     }
     let report =
         if l.phase == ladder::Phase::Running { shared.hooks.report(&l).await? } else { ladder::Report::Working };

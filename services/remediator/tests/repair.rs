@@ -18,7 +18,19 @@
 //! - validation before return (`--validation job`): the recovery of a repaired node creates a Job
 //!   pinned to it and holds the node `validating`; the test acts as the kubelet and the Job
 //!   controller by writing the Job's status: a Job that completes releases the node, one that
-//!   fails escalates to the next rung, one that never finishes times out and escalates.
+//!   fails escalates to the next rung, one that never finishes times out and escalates; the
+//!   result carries the Job's conditions and its pod's termination message (the test writes the
+//!   pod and its status as the Job controller and the kubelet would);
+//! - validation through the repair hooks (`--validation webhook`, `resource`): the webhook is
+//!   asked for `validate`, signed, under one key at every look, and answers with the state; the
+//!   custom resource is created for `validate` and its controller (the test) reports a phase:
+//!   success releases, failure and the timeout escalate;
+//! - burn-in (`--validation-burn-in`): after a passed validation the node stays out (`burn-in`)
+//!   and returns once the period passes without a new fault; a new fault verdict escalates the
+//!   ladder; a remediator restarted during the burn-in finishes it without validating again;
+//! - validation of releases without a repair (a drain or cordon quarantine, full-remediation):
+//!   the recovery is held for a Job; a pass releases, a failure or timeout starts the repair
+//!   ladder of a drained node and leaves a node that was only cordoned `failed` for an operator.
 //!
 //! Each test has its own namespace, nodes, topics and consumer group.
 
@@ -84,6 +96,8 @@ struct Receiver {
     calls: Arc<Mutex<Vec<Call>>>,
     script: Arc<Mutex<BTreeMap<u64, VecDeque<u16>>>>,
     always: Arc<Mutex<Option<u16>>>,
+    /// The answer to a validation request (`action: validate`), per node; unset: running.
+    validations: Arc<Mutex<BTreeMap<String, Value>>>,
 }
 
 impl Default for Receiver {
@@ -93,6 +107,7 @@ impl Default for Receiver {
             calls: Arc::default(),
             script: Arc::default(),
             always: Arc::default(),
+            validations: Arc::default(),
         }
     }
 }
@@ -105,13 +120,19 @@ impl Receiver {
     fn calls_for(&self, key: &str) -> Vec<Call> {
         self.calls().into_iter().filter(|c| c.key == key).collect()
     }
+
+    /// From now on, answers the validation of `node` with `phase` and `message`.
+    fn validation_answer(&self, node: &str, phase: &str, message: &str) {
+        let answer = json!({ "status": { "phase": phase, "message": message } });
+        self.validations.lock().unwrap().insert(node.to_owned(), answer);
+    }
 }
 
 async fn receive(
     axum::extract::State(r): axum::extract::State<Receiver>,
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
-) -> axum::http::StatusCode {
+) -> (axum::http::StatusCode, String) {
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     let delivery = hooks::Delivery::from_headers(&body[..], |name| headers.get(name).and_then(|v| v.to_str().ok()));
     let keys = r.keys.lock().unwrap().clone();
@@ -127,8 +148,16 @@ async fn receive(
         Some(s) => s,
         None => r.script.lock().unwrap().get_mut(&step).and_then(VecDeque::pop_front).unwrap_or(200),
     };
+    // A validation is answered with its state, as a repair resource's status reads.
+    let answer = if body["action"] == "validate" && status == 200 {
+        let node = body["node"].as_str().unwrap_or_default();
+        let running = json!({ "status": { "phase": "Running", "message": "dcgmi diag -r 2 is running" } });
+        r.validations.lock().unwrap().get(node).cloned().unwrap_or(running).to_string()
+    } else {
+        String::new()
+    };
     r.calls.lock().unwrap().push(Call { key: header(hooks::IDEMPOTENCY_HEADER), verified_by, signed, body, status });
-    axum::http::StatusCode::from_u16(status).unwrap()
+    (axum::http::StatusCode::from_u16(status).unwrap(), answer)
 }
 
 /// A TCP listener that completes a TLS handshake before handing the connection to axum.
@@ -715,18 +744,34 @@ fn job_status(passed: bool) -> Value {
 /// A node on a repair ladder (a reset verdict, drained, step 1 handed to the webhook), then its
 /// recovery verdict: returns the recovery verdict and the validation Job's name.
 async fn repaired_then_recovered(w: &World, name: &str) -> (Verdict, String) {
+    let (_, rec, job) = held_for_validation(w, name, "validation Job").await;
+    (rec, job)
+}
+
+/// As [`repaired_then_recovered`], for a validation the recovery's outcome names with `what`
+/// (`validation Job`, `validation webhook call`, `validation resource`): returns the fault
+/// verdict, the recovery verdict and the validation's name (its Job or resource).
+async fn held_for_validation(w: &World, name: &str, what: &str) -> (Verdict, Verdict, String) {
     let incident = uuid::Uuid::new_v4();
     let v = verdict(name, incident, RecommendedAction::ResetGpu, false);
     w.publish(&v).await;
     w.outcome(v.verdict_id, |o| o.detail.contains("handed to the repair hooks")).await;
     let rec = verdict(name, incident, RecommendedAction::None, true);
     w.publish(&rec).await;
-    let held = w.outcome(rec.verdict_id, |o| o.detail.contains("validation Job")).await;
+    let held = w.outcome(rec.verdict_id, |o| o.detail.contains(what)).await;
     assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
     let started = w.outcome(v.verdict_id, |o| o.action == RecommendedAction::RunDiagnostics).await;
     assert!(started.detail.starts_with("validating"), "{}", started.detail);
     let job = format!("gpumedic-validate-{}-1", v.verdict_id.simple());
-    (rec, job)
+    (v, rec, job)
+}
+
+/// Whether the webhook was called for step `step` of a ladder on `node`.
+fn called_for_step(receiver: &Receiver, node: &str, step: u64) -> Option<Call> {
+    receiver
+        .calls()
+        .into_iter()
+        .find(|c| c.body["node"] == node && c.body["step"] == step && c.body["action"] != "validate")
 }
 
 #[tokio::test]
@@ -831,4 +876,420 @@ async fn a_validation_job_that_never_finishes_times_out_and_escalates() {
     assert!(cordoned(&get_node(&w.client, &name).await));
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_webhook_validation_is_polled_under_one_key_and_passes_fails_or_times_out() {
+    let w = World::new().await;
+    let (a, b, c) = (w.node().await, w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "webhook".into()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "20s".into()),
+        ])
+        .await;
+    // B's receiver finds the node still faulty; C's never finishes; A's runs, then passes.
+    receiver.validation_answer(&b, "Failed", "PCIe replay counter above threshold on GPU 0");
+    let what = "validation webhook call";
+    let ((va, rec_a, _), (vb, _, _), (vc, _, _)) = tokio::join!(
+        held_for_validation(&w, &a, what),
+        held_for_validation(&w, &b, what),
+        held_for_validation(&w, &c, what)
+    );
+
+    // A: asked for `validate`, signed, polled under one key while it runs; the node waits.
+    let key_a = format!("{}:1:validate", va.verdict_id);
+    let calls = eventually("A's validation to be asked twice", Duration::from_secs(30), async || {
+        let calls = receiver.calls_for(&key_a);
+        (calls.len() >= 2).then_some(calls)
+    })
+    .await;
+    assert!(calls.iter().all(|c| c.verified_by.as_deref() == Some(hooks::DEFAULT_KEY_ID)), "{calls:?}");
+    assert_eq!((calls[0].body["action"].as_str(), calls[0].body["step"].as_u64()), (Some("validate"), Some(1)));
+    assert_eq!(calls[0].body["timeoutSeconds"].as_u64(), Some(20));
+    let node = get_node(&w.client, &a).await;
+    assert_eq!(state(&node).as_deref(), Some("validating"));
+    assert!(cordoned(&node), "not released while the validation runs");
+    receiver.validation_answer(&a, "Succeeded", "dcgmi diag -r 2: all 6 tests passed");
+    let node = eventually("node A to return", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &a).await;
+        (!cordoned(&n)).then_some(n)
+    })
+    .await;
+    assert!(gpumedic_taints(&node).is_empty() && state(&node).is_none() && !has_ladder(&node));
+    let passed = w.outcome(va.verdict_id, |o| o.detail.starts_with("validation passed")).await;
+    assert_eq!((passed.action, passed.status), (RecommendedAction::RunDiagnostics, ActionStatus::Applied));
+    assert!(passed.detail.contains("all 6 tests passed"), "{}", passed.detail);
+    w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+
+    // B: failed, with the receiver's reason; the ladder escalates to the next rung.
+    let step2 =
+        eventually("B's second rung", Duration::from_secs(30), async || called_for_step(&receiver, &b, 2)).await;
+    assert_eq!(step2.body["action"], "reboot_node");
+    let failed = w.outcome(vb.verdict_id, |o| o.detail.starts_with("validation failed")).await;
+    assert_eq!((failed.action, failed.status), (RecommendedAction::RunDiagnostics, ActionStatus::Failed));
+    assert!(failed.detail.contains("PCIe replay counter above threshold"), "{}", failed.detail);
+    let node = get_node(&w.client, &b).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("remediating"), "B stays out");
+
+    // C: no answer but "running" within 20 s: the validation times out and the ladder escalates.
+    eventually("C's second rung", Duration::from_secs(60), async || called_for_step(&receiver, &c, 2)).await;
+    let timed_out = w.outcome(vc.verdict_id, |o| o.detail.starts_with("validation failed")).await;
+    assert!(timed_out.detail.contains("did not finish within 20s"), "{}", timed_out.detail);
+    assert!(cordoned(&get_node(&w.client, &c).await));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b, &c], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_custom_resource_validation_passes_fails_or_times_out() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let (a, b, c) = (w.node().await, w.node().await, w.node().await);
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
+        w.ns
+    );
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "resource".into()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "20s".into()),
+        ])
+        .await;
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let what = "validation resource";
+    let ((va, rec_a, name_a), (vb, _, name_b), (vc, _, name_c)) = tokio::join!(
+        held_for_validation(&w, &a, what),
+        held_for_validation(&w, &b, what),
+        held_for_validation(&w, &c, what)
+    );
+    let report = async |name: &str, phase: &str, message: &str| {
+        let status = json!({ "status": { "phase": phase, "message": message } });
+        repairs.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await.expect("status set");
+    };
+
+    // A: the resource asks for `validate` on the node; its controller reports success.
+    let cr = repairs.get_opt(&name_a).await.unwrap().expect("A's validation resource");
+    assert_eq!(
+        (cr.data["spec"]["operation"].as_str(), cr.data["spec"]["nodeName"].as_str()),
+        (Some("validate"), Some(a.as_str()))
+    );
+    assert_eq!(state(&get_node(&w.client, &a).await).as_deref(), Some("validating"));
+    report(&name_a, "Succeeded", "burn-in suite passed on 8 GPUs").await;
+    eventually("node A to return", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &a).await;
+        (!cordoned(&n) && state(&n).is_none()).then_some(())
+    })
+    .await;
+    let passed = w.outcome(va.verdict_id, |o| o.detail.starts_with("validation passed")).await;
+    assert!(passed.detail.contains("burn-in suite passed on 8 GPUs"), "{}", passed.detail);
+    w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+
+    // B: its controller reports failure: the next rung's resource is created.
+    report(&name_b, "Failed", "NVLink errors on GPU 3").await;
+    let step2 = format!("gpumedic-{}-2", vb.verdict_id);
+    let cr =
+        eventually("B's second rung", Duration::from_secs(30), async || repairs.get_opt(&step2).await.unwrap()).await;
+    assert_eq!(cr.data["spec"]["operation"], "reboot_node");
+    let failed = w.outcome(vb.verdict_id, |o| o.detail.starts_with("validation failed")).await;
+    assert_eq!(failed.status, ActionStatus::Failed);
+    assert!(failed.detail.contains("NVLink errors on GPU 3"), "{}", failed.detail);
+    assert!(cordoned(&get_node(&w.client, &b).await), "B stays out");
+
+    // C: its controller never reports: the validation times out and the ladder escalates.
+    assert!(repairs.get_opt(&name_c).await.unwrap().is_some());
+    let step2 = format!("gpumedic-{}-2", vc.verdict_id);
+    eventually("C's second rung", Duration::from_secs(60), async || repairs.get_opt(&step2).await.unwrap()).await;
+    let timed_out = w.outcome(vc.verdict_id, |o| o.detail.starts_with("validation failed")).await;
+    assert!(timed_out.detail.contains("did not finish within 20s"), "{}", timed_out.detail);
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b, &c], &[&w.ns]).await;
+}
+
+/// The validation Job's pod, as the Job controller creates it and the kubelet ends it: its
+/// container terminated with `exit_code` and the termination message `message`.
+async fn ended_pod(w: &World, job: &str, node: &str, exit_code: i32, message: &str) {
+    let name = format!("{job}-x7k2p");
+    let labels = json!({ "labels": { "batch.kubernetes.io/job-name": job, "job-name": job } });
+    pod(&w.client, &w.ns, &name, node, labels).await;
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let reason = if exit_code == 0 { "Completed" } else { "Error" };
+    let phase = if exit_code == 0 { "Succeeded" } else { "Failed" };
+    let status = json!({ "status": { "phase": phase, "containerStatuses": [{
+        "name": "main", "image": "busybox", "imageID": "", "ready": false, "restartCount": 0,
+        "state": { "terminated": { "exitCode": exit_code, "reason": reason, "message": message,
+                                    "startedAt": now, "finishedAt": now } } }] } });
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), &w.ns);
+    pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(status)).await.expect("pod status");
+}
+
+#[tokio::test]
+async fn a_validation_jobs_result_carries_its_conditions_and_its_pods_termination_message() {
+    let w = World::new().await;
+    let (a, b) = (w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "job".into()),
+            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
+        ])
+        .await;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    let what = "validation Job";
+    let ((va, _, job_a), (vb, _, job_b)) =
+        tokio::join!(held_for_validation(&w, &a, what), held_for_validation(&w, &b, what));
+    for job in [&job_a, &job_b] {
+        eventually("the validation Job", Duration::from_secs(30), async || jobs.get_opt(job).await.unwrap()).await;
+    }
+
+    // The test, as the Job controller and the kubelet: A's diagnostic passed, B's failed, each
+    // pod with the termination message DCGM's wrapper writes.
+    ended_pod(&w, &job_a, &a, 0, "Diagnostic level 2: Deployment Pass, Integration Pass, Hardware Pass").await;
+    jobs.patch_status(&job_a, &PatchParams::default(), &Patch::Merge(job_status(true))).await.expect("Job status");
+    ended_pod(&w, &job_b, &b, 226, "Diagnostic level 2: Hardware FAIL: PCIe bandwidth 3.1 GB/s on GPU 0").await;
+    jobs.patch_status(&job_b, &PatchParams::default(), &Patch::Merge(job_status(false))).await.expect("Job status");
+
+    let passed = w.outcome(va.verdict_id, |o| o.detail.starts_with("validation passed")).await;
+    for part in ["CompletionsReached", "exited 0 (Completed)", "Hardware Pass"] {
+        assert!(passed.detail.contains(part), "{part} missing from: {}", passed.detail);
+    }
+    let failed = w.outcome(vb.verdict_id, |o| o.detail.starts_with("validation failed")).await;
+    assert_eq!((failed.action, failed.status), (RecommendedAction::RunDiagnostics, ActionStatus::Failed));
+    for part in ["BackoffLimitExceeded", "exited 226 (Error)", "PCIe bandwidth 3.1 GB/s on GPU 0"] {
+        assert!(failed.detail.contains(part), "{part} missing from: {}", failed.detail);
+    }
+    let events = events_of(&w.client, &b).await;
+    assert!(
+        events.iter().any(|(reason, message)| reason == "ValidationFailed" && message.contains("PCIe bandwidth")),
+        "{events:?}"
+    );
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b], &[&w.ns]).await;
+}
+
+/// The remediator's settings for a Job validation with `burn_in`, its webhook at `url` (CA `ca`).
+fn burn_in_env(w: &World, url: &str, ca: &str, burn_in: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("GPUMEDIC_REPAIR_WEBHOOK_URL", url.to_owned()),
+        ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+        ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", ca)),
+        ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+        ("GPUMEDIC_VALIDATION", "job".into()),
+        ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
+        ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
+        ("GPUMEDIC_VALIDATION_BURN_IN", burn_in.to_owned()),
+    ]
+}
+
+/// Passes the validation Job `job` of `node` and waits for the node's burn-in to begin.
+async fn pass_into_burn_in(w: &World, node: &str, job: &str, fault: &Verdict) {
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    eventually("the validation Job", Duration::from_secs(30), async || jobs.get_opt(job).await.unwrap()).await;
+    jobs.patch_status(job, &PatchParams::default(), &Patch::Merge(job_status(true))).await.expect("Job status");
+    let passed = w.outcome(fault.verdict_id, |o| o.detail.starts_with("validation passed")).await;
+    assert!(passed.detail.contains("burn-in"), "{}", passed.detail);
+    let node = eventually("the burn-in to begin", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, node).await;
+        (state(&n).as_deref() == Some("burn-in")).then_some(n)
+    })
+    .await;
+    assert!(cordoned(&node) && !gpumedic_taints(&node).is_empty(), "still out during the burn-in");
+}
+
+#[tokio::test]
+async fn a_burn_in_without_a_new_fault_returns_the_node_and_a_new_fault_escalates_the_ladder() {
+    let w = World::new().await;
+    let (a, b) = (w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w.start(&burn_in_env(&w, &url, &ca, "12s")).await;
+    let what = "validation Job";
+    let ((va, rec_a, job_a), (vb, _, job_b)) =
+        tokio::join!(held_for_validation(&w, &a, what), held_for_validation(&w, &b, what));
+    tokio::join!(pass_into_burn_in(&w, &a, &job_a, &va), pass_into_burn_in(&w, &b, &job_b, &vb));
+
+    // B: a new fault on the node during its burn-in (another incident): the repair did not hold,
+    // and the ladder escalates to the next rung.
+    let fault = verdict(&b, uuid::Uuid::new_v4(), RecommendedAction::ResetGpu, false);
+    w.publish(&fault).await;
+    let interrupted = w.outcome(vb.verdict_id, |o| o.detail.starts_with("burn-in interrupted")).await;
+    assert_eq!((interrupted.action, interrupted.status), (RecommendedAction::RunDiagnostics, ActionStatus::Failed));
+    assert!(interrupted.detail.contains(&fault.verdict_id.to_string()), "{}", interrupted.detail);
+    let step2 =
+        eventually("B's second rung", Duration::from_secs(30), async || called_for_step(&receiver, &b, 2)).await;
+    assert_eq!(step2.body["action"], "reboot_node");
+    let node = get_node(&w.client, &b).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("remediating"), "B stays out");
+    assert!(event_reasons(&w.client, &b).await.iter().any(|e| e == "BurnInInterrupted"));
+
+    // A: no new fault for the burn-in's 12 s: it returns, and the held recovery is carried out.
+    let node = eventually("node A to return", Duration::from_secs(60), async || {
+        let n = get_node(&w.client, &a).await;
+        (!cordoned(&n)).then_some(n)
+    })
+    .await;
+    assert!(gpumedic_taints(&node).is_empty() && state(&node).is_none() && !has_ladder(&node));
+    let done = w.outcome(va.verdict_id, |o| o.detail.starts_with("burn-in completed")).await;
+    assert_eq!((done.action, done.status), (RecommendedAction::RunDiagnostics, ActionStatus::Applied));
+    w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    assert!(event_reasons(&w.client, &a).await.iter().any(|e| e == "BurnInCompleted"));
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn a_burn_in_survives_a_remediator_restart() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let env = burn_in_env(&w, &url, &ca, "15s");
+    let mut r = w.start(&env).await;
+    let (v, rec, job) = held_for_validation(&w, &name, "validation Job").await;
+    pass_into_burn_in(&w, &name, &job, &v).await;
+
+    // The remediator goes away during the burn-in: the node stays out, its burn-in on the Node.
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let node = get_node(&w.client, &name).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("burn-in"));
+    let raw = node.metadata.annotations.as_ref().unwrap()[LADDER_ANNOTATION].clone();
+    let recorded: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(
+        (recorded["phase"].as_str(), recorded["validation"]["burnInSeconds"].as_u64()),
+        (Some("burn_in"), Some(15))
+    );
+
+    // A new replica takes over and finishes the burn-in, without validating again.
+    let mut r = w.start(&env).await;
+    eventually("the node to return", Duration::from_secs(60), async || {
+        let n = get_node(&w.client, &name).await;
+        (!cordoned(&n) && state(&n).is_none()).then_some(())
+    })
+    .await;
+    w.outcome(v.verdict_id, |o| o.detail.starts_with("burn-in completed")).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    assert_eq!(jobs.list(&ListParams::default()).await.unwrap().items.len(), 1, "one validation, not two");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+/// A node taken out by a verdict asking for `action` (no repair: a cordon or a drain), then its
+/// recovery verdict, held for a validation Job: returns the recovery verdict and the Job's name.
+async fn quarantined_then_recovered(w: &World, name: &str, action: RecommendedAction, out: &str) -> (Verdict, String) {
+    let incident = uuid::Uuid::new_v4();
+    let v = verdict(name, incident, action, false);
+    w.publish(&v).await;
+    eventually("the quarantine", Duration::from_secs(60), async || {
+        (state(&get_node(&w.client, name).await).as_deref() == Some(out)).then_some(())
+    })
+    .await;
+    assert!(!has_ladder(&get_node(&w.client, name).await), "no repair ladder");
+    let rec = verdict(name, incident, RecommendedAction::None, true);
+    w.publish(&rec).await;
+    let held = w.outcome(rec.verdict_id, |o| o.detail.contains("validation Job")).await;
+    assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
+    let started = w.outcome(rec.verdict_id, |o| o.action == RecommendedAction::RunDiagnostics).await;
+    assert!(started.detail.starts_with("validating: healthy evidence for a node in quarantine"), "{}", started.detail);
+    let job = format!("gpumedic-validate-{}-1", rec.verdict_id.simple());
+    (rec, job)
+}
+
+#[tokio::test]
+async fn a_release_from_a_quarantine_without_a_repair_is_validated_first() {
+    let w = World::new().await;
+    let (a, b, c, d) = (w.node().await, w.node().await, w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
+            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
+            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "job".into()),
+            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "20s".into()),
+        ])
+        .await;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    let drain = RecommendedAction::Drain;
+    let ((rec_a, job_a), (rec_b, job_b), (rec_c, _), (rec_d, job_d)) = tokio::join!(
+        quarantined_then_recovered(&w, &a, drain, "drained"),
+        quarantined_then_recovered(&w, &b, drain, "drained"),
+        quarantined_then_recovered(&w, &c, drain, "drained"),
+        quarantined_then_recovered(&w, &d, RecommendedAction::Cordon, "quarantined"),
+    );
+    for node in [&a, &b, &c, &d] {
+        let n = get_node(&w.client, node).await;
+        assert!(cordoned(&n) && state(&n).as_deref() == Some("validating"), "{node} waits for its validation");
+    }
+    for job in [&job_a, &job_b, &job_d] {
+        eventually("the validation Job", Duration::from_secs(30), async || jobs.get_opt(job).await.unwrap()).await;
+    }
+
+    // A passes: released, and the recovery's outcome follows.
+    jobs.patch_status(&job_a, &PatchParams::default(), &Patch::Merge(job_status(true))).await.expect("Job status");
+    eventually("node A to return", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &a).await;
+        (!cordoned(&n) && state(&n).is_none() && !has_ladder(&n)).then_some(())
+    })
+    .await;
+    w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let events = event_reasons(&w.client, &a).await;
+    assert!(events.iter().any(|e| e == "ValidationPassed"), "{events:?}");
+    assert!(!events.iter().any(|e| e == "Remediated"), "nothing was repaired: {events:?}");
+
+    // B fails: drained, so its repair ladder starts at the first rung.
+    jobs.patch_status(&job_b, &PatchParams::default(), &Patch::Merge(job_status(false))).await.expect("Job status");
+    let step1 = eventually("B's first rung", Duration::from_secs(30), async || called_for_step(&receiver, &b, 1)).await;
+    assert_eq!(step1.body["action"], "reset_gpu");
+    let refused = w.outcome(rec_b.verdict_id, |o| o.detail.starts_with("validation before release failed")).await;
+    assert_eq!(refused.status, ActionStatus::Failed);
+    let node = get_node(&w.client, &b).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("remediating"), "B stays out");
+
+    // D was only cordoned (its work still runs there): no repair behind its back; it stays out.
+    jobs.patch_status(&job_d, &PatchParams::default(), &Patch::Merge(job_status(false))).await.expect("Job status");
+    let node = eventually("D to fail", Duration::from_secs(30), async || {
+        let n = get_node(&w.client, &d).await;
+        (state(&n).as_deref() == Some("failed")).then_some(n)
+    })
+    .await;
+    assert!(cordoned(&node));
+    assert!(
+        conditions(&node).contains(&("GpuUnhealthy".into(), "True".into(), Some("ValidationFailed".into()))),
+        "{:?}",
+        conditions(&node)
+    );
+    w.outcome(rec_d.verdict_id, |o| o.detail.contains("an operator must act")).await;
+    assert!(called_for_step(&receiver, &d, 1).is_none(), "no repair for a node that was not drained");
+    // The recovery again (as the resync re-issues a resolved incident's): it stays out.
+    let again = Verdict { verdict_id: uuid::Uuid::new_v4(), ..rec_d.clone() };
+    w.publish(&again).await;
+    let held = w.outcome(again.verdict_id, |o| o.detail.contains("until an operator acts")).await;
+    assert_eq!(held.status, ActionStatus::SkippedByMode, "{}", held.detail);
+    assert!(cordoned(&get_node(&w.client, &d).await), "still out");
+
+    // C never finishes within 20 s: the same as a failure.
+    eventually("C's first rung", Duration::from_secs(60), async || called_for_step(&receiver, &c, 1)).await;
+    w.outcome(rec_c.verdict_id, |o| o.detail.contains("did not finish within 20s")).await;
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b, &c, &d], &[&w.ns]).await;
 }
