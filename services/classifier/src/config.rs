@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::BatchSettings;
+use gpumedic_runtime::postgres;
 use gpumedic_runtime::stage::{BatchArgs, StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::topics;
 
@@ -196,15 +197,8 @@ impl Validate for Args {
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
         let stage = self.stage.validate().map_err(|e| p.extend(e)).ok();
         let batch = self.batch.validate().map_err(|e| p.extend(e)).ok();
-        if !(self.database_url.starts_with("postgres://") || self.database_url.starts_with("postgresql://")) {
-            p.push("--database-url", "must be a postgres:// URL");
-        }
-        if self.database_pool == 0 {
-            p.push("--database-pool", "must be at least 1");
-        }
-        if self.api_database_pool == 0 {
-            p.push("--api-database-pool", "must be at least 1");
-        }
+        postgres::check_database_flags(&mut p, &self.database_url, self.database_pool);
+        postgres::check_pool(&mut p, "--api-database-pool", self.api_database_pool);
         // With no valid pool, that problem is the one to fix first.
         if self.write_parallelism == 0
             || (self.database_pool > 0 && self.write_parallelism > self.database_pool as usize)

@@ -5,42 +5,15 @@
 //! the inventory; a simulated reboot brings a new boot id, a `start` inventory with every GPU and
 //! the lost GPU's heartbeat, and the new boot id outlives a collector restart.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{CollectorEnv, inject};
 use gpumedic_collector::gpu::{SIMULATED_PRODUCT, simulated_pci, simulated_uuid};
 use gpumedic_schemas::health::{GpuInventoryDetail, Source};
 use gpumedic_schemas::{Detail, HealthEvent, Kind, topics};
 use gpumedic_testkit as testkit;
-
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
-
-/// A minimal HTTP/1.1 POST of a JSON body on loopback: status code and body.
-async fn post(addr: std::net::SocketAddr, body: &str) -> std::io::Result<(u16, serde_json::Value)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!(
-        "POST /v1/inject HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
-    Ok((code, serde_json::from_str(body).unwrap_or(serde_json::Value::Null)))
-}
-
-/// Posts `body` once the endpoint listens (it starts shortly after /readyz answers).
-async fn inject(addr: std::net::SocketAddr, body: &str) -> (u16, serde_json::Value) {
-    for _ in 0..50 {
-        if let Ok(answer) = post(addr, body).await {
-            return answer;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the fault-injection endpoint on {addr} does not answer");
-}
 
 /// Every event of `node` on the raw topic, in order, read until `done` holds for them.
 async fn events_until(node: &str, what: &str, mut done: impl FnMut(&[HealthEvent]) -> bool) -> Vec<HealthEvent> {
@@ -82,27 +55,19 @@ fn is_heartbeat(e: &HealthEvent, gpu: i32, boot: &str) -> bool {
 async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and_a_reboot() {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testkit::unique_name("boot-inv");
-    let state = std::env::temp_dir().join(testkit::unique_name("collector-boot-inv"));
-    std::fs::create_dir_all(&state).unwrap();
+    let state = common::scratch("collector-boot-inv");
     let boot_file = state.join("boot_id");
     let host_boot = uuid::Uuid::new_v4().to_string();
     std::fs::write(&boot_file, format!("{host_boot}\n")).unwrap();
     let synthetic = testkit::free_local_addr().unwrap();
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
-        ("GPUMEDIC_SIMULATED_GPUS", "4".into()),
-        ("GPUMEDIC_SAMPLE_INTERVAL", "200ms".into()),
-        ("GPUMEDIC_HEARTBEAT_INTERVAL", "1s".into()),
-        ("GPUMEDIC_INVENTORY_REFRESH", "1h".into()),
-        ("GPUMEDIC_KMSG_PATH", "off".into()),
-        ("GPUMEDIC_BOOT_ID_FILE", boot_file.display().to_string()),
-        ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
-        ("GPUMEDIC_STATE_DIR", state.join("state").display().to_string()),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let env = CollectorEnv::new(bootstrap, &node, &state.join("state"))
+        .simulated(4)
+        .set("GPUMEDIC_SAMPLE_INTERVAL", "200ms")
+        .set("GPUMEDIC_HEARTBEAT_INTERVAL", "1s")
+        .set("GPUMEDIC_INVENTORY_REFRESH", "1h")
+        .set("GPUMEDIC_BOOT_ID_FILE", boot_file.display().to_string())
+        .set("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string());
+    let mut collector = env.start().await;
 
     // At start: the inventory of every GPU, by every name, in the boot of the file.
     let events =
@@ -193,8 +158,7 @@ async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and
     // A restart of the collector keeps the simulated node in its new boot (its start inventory
     // is in the new boot, not back in the file's).
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut collector = env.start().await;
     events_until(&node, "the restarted collector's inventory", |ev| {
         ev.iter().filter(|e| is_inventory(e, "start", &new_boot)).count() == 2
     })
@@ -205,10 +169,6 @@ async fn boot_id_on_every_event_and_the_inventory_through_a_fall_off_the_bus_and
 
 #[test]
 fn a_missing_boot_id_file_stops_the_start_with_the_problem_listed() {
-    let (code, stderr) = testkit::run_with_invalid_config(
-        BIN,
-        &["--kafka-bootstrap", "127.0.0.1:19092", "--node-name", "n1", "--boot-id-file", "/nonexistent/boot_id"],
-    );
-    assert_eq!(code, Some(64), "{stderr}");
+    let stderr = common::refused(&["--boot-id-file", "/nonexistent/boot_id"]);
     assert!(stderr.contains("--boot-id-file") && stderr.contains("/nonexistent/boot_id"), "{stderr}");
 }

@@ -3,6 +3,8 @@
 //! Scheduled Events, the Oracle Cloud IMDS v2 instance document) and refuses requests without the headers each one demands. The module is
 //! driven directly (poll, track, detect), and once through the collector binary to Kafka.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,12 +13,11 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
+use common::CollectorEnv;
 use gpumedic_collector::cloud::{self, CloudSettings, Notice, Poller, ProviderChoice, Tracker};
 use gpumedic_schemas::health::CloudProvider;
-use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_schemas::{Detail, HealthEvent};
 use gpumedic_testkit as testkit;
-
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
 const AWS_EVENT: &str = r#"[
   {
@@ -460,44 +461,26 @@ async fn the_collector_publishes_a_detected_notice_to_kafka() {
     let fake = Fake::start(CloudProvider::Aws).await;
     fake.set(|s| s.aws_events = Some(AWS_EVENT.into()));
     let node = testkit::unique_name("cloud-node");
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        // Its own state folder: the spool allows one collector per folder.
-        (
-            "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
-        ),
-        ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
-        ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
-        ("GPUMEDIC_CLOUD_PROVIDER", "auto".to_owned()),
-        ("GPUMEDIC_CLOUD_POLL_INTERVAL", "1s".to_owned()),
-        ("GPUMEDIC_AWS_METADATA_URL", fake.url.clone()),
-        ("GPUMEDIC_GCP_METADATA_URL", fake.url.clone()),
-        ("GPUMEDIC_AZURE_METADATA_URL", fake.url.clone()),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut collector =
+        CollectorEnv::new(bootstrap, &node, &std::env::temp_dir().join(testkit::unique_name("collector-state")))
+            .set("GPUMEDIC_CLOUD_PROVIDER", "auto")
+            .set("GPUMEDIC_CLOUD_POLL_INTERVAL", "1s")
+            .set("GPUMEDIC_AWS_METADATA_URL", fake.url.clone())
+            .set("GPUMEDIC_GCP_METADATA_URL", fake.url.clone())
+            .set("GPUMEDIC_AZURE_METADATA_URL", fake.url.clone())
+            .start()
+            .await;
     let want = |healthy: bool| {
-        let node = node.clone();
-        move |r: &gpumedic_runtime::kafka::Record| {
-            r.key.as_deref() == Some(node.as_bytes())
-                && gpumedic_schemas::decode::<HealthEvent>(r.payload.as_deref().unwrap_or_default()).is_ok_and(|e| {
-                    e.healthy == healthy
-                        && matches!(&e.detail, Detail::CloudMaintenance(d)
-                            if d.provider == CloudProvider::Aws
-                                && d.provider_event_id.as_deref() == Some("instance-event-0d59937288b749b32"))
-                })
+        move |e: &HealthEvent| {
+            e.healthy == healthy
+                && matches!(&e.detail, Detail::CloudMaintenance(d)
+                    if d.provider == CloudProvider::Aws
+                        && d.provider_event_id.as_deref() == Some("instance-event-0d59937288b749b32"))
         }
     };
-    testkit::wait_for_record(topics::HEALTH_RAW, want(false), Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    common::first_event(&node, Duration::from_secs(30), want(false)).await;
     fake.set(|s| s.aws_events = Some("[]".into()));
-    let ended = testkit::wait_for_record(topics::HEALTH_RAW, want(true), Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let event: HealthEvent = gpumedic_schemas::decode(ended.payload.as_deref().unwrap()).unwrap();
+    let event = common::first_event(&node, Duration::from_secs(30), want(true)).await;
     assert_eq!(event.source, gpumedic_schemas::health::Source::Cloud);
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 }

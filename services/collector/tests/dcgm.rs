@@ -1,6 +1,8 @@
 //! The DCGM source: dcgm-exporter served by a local HTTP server from the fixtures, and a fake
 //! `dcgmi` (a shell script printing fixture JSON, exiting as dcgmi does) for the diagnostic.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -8,12 +10,20 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
+use common::CollectorEnv;
 use gpumedic_collector::dcgm::source::{DiagOutcome, DiagSettings, run_diag_once};
 use gpumedic_schemas::health::{DcgmResult, MonitorState, Source};
-use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_schemas::{Detail, HealthEvent};
 use gpumedic_testkit as testkit;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
+/// A collector of `node` without GPUs, the kernel log or cloud notices, scraping the
+/// dcgm-exporter at `url` every second, in a state folder of its own.
+fn dcgm_collector(bootstrap: String, node: &str, url: String) -> CollectorEnv {
+    CollectorEnv::new(bootstrap, node, &std::env::temp_dir().join(testkit::unique_name("collector-state")))
+        .set("GPUMEDIC_CLOUD_PROVIDER", "none")
+        .set("GPUMEDIC_DCGM_EXPORTER_URL", url)
+        .set("GPUMEDIC_DCGM_SCRAPE_INTERVAL", "1s")
+}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dcgm").join(name)
@@ -104,40 +114,13 @@ async fn the_collector_publishes_exporter_changes_and_diagnostic_results() {
     let url = serve_metrics(page.clone()).await;
     let dcgmi = fake_dcgmi(Some(&fixture("diag-3x-r2-fail.json")), 226, 0);
     let node = testkit::unique_name("dcgm-node");
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        // Its own state folder: the spool allows one collector per folder.
-        (
-            "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
-        ),
-        ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
-        ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
-        ("GPUMEDIC_CLOUD_PROVIDER", "none".to_owned()),
-        ("GPUMEDIC_DCGM_EXPORTER_URL", url),
-        ("GPUMEDIC_DCGM_SCRAPE_INTERVAL", "1s".to_owned()),
-        ("GPUMEDIC_DCGM_DIAG_INTERVAL", "2s".to_owned()),
-        ("GPUMEDIC_DCGM_DIAG_COMMAND", format!("{} diag -r 1 -j", dcgmi.display())),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut collector = dcgm_collector(bootstrap, &node, url)
+        .set("GPUMEDIC_DCGM_DIAG_INTERVAL", "2s")
+        .set("GPUMEDIC_DCGM_DIAG_COMMAND", format!("{} diag -r 1 -j", dcgmi.display()))
+        .start()
+        .await;
     let find = |want: Box<dyn Fn(&HealthEvent) -> bool + Send>| {
-        let node = node.clone();
-        async move {
-            let r = testkit::wait_for_record(
-                topics::HEALTH_RAW,
-                |r| {
-                    r.key.as_deref() == Some(node.as_bytes())
-                        && gpumedic_schemas::decode::<HealthEvent>(r.payload.as_deref().unwrap_or_default())
-                            .is_ok_and(|e| e.source == Source::Dcgm && want(&e))
-                },
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-            gpumedic_schemas::decode::<HealthEvent>(r.payload.as_deref().unwrap()).unwrap()
-        }
+        common::first_event(&node, Duration::from_secs(30), move |e| e.source == Source::Dcgm && want(e))
     };
 
     // GPU 1 comes up with a failed row remap: reported on the first scrape.
@@ -162,35 +145,12 @@ async fn an_unreachable_exporter_is_a_monitor_event() {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testkit::unique_name("dcgm-down-node");
     let nowhere = format!("http://{}/metrics", testkit::free_local_addr().unwrap());
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        // Its own state folder: the spool allows one collector per folder.
-        (
-            "GPUMEDIC_STATE_DIR",
-            std::env::temp_dir().join(testkit::unique_name("collector-state")).display().to_string(),
-        ),
-        ("GPUMEDIC_GPU_BACKEND", "off".to_owned()),
-        ("GPUMEDIC_KMSG_PATH", "off".to_owned()),
-        ("GPUMEDIC_CLOUD_PROVIDER", "none".to_owned()),
-        ("GPUMEDIC_DCGM_EXPORTER_URL", nowhere),
-        ("GPUMEDIC_DCGM_SCRAPE_INTERVAL", "1s".to_owned()),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    testkit::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| {
-            r.key.as_deref() == Some(node.as_bytes())
-                && gpumedic_schemas::decode::<HealthEvent>(r.payload.as_deref().unwrap_or_default()).is_ok_and(|e| {
-                    !e.healthy
-                        && matches!(&e.detail, Detail::MonitorHealth(m)
-                            if m.monitor == "dcgm-exporter" && m.state == MonitorState::Unavailable)
-                })
-        },
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let mut collector = dcgm_collector(bootstrap, &node, nowhere).start().await;
+    common::first_event(&node, Duration::from_secs(30), |e| {
+        !e.healthy
+            && matches!(&e.detail, Detail::MonitorHealth(m)
+                if m.monitor == "dcgm-exporter" && m.state == MonitorState::Unavailable)
+    })
+    .await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 }

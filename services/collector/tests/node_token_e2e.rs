@@ -7,56 +7,24 @@
 //! and a signature that verifies under the token's key, the token itself only until the directory
 //! has taken it.
 
+mod common;
+
 use std::time::Duration;
 
+use common::CollectorEnv;
 use gpumedic_runtime::kafka::node_proof::{NodeKey, directory_key};
 use gpumedic_runtime::kafka::{Record, record_headers};
 use gpumedic_schemas::topics;
 use gpumedic_testkit as testkit;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
-
-async fn post(addr: std::net::SocketAddr, body: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!(
-        "POST /v1/inject HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    Ok((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
-}
-
 /// Injects one Xid through the synthetic endpoint; its event id once it is spooled or published.
 async fn inject(addr: std::net::SocketAddr) -> String {
-    let mut last = String::new();
-    for _ in 0..100 {
-        match post(addr, r#"{"xid": 79}"#).await {
-            Ok((200, answer)) => {
-                let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON");
-                return v["event_ids"][0].as_str().expect("an id").to_owned();
-            }
-            Ok((code, answer)) => panic!("inject answered {code}: {answer}"),
-            Err(e) => last = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the synthetic endpoint did not answer: {last}")
+    common::inject_ids(addr, r#"{"xid": 79}"#).await.swap_remove(0)
 }
 
 /// The raw record of event `id`.
 async fn record_of(id: &str) -> Record {
-    testkit::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
+    testkit::wait_for_event(topics::HEALTH_RAW, id, Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The node token header of the raw record of event `id`.
@@ -64,51 +32,45 @@ async fn token_of(id: &str) -> Vec<u8> {
     record_of(id).await.header(record_headers::NODE_TOKEN).expect("a node token header").to_vec()
 }
 
-/// Starts a collector for `node` with fault injection on; the process and its injection address.
-fn start_with_addr(
+/// Starts a collector for `node` with fault injection on, the proof flag `proof` set, and waits
+/// until it is ready; the process and its injection address.
+async fn start_with_addr(
     bootstrap: String,
     node: &str,
     state: &std::path::Path,
     token: &std::path::Path,
-    proof: &[(&str, String)],
+    proof: (&'static str, String),
 ) -> (testkit::ServiceProcess, std::net::SocketAddr) {
     let synthetic = testkit::free_local_addr().expect("a free port");
-    let mut env = vec![
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.to_owned()),
-        ("GPUMEDIC_GPU_BACKEND", "off".into()),
-        ("GPUMEDIC_KMSG_PATH", "off".into()),
-        ("GPUMEDIC_STATE_DIR", state.display().to_string()),
-        ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
-        ("GPUMEDIC_DELIVERY_TIMEOUT", "2s".into()),
-        ("GPUMEDIC_NODE_TOKEN_FILE", token.display().to_string()),
-        ("GPUMEDIC_REQUIRE_NODE_TOKEN", "true".into()),
-    ];
-    env.extend(proof.iter().cloned());
-    (testkit::ServiceProcess::start(BIN, &[], &env).expect("starts"), synthetic)
+    let collector = CollectorEnv::new(bootstrap, node, state)
+        .set("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string())
+        .set("GPUMEDIC_DELIVERY_TIMEOUT", "2s")
+        .set("GPUMEDIC_NODE_TOKEN_FILE", token.display().to_string())
+        .set("GPUMEDIC_REQUIRE_NODE_TOKEN", "true")
+        .set(proof.0, proof.1)
+        .start()
+        .await;
+    (collector, synthetic)
 }
 
 #[tokio::test]
 async fn records_carry_the_token_of_when_they_are_sent() {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testkit::unique_name("token-node");
-    let dir = std::env::temp_dir().join(testkit::unique_name("collector-token"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("collector-token");
     let (state, token) = (dir.join("state"), dir.join("token"));
     std::fs::write(&token, "token-of-the-outage\n").unwrap();
 
     // Kafka unreachable (nothing listens there): the event is spooled.
     let nowhere = testkit::free_local_addr().expect("a free port").to_string();
-    let token_mode = [("GPUMEDIC_NODE_AUTH_PROOF", "token".to_owned())];
-    let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token, &token_mode);
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let token_mode = ("GPUMEDIC_NODE_AUTH_PROOF", "token".to_owned());
+    let (mut collector, addr) = start_with_addr(nowhere, &node, &state, &token, token_mode.clone()).await;
     let spooled = inject(addr).await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
     // The kubelet rotated the token meanwhile; Kafka is back.
     std::fs::write(&token, "token-after-the-outage\n").unwrap();
-    let (mut collector, addr) = start_with_addr(bootstrap.clone(), &node, &state, &token, &token_mode);
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let (mut collector, addr) = start_with_addr(bootstrap.clone(), &node, &state, &token, token_mode).await;
     let direct = inject(addr).await;
     assert_eq!(token_of(&spooled).await, b"token-after-the-outage", "a spooled record leaves with today's token");
     assert_eq!(token_of(&direct).await, b"token-after-the-outage");
@@ -128,19 +90,7 @@ async fn records_carry_the_token_of_when_they_are_sent() {
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
     // Required and missing: a configuration error, exit 64.
-    let (code, stderr) = testkit::run_with_invalid_config(
-        BIN,
-        &[
-            "--kafka-bootstrap",
-            "127.0.0.1:1",
-            "--node-name",
-            &node,
-            "--node-token-file",
-            "/nonexistent/gpumedic/token",
-            "--require-node-token",
-        ],
-    );
-    assert_eq!(code, Some(64), "{stderr}");
+    let stderr = common::refused(&["--node-token-file", "/nonexistent/gpumedic/token", "--require-node-token"]);
     assert!(stderr.contains("--node-token-file") && stderr.contains("/nonexistent/gpumedic/token"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -150,13 +100,11 @@ async fn signed_records_name_a_token_the_directory_holds() {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testkit::unique_name("signing-node");
     let directory = testkit::unique_name("node-tokens");
-    let dir = std::env::temp_dir().join(testkit::unique_name("collector-signing"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("collector-signing");
     let (state, token) = (dir.join("state"), dir.join("token"));
     std::fs::write(&token, "first-token\n").unwrap();
-    let signature_mode = [("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone())];
-    let (mut collector, addr) = start_with_addr(bootstrap, &node, &state, &token, &signature_mode);
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let signature_mode = ("GPUMEDIC_NODE_TOKENS_TOPIC", directory.clone());
+    let (mut collector, addr) = start_with_addr(bootstrap, &node, &state, &token, signature_mode).await;
 
     // Signed once the directory holds the token: until then a record may carry the token.
     let signed_with = |token: &'static [u8]| {

@@ -1,41 +1,23 @@
 //! The kubelet PodResources reader against a PodResources server started here, on a unix socket
 //! in a temp dir, speaking the kubelet's protocol (`v1.PodResourcesLister/List`).
 
+mod common;
+
 use std::time::Duration;
 
+use common::{Kubelet, PodDevices};
 use gpumedic_collector::pod_resources::{self, GPU_RESOURCE, PodRef};
-use gpumedic_proto::podresources::v1::pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer};
-use gpumedic_proto::podresources::v1::{
-    ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
-};
 
 /// A kubelet that answers `List` with two training pods on four GPUs and one MIG pod.
-struct Kubelet;
-
-#[tonic::async_trait]
-impl PodResourcesLister for Kubelet {
-    async fn list(
-        &self,
-        _: tonic::Request<ListPodResourcesRequest>,
-    ) -> Result<tonic::Response<ListPodResourcesResponse>, tonic::Status> {
-        let pod = |ns: &str, name: &str, resource: &str, ids: &[&str]| PodResources {
-            name: name.into(),
-            namespace: ns.into(),
-            containers: vec![ContainerResources {
-                name: "main".into(),
-                devices: vec![ContainerDevices {
-                    resource_name: resource.into(),
-                    device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
-                }],
-            }],
-        };
-        Ok(tonic::Response::new(ListPodResourcesResponse {
-            pod_resources: vec![
-                pod("ml", "train-a", GPU_RESOURCE, &["GPU-0", "GPU-1"]),
-                pod("ml", "train-b", GPU_RESOURCE, &["GPU-2", "GPU-3"]),
-                pod("inf", "serve", "nvidia.com/mig-3g.40gb", &["MIG-7"]),
-            ],
-        }))
+fn kubelet() -> Kubelet {
+    let pod = |ns: &str, name: &str, resource: &str, ids: &[&str]| PodDevices::new(ns, name, "main", resource, ids);
+    Kubelet {
+        pods: vec![
+            pod("ml", "train-a", GPU_RESOURCE, &["GPU-0", "GPU-1"]),
+            pod("ml", "train-b", GPU_RESOURCE, &["GPU-2", "GPU-3"]),
+            pod("inf", "serve", "nvidia.com/mig-3g.40gb", &["MIG-7"]),
+        ],
+        ..Kubelet::default()
     }
 }
 
@@ -44,12 +26,7 @@ async fn the_gpus_pods_come_from_the_kubelet_socket() {
     let dir = std::env::temp_dir().join(format!("gpumedic-podres-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     let socket = dir.join("kubelet.sock");
-    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(PodResourcesListerServer::new(Kubelet))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
-    );
+    let server = common::serve_kubelet(kubelet(), &socket);
     let pods = pod_resources::list(&socket, Duration::from_secs(5)).await.expect("the kubelet answers");
     let one = |ns: &str, pod: &str| vec![PodRef { namespace: ns.into(), pod: pod.into(), container: "main".into() }];
     assert_eq!(pods.pods("GPU-1"), one("ml", "train-a"));

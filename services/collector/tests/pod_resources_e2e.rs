@@ -4,65 +4,22 @@
 //! kernel-log Xid that names its GPU by PCI bus id alone, so the UUID the collector resolves is
 //! what the pods are looked up by.
 
+mod common;
+
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::Utc;
+use common::{CollectorEnv, Kubelet, PodDevices, first_event, scratch, serve_kubelet};
 use gpumedic_collector::gpu::{simulated_pci, simulated_uuid};
 use gpumedic_collector::kernel_log::kmsg::read_boot_time;
 use gpumedic_collector::pod_resources::GPU_RESOURCE;
-use gpumedic_proto::podresources::v1::pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer};
-use gpumedic_proto::podresources::v1::{
-    ContainerDevices, ContainerResources, ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
-};
 use gpumedic_schemas::health::{GpuWorkload, Kind, MonitorState};
-use gpumedic_schemas::{Detail, HealthEvent, topics};
+use gpumedic_schemas::{Detail, HealthEvent};
 use gpumedic_testkit as testkit;
-
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
-
-/// A kubelet whose `List` answers with `pods` (namespace, pod, container, device ids) and counts
-/// the calls.
-struct Kubelet {
-    pods: Vec<(String, String, String, Vec<String>)>,
-    calls: Arc<AtomicU64>,
-}
-
-#[tonic::async_trait]
-impl PodResourcesLister for Kubelet {
-    async fn list(
-        &self,
-        _: tonic::Request<ListPodResourcesRequest>,
-    ) -> Result<tonic::Response<ListPodResourcesResponse>, tonic::Status> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let pod_resources = self
-            .pods
-            .iter()
-            .map(|(ns, pod, container, ids)| PodResources {
-                name: pod.clone(),
-                namespace: ns.clone(),
-                containers: vec![ContainerResources {
-                    name: container.clone(),
-                    devices: vec![ContainerDevices { resource_name: GPU_RESOURCE.into(), device_ids: ids.clone() }],
-                }],
-            })
-            .collect();
-        Ok(tonic::Response::new(ListPodResourcesResponse { pod_resources }))
-    }
-}
-
-/// Serves `kubelet` on `socket`; the server stops when the returned handle is aborted.
-fn serve(kubelet: Kubelet, socket: &Path) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
-    let listener = tokio::net::UnixListener::bind(socket).expect("bind the kubelet socket");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(PodResourcesListerServer::new(kubelet))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
-    )
-}
 
 /// An Xid 79 record for the simulated GPU at `pci`, as the kernel logs it, stamped now.
 fn xid_record(seq: u64, pci: &str, marker: &str) -> String {
@@ -79,22 +36,6 @@ fn log_record(file: &Path, record: &str) {
     f.write_all(record.as_bytes()).expect("append the record");
 }
 
-/// The first event of `node` that `pick` accepts, within `wait`.
-async fn first_event(node: &str, wait: Duration, pick: impl Fn(&HealthEvent) -> bool) -> HealthEvent {
-    let record = testkit::wait_for_record(
-        topics::HEALTH_RAW,
-        |r| {
-            r.key.as_deref() == Some(node.as_bytes())
-                && gpumedic_schemas::decode::<HealthEvent>(r.payload.as_deref().unwrap_or_default())
-                    .is_ok_and(|e| pick(&e))
-        },
-        wait,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    gpumedic_schemas::decode(record.payload.as_deref().expect("a value")).expect("decodes")
-}
-
 fn xid_named(e: &HealthEvent, marker: &str) -> bool {
     matches!(&e.detail, Detail::Xid(x) if x.process.as_deref() == Some(marker))
 }
@@ -103,41 +44,27 @@ fn xid_named(e: &HealthEvent, marker: &str) -> bool {
 /// kubelet on `socket` every second.
 async fn collector(node: &str, state: &Path, kmsg: &Path, socket: &Path) -> testkit::ServiceProcess {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let env = vec![
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.to_owned()),
-        ("GPUMEDIC_GPU_BACKEND", "simulated".to_owned()),
-        ("GPUMEDIC_SIMULATED_GPUS", "4".to_owned()),
-        ("GPUMEDIC_STATE_DIR", state.display().to_string()),
-        ("GPUMEDIC_INGEST_SOCKET", "off".to_owned()),
-        ("GPUMEDIC_KMSG_PATH", kmsg.display().to_string()),
-        ("GPUMEDIC_POD_RESOURCES_SOCKET", socket.display().to_string()),
-        ("GPUMEDIC_POD_RESOURCES_INTERVAL", "1s".to_owned()),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    collector
-}
-
-fn scratch(prefix: &str) -> PathBuf {
-    // Short: a unix socket path is at most 107 bytes.
-    let dir = std::env::temp_dir().join(testkit::unique_name(prefix));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    CollectorEnv::new(bootstrap, node, state)
+        .simulated(4)
+        .set("GPUMEDIC_INGEST_SOCKET", "off")
+        .set("GPUMEDIC_KMSG_PATH", kmsg.display().to_string())
+        .set("GPUMEDIC_POD_RESOURCES_SOCKET", socket.display().to_string())
+        .set("GPUMEDIC_POD_RESOURCES_INTERVAL", "1s")
+        .start()
+        .await
 }
 
 #[tokio::test]
 async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
     let node = testkit::unique_name("podres-node");
-    let dir = scratch("podres");
+    let dir = scratch("podres"); // Short: the kubelet's socket goes in it.
     let socket = dir.join("kubelet.sock");
     let kmsg = dir.join("kmsg");
     log_record(&kmsg, "");
     let (gpu2, gpu3) = (simulated_uuid(&node, 2), simulated_uuid(&node, 3));
     let calls = Arc::new(AtomicU64::new(0));
-    let entry = |ns: &str, pod: &str, container: &str, ids: &[String]| {
-        (ns.to_owned(), pod.to_owned(), container.to_owned(), ids.to_vec())
-    };
+    let entry =
+        |ns: &str, pod: &str, container: &str, ids: &[String]| PodDevices::new(ns, pod, container, GPU_RESOURCE, ids);
     let kubelet = Kubelet {
         pods: vec![
             entry("ml", "train-a", "main", &[gpu2.clone(), simulated_uuid(&node, 0)]),
@@ -147,7 +74,7 @@ async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
         ],
         calls: calls.clone(),
     };
-    let server = serve(kubelet, &socket);
+    let server = serve_kubelet(kubelet, &socket);
     let mut collector = collector(&node, &dir.join("state"), &kmsg, &socket).await;
 
     // The GPUs of this boot are known (the inventory), and the kubelet has answered at least
@@ -189,7 +116,7 @@ async fn a_kernel_log_fault_names_the_pods_on_its_gpu_from_the_kubelet() {
 #[tokio::test]
 async fn a_failing_kubelet_is_a_monitor_health_event_and_events_carry_no_list() {
     let node = testkit::unique_name("podres-node");
-    let dir = scratch("podres");
+    let dir = scratch("podres"); // Short: the kubelet's socket goes in it.
     // There, but nothing listens: every call fails to connect.
     let socket = dir.join("kubelet.sock");
     std::fs::write(&socket, "").unwrap();

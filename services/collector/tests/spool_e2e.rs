@@ -12,16 +12,18 @@
 //! copy (the idempotent producer's sequence does not survive the timeout): those arrive at least
 //! once, and in order.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::{CollectorEnv, inject_ids};
 use gpumedic_runtime::kafka::record_headers;
 use gpumedic_schemas::topics;
 use gpumedic_testkit as testkit;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../compose/kafka-private");
 
 /// A Kafka broker of this test's own, started and stopped by compose/kafka-private.
@@ -76,43 +78,6 @@ impl Drop for PrivateKafka {
     }
 }
 
-async fn post(addr: std::net::SocketAddr, body: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!(
-        "POST /v1/inject HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    Ok((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
-}
-
-/// Injects through the synthetic endpoint; returns the ids once they are spooled or published.
-async fn inject(addr: std::net::SocketAddr, body: &str) -> Vec<String> {
-    let mut last = String::new();
-    for _ in 0..100 {
-        match post(addr, body).await {
-            Ok((200, answer)) => {
-                let v: serde_json::Value = serde_json::from_str(&answer).expect("JSON");
-                return v["event_ids"]
-                    .as_array()
-                    .expect("ids")
-                    .iter()
-                    .map(|i| i.as_str().unwrap().to_owned())
-                    .collect();
-            }
-            Ok((code, answer)) => panic!("inject answered {code}: {answer}"),
-            Err(e) => last = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the synthetic endpoint did not answer: {last}")
-}
-
 /// Every record on the raw topic of `bootstrap`, as (event id, partition, offset), read until all
 /// of `want` arrived and then a few quiet seconds more (to catch late copies).
 async fn read_all(bootstrap: &str, want: &[String]) -> Vec<(String, i32, i64)> {
@@ -157,45 +122,36 @@ async fn spooled_events_survive_sigterm_and_sigkill_and_arrive_exactly_once() {
     let node = testkit::unique_name("spool-node");
     let state = std::env::temp_dir().join(testkit::unique_name("collector-spool"));
     let synthetic = testkit::free_local_addr().expect("a free port");
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", kafka.bootstrap()),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
-        ("GPUMEDIC_SIMULATED_GPUS", "2".into()),
-        ("GPUMEDIC_SAMPLE_INTERVAL", "200ms".into()),
-        ("GPUMEDIC_HEARTBEAT_INTERVAL", "1s".into()),
-        ("GPUMEDIC_KMSG_PATH", "off".into()),
-        ("GPUMEDIC_STATE_DIR", state.display().to_string()),
-        ("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string()),
-        ("GPUMEDIC_DELIVERY_TIMEOUT", "3s".into()),
-        ("GPUMEDIC_SHUTDOWN_DEADLINE", "15s".into()),
-    ];
+    let env = CollectorEnv::new(kafka.bootstrap(), &node, &state)
+        .simulated(2)
+        .set("GPUMEDIC_SAMPLE_INTERVAL", "200ms")
+        .set("GPUMEDIC_HEARTBEAT_INTERVAL", "1s")
+        .set("GPUMEDIC_SYNTHETIC_ADDR", synthetic.to_string())
+        .set("GPUMEDIC_DELIVERY_TIMEOUT", "3s")
+        .set("GPUMEDIC_SHUTDOWN_DEADLINE", "15s");
 
     // 1. Kafka is down (never started yet): events go to the spool; SIGTERM.
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    let mut injected = inject(synthetic, r#"{"xid": 79, "count": 5}"#).await;
+    let mut collector = env.start().await;
+    let mut injected = inject_ids(synthetic, r#"{"xid": 79, "count": 5}"#).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let status = collector.terminate(Duration::from_secs(30)).await.unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "the collector exits cleanly with Kafka down: {status}");
     assert!(state.join("spool").read_dir().unwrap().any(|e| e.unwrap().path().extension().is_some_and(|x| x == "seg")));
 
     // 2. Restarted, still no Kafka: more events, then SIGKILL (a crash).
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    injected.extend(inject(synthetic, r#"{"gpu_lost": true, "gpu_index": 1, "count": 3}"#).await);
+    let collector = env.start().await;
+    injected.extend(inject_ids(synthetic, r#"{"gpu_lost": true, "gpu_index": 1, "count": 3}"#).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     drop(collector); // SIGKILL
 
     // 3. Restarted again; Kafka comes up; everything drains.
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("restarts after the crash");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-    injected.extend(inject(synthetic, r#"{"xid": 48}"#).await);
+    let mut collector = env.start().await;
+    injected.extend(inject_ids(synthetic, r#"{"xid": 48}"#).await);
     kafka.start();
     // Kafka goes away again for a moment while the collector runs, and comes back.
     tokio::time::sleep(Duration::from_secs(2)).await;
     kafka.stop();
-    let during_the_flap = inject(synthetic, r#"{"xid": 94, "count": 2}"#).await;
+    let during_the_flap = inject_ids(synthetic, r#"{"xid": 94, "count": 2}"#).await;
     injected.extend(during_the_flap.iter().cloned());
     kafka.start();
 

@@ -3,13 +3,14 @@
 //! snapshot and healthy when normal, so an incident opened before the restart can see the clear
 //! evidence it waits for.
 
+mod common;
+
 use std::time::Duration;
 
+use common::CollectorEnv;
 use gpumedic_collector::sampler::SNAPSHOT_RAW;
 use gpumedic_schemas::{Detail, HealthEvent, Kind, topics};
 use gpumedic_testkit as testkit;
-
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-collector");
 
 /// The readings a simulated (H100-like) GPU has, as snapshot kinds.
 const KINDS: [Kind; 7] =
@@ -47,18 +48,11 @@ async fn every_reading_is_published_once_at_start_and_again_after_a_restart() {
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let node = testkit::unique_name("snapshot");
     let state = std::env::temp_dir().join(testkit::unique_name("collector-snapshot"));
-    let env = [
-        ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-        ("GPUMEDIC_NODE_NAME", node.clone()),
-        ("GPUMEDIC_GPU_BACKEND", "simulated".into()),
-        ("GPUMEDIC_SIMULATED_GPUS", "2".into()),
-        ("GPUMEDIC_SAMPLE_INTERVAL", "200ms".into()),
-        ("GPUMEDIC_KMSG_PATH", "off".into()),
-        ("GPUMEDIC_CLOUD_PROVIDER", "none".into()),
-        ("GPUMEDIC_STATE_DIR", state.display().to_string()),
-    ];
-    let mut collector = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts");
-    collector.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let env = CollectorEnv::new(bootstrap, &node, &state)
+        .simulated(2)
+        .set("GPUMEDIC_SAMPLE_INTERVAL", "200ms")
+        .set("GPUMEDIC_CLOUD_PROVIDER", "none");
+    let mut collector = env.start().await;
     let first = snapshots(&node, 2, 1).await;
     assert!(first.iter().all(|e| e.healthy), "a healthy simulated GPU's readings are clear evidence: {first:#?}");
     let nvlink = first.iter().find(|e| e.kind == Kind::Nvlink).unwrap();
@@ -69,8 +63,7 @@ async fn every_reading_is_published_once_at_start_and_again_after_a_restart() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     collector.terminate(Duration::from_secs(15)).await.expect("stops");
 
-    let mut restarted = testkit::ServiceProcess::start(BIN, &[], &env).expect("starts again");
-    restarted.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut restarted = env.start().await;
     let both = snapshots(&node, 2, 2).await;
     for g in 0..2 {
         for k in KINDS {

@@ -7,6 +7,7 @@ use clap::Parser;
 use gpumedic_runtime::api_auth;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
 use gpumedic_runtime::kafka::{KafkaArgs, KafkaSettings};
+use gpumedic_runtime::postgres;
 use gpumedic_schemas::topics;
 
 /// Command-line flags and environment variables.
@@ -102,12 +103,7 @@ impl Validate for Args {
         let mut p = Problems::default();
         let common = self.common.validate().map_err(|e| p.extend(e)).ok();
         let kafka = self.kafka.validate().map_err(|e| p.extend(e)).ok();
-        if !(self.database_url.starts_with("postgres://") || self.database_url.starts_with("postgresql://")) {
-            p.push("--database-url", "must be a postgres:// URL");
-        }
-        if self.database_pool == 0 {
-            p.push("--database-pool", "must be at least 1");
-        }
+        postgres::check_database_flags(&mut p, &self.database_url, self.database_pool);
         if self.gpu_node_selector.trim().is_empty() {
             p.push("--gpu-node-selector", "must not be empty (the console would show every node as a GPU node)");
         }

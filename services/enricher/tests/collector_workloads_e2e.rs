@@ -3,44 +3,27 @@
 //! those pods, even when the `gpumedic.io/gpu-uuids` annotation says otherwise, and an empty list
 //! means no pod; an event without one falls back to the annotation, as before.
 
+mod common;
+
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{KafkaSettings, publish, record_headers};
-use gpumedic_schemas::health::{Component, Detail, Entity, GpuWorkload, Source, XidDetail};
+use common::Cluster;
+use gpumedic_runtime::kafka::publish;
+use gpumedic_schemas::health::GpuWorkload;
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 const GPU_A: &str = "GPU-aaaaaaaa-1b1b-1b1b-1b1b-0000000000aa";
 
 fn xid_on_a(node: &str, workloads: Option<Vec<GpuWorkload>>) -> HealthEvent {
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let entity = Entity { gpu_uuid: Some(GPU_A.into()), ..Default::default() };
-    let mut event = HealthEvent::new(node, Source::KernelLog, Component::Gpu, entity, detail);
+    let mut event = testkit::event(node).xid(79).text("GPU has fallen off the bus.").gpu(GPU_A).build();
     event.workloads = workloads;
     event
 }
 
 async fn enriched_of(event: &HealthEvent) -> EnrichedHealthEvent {
-    let id = event.event_id.to_string();
-    let out = testkit::wait_for_record(
-        topics::HEALTH_ENRICHED,
-        |r| r.header(record_headers::EVENT_ID) == Some(id.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes")
+    common::enriched_of(event).await.1
 }
 
 fn pods(e: &EnrichedHealthEvent) -> Vec<(&str, &[String])> {
@@ -52,59 +35,19 @@ fn pods(e: &EnrichedHealthEvent) -> Vec<(&str, &[String])> {
 
 #[tokio::test]
 async fn the_collectors_pods_win_over_the_annotation_and_without_them_the_annotation_is_used() {
-    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings =
-        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    settings
-        .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
-        .await
-        .expect("topics");
+    let settings = common::shared_topics().await;
 
     let node = testkit::unique_name("wl-node");
-    let ns = testkit::unique_name("wl-ns");
-    let nodes: Api<Node> = Api::all(client.clone());
-    nodes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": node },
-                "status": { "capacity": { "nvidia.com/gpu": "8" }, "allocatable": { "nvidia.com/gpu": "8" } } }))
-            .unwrap(),
-        )
-        .await
-        .expect("node");
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
-        .await
-        .unwrap();
-    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let gpu_node = testkit::NodeBuilder::new(&node).capacity("nvidia.com/gpu", "8").allocatable("nvidia.com/gpu", "8");
+    let cluster = Cluster::with_nodes("wl-ns", [gpu_node], &[]).await;
+    let ns = cluster.ns.clone();
     // The annotation says GPU A is `annotated`'s; the kubelet (the collector's list) says it is
     // `assigned`'s, which has no annotation.
     for (pod, annotations) in [("annotated", json!({ "gpumedic.io/gpu-uuids": GPU_A })), ("assigned", json!({}))] {
-        pod_api
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({ "metadata": { "name": pod, "annotations": annotations },
-                    "spec": { "nodeName": node, "containers": [{ "name": "c", "image": "x",
-                        "resources": { "limits": { "nvidia.com/gpu": "1" } } }] } }))
-                .unwrap(),
-            )
-            .await
-            .expect("pod");
+        cluster.create_gpu_pod(pod, &node, "1", annotations).await;
     }
 
-    let mut enricher = testkit::ServiceProcess::start(
-        BIN,
-        &[],
-        &[
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-        ],
-    )
-    .expect("enricher starts");
-    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut enricher = common::shared_topic_enricher(&settings, "enricher", &[]).await;
 
     let held = |container: &str| GpuWorkload {
         namespace: ns.clone(),
@@ -141,6 +84,5 @@ async fn the_collectors_pods_win_over_the_annotation_and_without_them_the_annota
     );
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops");
-    namespaces.delete(&ns, &DeleteParams::default()).await.ok();
-    nodes.delete(&node, &DeleteParams::default()).await.ok();
+    cluster.delete().await;
 }

@@ -5,18 +5,17 @@
 //! marked unresolved; an event for an unknown node comes out marked; garbage bytes go to the
 //! dead-letter topic with the reason.
 
+mod common;
+
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::Record;
-use gpumedic_runtime::kafka::{KafkaSettings, Producer, dlq_headers, publish, record_headers};
+use common::{Cluster, enriched_of};
+use gpumedic_runtime::kafka::{Producer, dlq_headers, publish, record_headers};
 use gpumedic_schemas::health::{Component, Detail, Entity, GpuIdentity, GpuInventoryDetail, Source};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 const GPU_A: &str = "GPU-aaaaaaaa-1b1b-1b1b-1b1b-000000000000";
 const GPU_B: &str = "GPU-bbbbbbbb-2a2a-2a2a-2a2a-000000000000";
 
@@ -54,16 +53,6 @@ async fn send(producer: &Producer, key: &str, payload: &[u8]) {
     publish(producer, topics::HEALTH_RAW, key, payload, &[]).await.expect("produced");
 }
 
-/// The enriched record of `event`, found by its event id (a node's records share its key).
-async fn enriched_of(event: &HealthEvent) -> (Record, EnrichedHealthEvent) {
-    let id = event.event_id.to_string();
-    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let enriched = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes");
-    (out, enriched)
-}
-
 fn pod_names(e: &EnrichedHealthEvent) -> Vec<&str> {
     let mut pods: Vec<&str> = e.workloads.iter().map(|w| w.pod.as_str()).collect();
     pods.sort_unstable();
@@ -72,69 +61,27 @@ fn pod_names(e: &EnrichedHealthEvent) -> Vec<&str> {
 
 #[tokio::test]
 async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
-    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
-    let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings =
-        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    settings
-        .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
-        .await
-        .expect("topics");
+    let settings = common::shared_topics().await;
 
     // A labelled GPU node with a GPU pod on it.
     let node = testkit::unique_name("enr-node");
-    let ns = testkit::unique_name("enr-ns");
-    testkit::NodeBuilder::new(&node)
+    let gpu_node = testkit::NodeBuilder::new(&node)
         .label("node.kubernetes.io/instance-type", "p5.48xlarge")
         .label("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")
         .label("topology.kubernetes.io/zone", "us-east-1a")
         .label("nvidia.com/cuda.driver-version.full", "570.86.15")
         .capacity("nvidia.com/gpu", "8")
-        .allocatable("nvidia.com/gpu", "8")
-        .create(&client)
-        .await;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap())
-        .await
-        .unwrap();
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    pods.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({ "metadata": { "name": "trainer-0" }, "spec": { "nodeName": node,
-            "containers": [{ "name": "c", "image": "x", "resources": { "limits": { "nvidia.com/gpu": "8" } } }] } }))
-        .unwrap(),
-    )
-    .await
-    .expect("pod");
+        .allocatable("nvidia.com/gpu", "8");
+    let cluster = Cluster::with_nodes("enr-ns", [gpu_node], &[]).await;
+    let ns = cluster.ns.clone();
+    cluster.create_gpu_pod("trainer-0", &node, "8", json!({})).await;
     // Two pods tied to one GPU each by the annotation.
     for (pod, uuid) in [("on-gpu-a", GPU_A), ("on-gpu-b", GPU_B)] {
-        pods.create(
-            &PostParams::default(),
-            &serde_json::from_value(
-                json!({ "metadata": { "name": pod, "annotations": { "gpumedic.io/gpu-uuids": uuid } },
-                "spec": { "nodeName": node, "containers": [{ "name": "c", "image": "x",
-                    "resources": { "limits": { "nvidia.com/gpu": "1" } } }] } }),
-            )
-            .unwrap(),
-        )
-        .await
-        .expect("pod");
+        cluster.create_gpu_pod(pod, &node, "1", json!({ "gpumedic.io/gpu-uuids": uuid })).await;
     }
 
-    let mut enricher = testkit::ServiceProcess::start(
-        BIN,
-        &[],
-        &[
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            // At the end of the shared topic: not behind every record earlier runs left there.
-            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
-            ("GPUMEDIC_CLUSTER_NAME", "testbed".into()),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-        ],
-    )
-    .expect("enricher starts");
-    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut enricher =
+        common::shared_topic_enricher(&settings, "enricher", &[("GPUMEDIC_CLUSTER_NAME", "testbed".into())]).await;
 
     let producer = settings.producer("enricher-test").unwrap();
     let known = xid_event(&node, 79);
@@ -198,19 +145,12 @@ async fn raw_events_come_out_enriched_and_garbage_is_dead_lettered() {
     assert_eq!(enriched.node_context.expected_gpus, None);
     assert!(enriched.workloads.is_empty());
 
-    let dead = testkit::wait_for_record(
-        &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
-        |r| r.key.as_deref() == Some(garbage_key.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let dead = common::shared_dead_letter(&garbage_key).await;
     assert_eq!(dead.payload.as_deref(), Some(&b"\x07not avro at all"[..]));
     let reason = String::from_utf8_lossy(dead.header(dlq_headers::REASON).unwrap()).into_owned();
     assert!(reason.starts_with("wrong_magic_byte"), "{reason}");
     assert_eq!(dead.header(dlq_headers::SERVICE), Some(&b"enricher"[..]));
 
     enricher.terminate(Duration::from_secs(15)).await.expect("stops on SIGTERM");
-    Api::<Node>::all(client.clone()).delete(&node, &DeleteParams::default()).await.unwrap();
-    namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
+    cluster.delete().await;
 }

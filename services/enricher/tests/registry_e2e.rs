@@ -3,56 +3,34 @@
 //! registry's id for its own schema, and dead-letters a record whose id the registry does not
 //! know.
 
+mod common;
+
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{KafkaSettings, dlq_headers, publish};
+use gpumedic_runtime::kafka::{dlq_headers, publish};
 use gpumedic_schemas::framing::split_frame;
-use gpumedic_schemas::health::{Component, Detail, Entity, Source, XidDetail};
 use gpumedic_schemas::{Codec, EnrichedHealthEvent, HealthEvent, RegistryOptions, topics};
 use gpumedic_testkit as testkit;
 
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
-
 #[tokio::test]
 async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
-    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = common::shared_topics().await;
     testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
     let registry = testkit::require_schema_registry().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings =
-        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    settings
-        .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
-        .await
-        .expect("topics");
     // The same subjects the services use, so the same ids.
     let codec = Codec::with_registry(&registry, RegistryOptions::default()).await.expect("registry codec");
 
     // Only this test's records: older ones on the shared topic were written without a registry,
     // and their embedded ids mean nothing to it.
-    let group = testkit::group_at_end("enricher-registry", &[topics::HEALTH_RAW]).await.expect("group offsets");
-    let mut enricher = testkit::ServiceProcess::start(
-        BIN,
-        &[],
-        &[
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_SCHEMA_REGISTRY_URL", registry.clone()),
-            ("GPUMEDIC_GROUP", group),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
-        ],
+    let mut enricher = common::shared_topic_enricher(
+        &settings,
+        "enricher-registry",
+        &[("GPUMEDIC_SCHEMA_REGISTRY_URL", registry.clone())],
     )
-    .expect("enricher starts");
-    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    .await;
 
     let node = testkit::unique_name("reg-node");
-    let detail = Detail::Xid(XidDetail {
-        code: 79,
-        text: "GPU has fallen off the bus.".into(),
-        pid: None,
-        process: None,
-        nvlink5: None,
-        recovery_action: None,
-    });
-    let event = HealthEvent::new(&node, Source::KernelLog, Component::Gpu, Entity::default(), detail);
+    let event = testkit::event(&node).xid(79).text("GPU has fallen off the bus.").build();
     let payload = codec.encode(&event).unwrap();
     assert_eq!(split_frame(&payload).unwrap().0, codec.writer_id::<HealthEvent>(), "written with the registry's id");
     let producer = settings.producer("enricher-registry-test").unwrap();
@@ -77,13 +55,7 @@ async fn registry_ids_are_read_and_written_and_unknown_ids_are_dead_lettered() {
     assert_eq!(enriched.event, event);
     assert_eq!(enriched.xid_catalog.as_ref().map(|c| c.name.as_str()), Some("GPU has fallen off the bus"));
 
-    let dead = testkit::wait_for_record(
-        &gpumedic_runtime::kafka::dead_letter_topic(topics::HEALTH_RAW),
-        |r| r.key.as_deref() == Some(unknown_key.as_bytes()),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let dead = common::shared_dead_letter(&unknown_key).await;
     let reason = String::from_utf8_lossy(dead.header(dlq_headers::REASON).unwrap()).into_owned();
     assert!(reason.starts_with("unknown_schema_id"), "{reason}");
     let status = enricher.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));

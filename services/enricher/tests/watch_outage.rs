@@ -6,16 +6,16 @@
 //! the enricher's kubeconfig names the gate; closing it drops every open connection and refuses new
 //! ones, as a restarting apiserver does.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{KafkaSettings, Producer, publish};
+use gpumedic_runtime::kafka::{Producer, publish};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, PostParams};
-
-const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 
 /// A TCP forwarder on a fixed local port that can be closed (every connection dropped, new ones
 /// refused) and opened again on the same port.
@@ -69,11 +69,7 @@ async fn enriched_of(producer: &Producer, event: &HealthEvent) -> EnrichedHealth
     publish(producer, topics::HEALTH_RAW, &event.node, &gpumedic_schemas::encode(event).unwrap(), &[])
         .await
         .expect("produced");
-    let id = event.event_id.to_string();
-    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, &id, Duration::from_secs(60))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes")
+    common::enriched_of(event).await.1
 }
 
 fn labelled_node(name: &str) -> Node {
@@ -82,14 +78,8 @@ fn labelled_node(name: &str) -> Node {
 
 #[tokio::test]
 async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_lists_again() {
-    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = common::shared_topics().await;
     let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-    let settings =
-        KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None };
-    settings
-        .ensure_topics(&gpumedic_runtime::kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
-        .await
-        .expect("topics");
 
     // The enricher reaches the apiserver through the gate.
     let kubeconfig = std::fs::read_to_string(testkit::kubeconfig_path()).expect("the testbed's kubeconfig");
@@ -109,17 +99,8 @@ async fn an_unreachable_apiserver_leaves_the_enricher_running_and_its_cache_list
         nodes.create(&PostParams::default(), &labelled_node(name)).await.expect("node");
     }
 
-    let mut enricher = testkit::ServiceProcess::start(
-        BIN,
-        &[],
-        &[
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-            ("GPUMEDIC_GROUP", testkit::group_at_end("enricher", &[topics::HEALTH_RAW]).await.expect("group")),
-            ("KUBECONFIG", gated.display().to_string()),
-        ],
-    )
-    .expect("enricher starts");
-    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut enricher =
+        common::shared_topic_enricher(&settings, "enricher", &[("KUBECONFIG", gated.display().to_string())]).await;
 
     // The outage: the watches fail, the enricher stays up and says it is not ready.
     gate.close();

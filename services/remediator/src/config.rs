@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use gpumedic_runtime::config::{CommonArgs, CommonConfig, Problems, Validate, parse_duration};
+use gpumedic_runtime::postgres;
 use gpumedic_runtime::stage::{StageArgs, StageDefaults, StageSettings};
 use gpumedic_schemas::topics;
 
@@ -384,10 +385,8 @@ impl Validate for Args {
             p.push("--resync-interval", "must be more than zero");
         }
         let incident_database_url = self.incident_database_url.filter(|u| !u.trim().is_empty());
-        if let Some(url) = &incident_database_url
-            && !(url.starts_with("postgres://") || url.starts_with("postgresql://"))
-        {
-            p.push("--incident-database-url", "must be a postgres:// URL");
+        if let Some(url) = &incident_database_url {
+            postgres::check_url(&mut p, "--incident-database-url", url);
         }
         let webhook_timeout = p.check("--repair-webhook-timeout", parse_duration(&self.repair_webhook_timeout));
         let webhook_backoff = p.check("--repair-webhook-backoff", parse_duration(&self.repair_webhook_backoff));

@@ -14,6 +14,8 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions as _, Connection as _, PgPool};
 
+use crate::config::Problems;
+
 /// What went wrong connecting to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 pub enum PostgresError {
@@ -37,6 +39,29 @@ pub const DEFAULT_LOCK_TIMEOUT: &str = "10s";
 pub const MIGRATION_STATEMENT_TIMEOUT: &str = "30min";
 /// How long the readiness check waits for `SELECT 1`.
 pub const READINESS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Checks the flags of a service's database: `--database-url`, a PostgreSQL URL
+/// ([`check_url`]), and `--database-pool`, the pool's size ([`check_pool`]). Each problem is
+/// listed in `problems`.
+pub fn check_database_flags(problems: &mut Problems, url: &str, pool: u32) {
+    check_url(problems, "--database-url", url);
+    check_pool(problems, "--database-pool", pool);
+}
+
+/// Checks that the `flag`'s value `url` is a PostgreSQL URL (`postgres://` or `postgresql://`);
+/// what else is wrong with it shows when the pool connects.
+pub fn check_url(problems: &mut Problems, flag: &str, url: &str) {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        problems.push(flag, "must be a postgres:// URL");
+    }
+}
+
+/// Checks that the `flag`'s value `size`, the connections of a pool, is at least one.
+pub fn check_pool(problems: &mut Problems, flag: &str, size: u32) {
+    if size == 0 {
+        problems.push(flag, "must be at least 1");
+    }
+}
 
 /// A pool of at most `max_connections` to `url`.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, PostgresError> {
@@ -110,5 +135,45 @@ pub async fn watch_reachability(
             () = token.cancelled() => return Ok(()),
             () = tokio::time::sleep(every) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Problem;
+
+    fn problems(url: &str, pool: u32) -> Vec<Problem> {
+        let mut p = Problems::default();
+        check_database_flags(&mut p, url, pool);
+        p.list().to_vec()
+    }
+
+    #[test]
+    fn postgres_urls_and_a_pool_of_at_least_one_pass() {
+        for (url, pool) in [("postgres://u:p@db:5432/gpumedic", 1), ("postgresql://u@db/gpumedic?sslmode=require", 16)]
+        {
+            let found = problems(url, pool);
+            assert!(found.is_empty(), "{url} with {pool}: {found:?}");
+        }
+    }
+
+    #[test]
+    fn each_problem_is_listed_with_its_flag() {
+        let url = Problem { field: "--database-url".into(), message: "must be a postgres:// URL".into() };
+        let pool = Problem { field: "--database-pool".into(), message: "must be at least 1".into() };
+        assert_eq!(problems("mysql://db/gpumedic", 4), std::slice::from_ref(&url));
+        assert_eq!(problems("", 4), std::slice::from_ref(&url), "an empty URL");
+        assert_eq!(problems("postgres://db/gpumedic", 0), std::slice::from_ref(&pool));
+        assert_eq!(problems("db:5432", 0), [url, pool], "both, in the order of the flags");
+    }
+
+    #[test]
+    fn another_flag_is_named_as_given() {
+        let mut p = Problems::default();
+        check_url(&mut p, "--incident-database-url", "http://db");
+        check_pool(&mut p, "--api-database-pool", 0);
+        let fields: Vec<&str> = p.list().iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(fields, ["--incident-database-url", "--api-database-pool"]);
     }
 }

@@ -1,13 +1,14 @@
-//! What the node authentication tests share: topics of their own, a namespace with the
-//! collector's ServiceAccount and Pods bound to nodes, Pod-bound tokens minted as the kubelet
-//! mints the collector's, an enricher that enforces node authentication, and dead-letter reasons.
+//! What the enricher's tests against the testbed share: the shared raw and enriched topics or
+//! topics of a test's own, an enricher process started on them, a namespace with Nodes, GPU Pods
+//! and the collector's ServiceAccount, Pod-bound tokens minted as the kubelet mints the
+//! collector's, the enriched record of an event, and dead-letter reasons.
 
 #![allow(dead_code)] // Each test file uses its own part of this.
 
 use std::time::Duration;
 
-use gpumedic_runtime::kafka::{self, KafkaSettings, dlq_headers};
-use gpumedic_schemas::HealthEvent;
+use gpumedic_runtime::kafka::{self, KafkaSettings, Record, dlq_headers};
+use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
@@ -16,6 +17,55 @@ use serde_json::json;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_gpumedic-enricher");
 pub const COLLECTOR_SA: &str = "gpumedic-collector";
+
+/// Settings for the testbed's Kafka, with the shared raw and enriched topics (and the raw topic's
+/// dead-letter topic) created when missing.
+pub async fn shared_topics() -> KafkaSettings {
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
+    settings
+        .ensure_topics(&kafka::stage_topics(&[topics::HEALTH_RAW], &[topics::HEALTH_ENRICHED], 12))
+        .await
+        .expect("topics");
+    settings
+}
+
+/// Starts the enricher with the Kafka of `settings` and the testbed's kubeconfig, then `env`
+/// (which wins over both), and waits until it is ready.
+pub async fn start_enricher(settings: &KafkaSettings, env: &[(&str, String)]) -> testkit::ServiceProcess {
+    let mut all = vec![
+        ("GPUMEDIC_KAFKA_BOOTSTRAP", settings.bootstrap.clone()),
+        ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
+    ];
+    all.extend(env.iter().cloned());
+    let mut enricher = testkit::ServiceProcess::start(BIN, &[], &all).expect("enricher starts");
+    enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
+    enricher
+}
+
+/// Starts an enricher on the shared topics ([`shared_topics`]) in a new group named after
+/// `group`, committed at the end of the raw topic: not behind every record earlier runs left
+/// there. `env` as for [`start_enricher`].
+pub async fn shared_topic_enricher(
+    settings: &KafkaSettings,
+    group: &str,
+    env: &[(&str, String)],
+) -> testkit::ServiceProcess {
+    let group = testkit::group_at_end(group, &[topics::HEALTH_RAW]).await.expect("group");
+    let mut all = vec![("GPUMEDIC_GROUP", group)];
+    all.extend(env.iter().cloned());
+    start_enricher(settings, &all).await
+}
+
+/// The record of `event` on the shared enriched topic, found by its event id (a node's records
+/// share its key), and the enriched event it carries.
+pub async fn enriched_of(event: &HealthEvent) -> (Record, EnrichedHealthEvent) {
+    let out = testkit::wait_for_event(topics::HEALTH_ENRICHED, event.event_id, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let enriched = gpumedic_schemas::decode(out.payload.as_deref().unwrap()).expect("decodes");
+    (out, enriched)
+}
 
 /// A raw topic, its dead-letter topic and an enriched topic of this test's own, created.
 pub struct Topics {
@@ -42,18 +92,14 @@ impl Topics {
     /// ServiceAccount, with `env` besides, and waits until it is ready.
     pub async fn enforcing_enricher(&self, ns: &str, env: &[(&str, String)]) -> testkit::ServiceProcess {
         let mut all = vec![
-            ("GPUMEDIC_KAFKA_BOOTSTRAP", self.settings.bootstrap.clone()),
             ("GPUMEDIC_GROUP", testkit::unique_name("nodeauth-enricher")),
             ("GPUMEDIC_RAW_TOPIC", self.raw.clone()),
             ("GPUMEDIC_ENRICHED_TOPIC", self.enriched.clone()),
             ("GPUMEDIC_NODE_AUTH", "enforce".into()),
             ("GPUMEDIC_COLLECTOR_SERVICE_ACCOUNT", format!("{ns}:{COLLECTOR_SA}")),
-            ("KUBECONFIG", testkit::kubeconfig_path().display().to_string()),
         ];
         all.extend(env.iter().cloned());
-        let mut enricher = testkit::ServiceProcess::start(BIN, &[], &all).expect("enricher starts");
-        enricher.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
-        enricher
+        start_enricher(&self.settings, &all).await
     }
 }
 
@@ -68,10 +114,20 @@ pub struct Cluster {
 impl Cluster {
     /// `nodes` new Nodes named after `prefix`, a namespace, and `service_accounts` in it.
     pub async fn create(prefix: &str, nodes: usize, service_accounts: &[&str]) -> Cluster {
+        let builders = (0..nodes).map(|i| testkit::NodeBuilder::new(testkit::unique_name(&format!("{prefix}-{i}"))));
+        Cluster::with_nodes(prefix, builders, service_accounts).await
+    }
+
+    /// The Nodes `nodes` build, a namespace named after `prefix`, and `service_accounts` in it.
+    pub async fn with_nodes(
+        prefix: &str,
+        nodes: impl IntoIterator<Item = testkit::NodeBuilder>,
+        service_accounts: &[&str],
+    ) -> Cluster {
         let client = testkit::require_kubernetes().await.unwrap_or_else(|e| panic!("{e}"));
-        let names: Vec<String> = (0..nodes).map(|i| testkit::unique_name(&format!("{prefix}-{i}"))).collect();
-        for n in &names {
-            testkit::NodeBuilder::new(n).create(&client).await;
+        let mut names = Vec::new();
+        for node in nodes {
+            names.push(node.create(&client).await.metadata.name.expect("a named node"));
         }
         let ns = testkit::unique_name(prefix);
         Api::<Namespace>::all(client.clone())
@@ -95,6 +151,21 @@ impl Cluster {
                 &serde_json::from_value(json!({ "metadata": { "name": name }, "spec": { "nodeName": node,
                     "serviceAccountName": sa, "automountServiceAccountToken": false,
                     "containers": [{ "name": "c", "image": "x" }] } }))
+                .unwrap(),
+            )
+            .await
+            .expect("pod")
+    }
+
+    /// A Pod named `name` with `annotations`, bound to `node` and asking for `gpus` GPUs (no
+    /// kubelet runs it).
+    pub async fn create_gpu_pod(&self, name: &str, node: &str, gpus: &str, annotations: serde_json::Value) -> Pod {
+        Api::<Pod>::namespaced(self.client.clone(), &self.ns)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({ "metadata": { "name": name, "annotations": annotations },
+                    "spec": { "nodeName": node, "containers": [{ "name": "c", "image": "x",
+                        "resources": { "limits": { "nvidia.com/gpu": gpus } } }] } }))
                 .unwrap(),
             )
             .await
@@ -143,6 +214,18 @@ impl Cluster {
         }
         Api::<Namespace>::all(self.client.clone()).delete(&self.ns, &DeleteParams::default()).await.unwrap();
     }
+}
+
+/// The record keyed `key` on the shared raw topic's dead-letter topic, which the enricher
+/// dead-lettered.
+pub async fn shared_dead_letter(key: &str) -> Record {
+    testkit::wait_for_record(
+        &kafka::dead_letter_topic(topics::HEALTH_RAW),
+        |r| r.key.as_deref() == Some(key.as_bytes()),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The dead-letter reason of `event`'s record, which the enricher dead-lettered.

@@ -18,6 +18,15 @@ pub struct ServiceContext {
     pub(crate) assignment: Assignment,
 }
 
+impl ServiceContext {
+    /// The context of `service`'s consumer: `assigned` turns ready on the first assignment, and
+    /// `assignment` follows every rebalance. [`KafkaSettings::consumer`](super::KafkaSettings::consumer)
+    /// builds one; this is for a consumer configured by hand (a test assigning partitions itself).
+    pub fn new(service: &'static str, assigned: ReadyFlag, assignment: Assignment) -> Self {
+        Self { service, assigned, assignment }
+    }
+}
+
 /// The partitions a consumer owns, as the last rebalance left them, with a generation that moves
 /// on every change. Partitions leave it when revoked (before another consumer can take them) and
 /// join it when assigned (before any of their records is polled).

@@ -25,7 +25,10 @@ pub const POLL_GRACE: Duration = Duration::from_secs(5);
 /// timed out while the broker restarted) and assigned again stays paused. So the hold resumes
 /// every partition it ever paused, not only those assigned when it resumes; otherwise the
 /// consumer would sit ready with its partitions assigned and never fetch again.
-pub(crate) struct Hold<'c> {
+///
+/// The consumer loops hold one each; it is public so the pause and resume can be tested against a
+/// real broker.
+pub struct Hold<'c> {
     consumer: &'c Consumer,
     /// Whether the assignment is paused.
     pub(crate) paused: bool,
@@ -36,7 +39,8 @@ pub(crate) struct Hold<'c> {
 }
 
 impl<'c> Hold<'c> {
-    pub(crate) fn new(consumer: &'c Consumer) -> Self {
+    /// A hold on `consumer`, with nothing paused.
+    pub fn new(consumer: &'c Consumer) -> Self {
         Self {
             consumer,
             paused: false,
@@ -45,8 +49,13 @@ impl<'c> Hold<'c> {
         }
     }
 
+    /// Whether the assignment is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
     /// Pauses every assigned partition.
-    pub(crate) fn pause(&mut self) {
+    pub fn pause(&mut self) {
         match self.consumer.assignment() {
             Ok(tpl) => match self.consumer.pause(&tpl) {
                 Ok(()) => {
@@ -65,8 +74,9 @@ impl<'c> Hold<'c> {
         }
     }
 
-    /// Resumes the partitions if they were paused.
-    pub(crate) fn resume(&mut self) {
+    /// Resumes the partitions if they were paused: every partition paused since the last resume,
+    /// assigned now or not.
+    pub fn resume(&mut self) {
         if !self.paused {
             return;
         }

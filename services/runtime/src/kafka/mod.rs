@@ -42,8 +42,7 @@ pub(crate) use consume::{commit_stored, observe_latency, register_consumer_metri
 pub use context::{Assignment, ServiceContext};
 pub(crate) use dead_letter::dead_letter_until_done;
 pub use dead_letter::{dead_letter, dlq_headers};
-pub(crate) use hold::Hold;
-pub use hold::POLL_GRACE;
+pub use hold::{Hold, POLL_GRACE};
 pub use produce::{Envelope, partition_for, publish, publish_record, publish_record_traced};
 pub use record::{HandleError, Record, RecordHandler, decode_payload, record_headers, record_span, traceparent};
 pub use settings::{KafkaArgs, KafkaSettings};
