@@ -63,8 +63,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let base = chrono::Utc::now() - chrono::Duration::hours(2);
     let producer = crate::scratch_producer(&bootstrap)?;
     let mut buffer = Vec::with_capacity(1024);
-    for i in 0..o.events {
-        let e = crate::classify::event(i, o.nodes, base);
+    for e in crate::fleet::Enriched::new(o.nodes, base, chrono::Duration::microseconds(10))?.take(o.events) {
         buffer.clear();
         gpumedic_schemas::framing::encode_into(&e, &mut buffer)?;
         crate::send(&producer, BaseRecord::to(&topic).key(e.event.node.as_str()).payload(buffer.as_slice()))?;

@@ -515,7 +515,7 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
         .await?;
 
     let id = "chaos";
-    let mut fleet = Fleet::new(id, o.nodes, o.rate, o.faults_per_minute, o.seed);
+    let mut fleet = Fleet::paced(id, o.nodes, o.rate, o.faults_per_minute, o.seed, fleet::XidNames::Pci)?;
     let mut names = fleet.nodes().to_vec();
     let ns = fleet::create_in_apiserver(&client, id, &names, o.pods_per_node, 32).await?;
     let collector_node = format!("{id}-collector");
@@ -634,11 +634,10 @@ async fn run_on(o: &Options, bed: &PrivateTestbed) -> anyhow::Result<Result> {
                     std::thread::sleep(Duration::from_millis(2));
                     continue;
                 }
-                let now = chrono::Utc::now();
                 let mut batch = Vec::new();
                 let upto = due.min(n + 1000);
                 while n < upto {
-                    let e = fleet.next_event(now);
+                    let e = fleet.next_event();
                     let payload = gpumedic_schemas::encode(&e)?;
                     send(&producer, BaseRecord::to(topics::HEALTH_RAW).key(e.node.as_str()).payload(&payload))?;
                     batch.push(e.event_id);

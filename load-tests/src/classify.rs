@@ -1,8 +1,9 @@
 //! `classify-throughput`: how many enriched events per second the classifier classifies and
 //! persists, beside the two ceilings under it, all measured in one run on the same records:
 //!
-//! 1. N enriched events (a fleet's realistic mix: mostly heartbeats and telemetry, a few Xids)
-//!    are produced to a fresh topic.
+//! 1. N enriched events (the simulated fleet's stream as the enricher passes it on, see
+//!    [`crate::fleet::Enriched`]: inventories, start snapshots, heartbeats, readings on change, a
+//!    few faults; 10 µs apart) are produced to a fresh topic.
 //! 2. Kafka ceiling: a fresh consumer group reads them all, doing nothing with them.
 //! 3. Postgres ceiling: the same events, as the classifier's batch rows (built beforehand), are
 //!    written to a fresh database with the classifier's own batch statement, `--batch-max` at a
@@ -18,10 +19,6 @@ use anyhow::Context as _;
 use gpumedic_classifier::store;
 use gpumedic_runtime::kafka::{KafkaSettings, stage_topics};
 use gpumedic_schemas::enriched::NodeContext;
-use gpumedic_schemas::health::{
-    Component, Detail, EccDetail, Entity, MonitorHealthDetail, MonitorState, PowerDetail, Source, TemperatureDetail,
-    XidDetail,
-};
 use gpumedic_schemas::{EnrichedHealthEvent, HealthEvent};
 use gpumedic_testkit as testkit;
 use rdkafka::producer::{BaseRecord, Producer as _};
@@ -68,64 +65,6 @@ pub struct Result {
     stage_seconds: Vec<(String, f64)>,
 }
 
-/// Event `i` of the fleet's stream.
-pub(crate) fn event(i: usize, nodes: usize, base: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
-    let n = i % nodes;
-    let gpu = (i / nodes) % 8;
-    let entity = Entity {
-        gpu_uuid: Some(format!("GPU-{n:08x}-{gpu:04x}-0000-0000-000000000000")),
-        pci_bus_id: Some(format!("00000000:{:02x}:00.0", 0x18 + gpu)),
-        ..Default::default()
-    };
-    let (source, detail, healthy) = match i % 200 {
-        // 2%: Xids, from the harmless (13, 31) to the fatal (79, 48).
-        0 => (Source::KernelLog, xid(79), false),
-        1 => (Source::KernelLog, xid(48), false),
-        2 => (Source::KernelLog, xid(13), false),
-        3 => (Source::KernelLog, xid(31), false),
-        // 58.5%: telemetry within limits.
-        k if k % 5 == 0 => (
-            Source::Nvml,
-            Detail::Temperature(TemperatureDetail {
-                celsius: 60 + (i % 15) as i32,
-                slowdown_celsius: Some(90),
-                shutdown_celsius: Some(95),
-            }),
-            true,
-        ),
-        k if k % 5 == 1 => (
-            Source::Nvml,
-            Detail::Power(PowerDetail { watts: 400.0 + (i % 200) as f64, limit_watts: Some(700.0) }),
-            true,
-        ),
-        k if k % 5 == 2 => (
-            Source::Nvml,
-            Detail::Ecc(EccDetail {
-                single_bit_volatile: Some(0),
-                double_bit_volatile: Some(0),
-                single_bit_aggregate: Some(3),
-                double_bit_aggregate: Some(0),
-                location: None,
-            }),
-            true,
-        ),
-        // The rest (39.5%): heartbeats.
-        _ => (
-            Source::Nvml,
-            Detail::MonitorHealth(MonitorHealthDetail {
-                monitor: "nvml".into(),
-                state: MonitorState::Ok,
-                message: None,
-            }),
-            true,
-        ),
-    };
-    let mut e = HealthEvent::new(format!("bench-node-{n:05}"), source, Component::Gpu, entity, detail);
-    e.healthy = healthy;
-    e.observed_at = base + chrono::Duration::microseconds(i as i64 * 10);
-    enriched(e, base)
-}
-
 /// `e` as the enricher would have sent it, at `enriched_at`, on a bench cloud node.
 pub(crate) fn enriched(e: HealthEvent, enriched_at: chrono::DateTime<chrono::Utc>) -> EnrichedHealthEvent {
     EnrichedHealthEvent {
@@ -147,17 +86,6 @@ pub(crate) fn enriched(e: HealthEvent, enriched_at: chrono::DateTime<chrono::Utc
     }
 }
 
-fn xid(code: i32) -> Detail {
-    Detail::Xid(XidDetail {
-        code,
-        text: format!("NVRM: Xid (PCI:0000:18:00): {code}, pid=1234, name=python"),
-        pid: Some(1234),
-        process: Some("python".into()),
-        nvlink5: None,
-        recovery_action: None,
-    })
-}
-
 /// Runs the scenario and prints one line per figure.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testkit::require_kafka().await?;
@@ -170,7 +98,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], o.partitions)).await?;
 
     let base = chrono::Utc::now() - chrono::Duration::minutes(10);
-    let events: Vec<EnrichedHealthEvent> = (0..o.events).map(|i| event(i, o.nodes, base)).collect();
+    let spacing = chrono::Duration::microseconds(10);
+    let events: Vec<EnrichedHealthEvent> =
+        crate::fleet::Enriched::new(o.nodes, base, spacing)?.take(o.events).collect();
     let payloads: Vec<Vec<u8>> = events.iter().map(gpumedic_schemas::encode).collect::<std::result::Result<_, _>>()?;
     let avro_bytes = payloads.iter().map(Vec::len).sum::<usize>() / payloads.len().max(1);
     let producer = crate::scratch_producer(&bootstrap)?;

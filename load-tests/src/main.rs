@@ -6,17 +6,18 @@
 //! - `classify-throughput`: the classifier binary working through a pre-filled topic of enriched
 //!   events into a fresh database, beside the raw Kafka consume rate and the raw Postgres insert
 //!   rate of the same records, measured in the same run (see [`classify`]).
-//! - `pipeline-throughput`: raw events through the enricher and classifier, beside the Kafka
-//!   passthrough, with node authentication off and enforced (see [`pipeline`]); `--persist
-//!   evidence|all` picks what the classifier records.
+//! - `pipeline-throughput`: raw events from the simulated fleet through the enricher and
+//!   classifier, beside the Kafka passthrough, with node authentication off and enforced (see
+//!   [`pipeline`]); `--persist evidence|all` picks what the classifier records.
 //! - `event-writes`: the classifier's event rows into PostgreSQL by its `UNNEST` insert and by
 //!   binary `COPY`, on the same rows (see [`writes`]).
 //! - `persist-policies`: the fleet's stream through the classifier's engine and batch write under
 //!   `--persist all` and `evidence`: rows kept and bytes per row (see [`writes::run_policies`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
-//! - `fleet`: the simulated GPU fleet on its own: raw events for N nodes of 8 GPUs at a rate,
-//!   with a fault mix, into Kafka, and the fleet's Nodes and GPU pods in the apiserver (see
-//!   [`fleet`]).
+//! - `fleet`: the simulated GPU fleet on its own: raw events as N nodes of 8 GPUs running the
+//!   collector send them (an inventory first, readings on change, a heartbeat per GPU, kernel-log
+//!   Xids by PCI bus id), at a rate, with a fault mix, into Kafka, and the fleet's Nodes and GPU
+//!   pods in the apiserver (see [`fleet`]).
 //! - `soak`: the pipeline for 30 minutes at 5,000 events per second from the simulated fleet,
 //!   each service's RSS and consumer lag sampled; both must stay flat (see [`soak`]).
 //! - `chaos`: the pipeline at 2,000 events per second on private servers while every service is
@@ -90,8 +91,8 @@ enum Scenario {
     EventWrites(writes::Options),
     /// What `--persist all` and `--persist evidence` record of the fleet's stream, and its size.
     PersistPolicies(writes::PolicyOptions),
-    /// The simulated GPU fleet on its own: raw events at a rate with a fault mix into Kafka, and
-    /// optionally its Nodes and GPU pods in the apiserver.
+    /// The simulated GPU fleet on its own: raw events in the collector's shape at a rate with a
+    /// fault mix into Kafka, and optionally its Nodes and GPU pods in the apiserver.
     Fleet(fleet::Options),
     /// The pipeline for a long run at a steady rate from the simulated fleet, memory and lag of each
     /// service sampled (runs on request: 30 minutes by default).

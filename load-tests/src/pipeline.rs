@@ -15,30 +15,36 @@
 //!    (key id and HMAC headers); `token` puts the token in every record (`gpumedic.node-token`).
 //!    Either is built before the clock starts, as a collector holds its token, and signs each
 //!    record, on its own node.
-//! 3. N raw events (the fleet mix of [`crate::classify`], as raw records) are produced as fast as
-//!    Kafka takes them; the clock runs from the first produce until the classifier's
+//! 3. N raw events from the simulated fleet ([`crate::fleet`]: `--nodes` simulated collectors at
+//!    the collector's own intervals, so an inventory per node first, readings only on change or a
+//!    threshold, a heartbeat per GPU every 60 s, kernel-log Xids by PCI bus id; the stream ends ten
+//!    minutes ago) are produced as fast as Kafka takes them; the clock runs from the first produce
+//!    until the classifier's
 //!    `gpumedic_classifier_events_total` reaches N, then the rows are counted. A run fails unless
 //!    exactly N events were classified, the rows fit the classifier's `--persist` (all N with
-//!    `all`), and the raw topic's dead-letter topic is empty.
+//!    `all`), and the raw topic's dead-letter topic is empty. The enricher's count of GPU
+//!    references it could not resolve is printed beside the fleet's count of events that name a
+//!    GPU outside their node's last inventory (NVML's `gpu_lost` after the GPU left it).
 //!
 //! The producing runs on a thread of its own so that the same 100 ms polls of the classifier's
 //! metrics can also sample the events Kafka has acknowledged: the JSON result's `timeline`, for
 //! the plots of `load-tests/plot/`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use gpumedic_runtime::kafka::{self, KafkaSettings, node_proof, record_headers};
-use gpumedic_schemas::topics;
+use gpumedic_schemas::{HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, Producer as _};
 
 use crate::collectors::Collectors;
+use crate::fleet::{self, Fleet};
 
 /// Collector Pods created and tokens minted at once with `--node-auth enforce`.
 const POD_CONCURRENCY: usize = 32;
@@ -56,11 +62,24 @@ pub struct Options {
     /// each, back to back, to compare them (each run measures its own Kafka ceiling).
     #[arg(long, default_value = "evidence")]
     persist: String,
-    /// Event time between consecutive events of the stream, in microseconds. The default packs
-    /// the stream into seconds; 33333 spreads 1,000 nodes' events at the fleet's rate (0.03 events
-    /// per node per second), which decides how many per-minute rollups `--persist evidence` writes.
-    #[arg(long, default_value_t = 10)]
-    event_spacing_us: i64,
+    /// Event time between consecutive events of the stream, in microseconds, in place of the
+    /// fleet's own times (the simulated collectors' intervals: 1,000 nodes send about 137 events
+    /// per second). 10 packs the stream into seconds, as the scenario did before it had the
+    /// collector's shape. The spread decides how many per-minute rollups `--persist evidence`
+    /// writes.
+    #[arg(long)]
+    event_spacing_us: Option<i64>,
+    /// The chance that an event of the stream starts a fault (the fleet's mix: Xids, ECC trends,
+    /// thermal excursions, maintenance notices).
+    #[arg(long, default_value_t = 0.01)]
+    fault_chance: f64,
+    /// Seed of the fleet's generator.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How kernel-log Xids name their GPU: `pci` (the PCI bus id only, resolved by the enricher)
+    /// or `stamped` (with the UUID the collector's publisher adds).
+    #[arg(long, value_enum, default_value_t = crate::fleet::XidNames::Pci)]
+    xid_names: crate::fleet::XidNames,
     /// Node authentication in the enricher: `off`, `enforce` (every record carries its node's
     /// Pod-bound token, reviewed by the enricher), or `both` (off, then enforce, on the same
     /// events, and the ratio).
@@ -102,6 +121,10 @@ pub struct Result {
     events: usize,
     nodes: usize,
     raw_bytes_per_event: usize,
+    /// How much event time the stream spans, in seconds.
+    event_seconds: f64,
+    /// The fleet's events and faults by kind (see [`crate::fleet::Fleet::counts`]).
+    fleet_counts: BTreeMap<&'static str, u64>,
     kafka_produce_per_sec: f64,
     kafka_consume_per_sec: f64,
     /// The classifier's --persist.
@@ -134,6 +157,8 @@ pub struct Run {
     dead_lettered: u64,
     /// The enricher's `gpumedic_enricher_token_reviews_total` after the run.
     token_reviews: u64,
+    /// The enricher's `gpumedic_enricher_gpu_unresolved_total` after the run.
+    gpu_unresolved: u64,
     /// CPU time (user and system) the enricher spent while the clock ran, per event, in µs: on a
     /// shared machine a steadier measure of its cost than the rate.
     enricher_cpu_us_per_event: f64,
@@ -149,20 +174,57 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testkit::require_kafka().await?;
     let client = testkit::require_kubernetes().await?;
     let admin_db = testkit::require_postgres().await?;
-    let spacing = chrono::Duration::microseconds(o.event_spacing_us);
+    let mut fleet = Fleet::new(fleet::Settings {
+        prefix: "bench-node".to_owned(),
+        nodes: o.nodes,
+        intervals: fleet::Intervals::COLLECTOR,
+        fault_chance: o.fault_chance,
+        seed: o.seed,
+        start: chrono::Utc::now(),
+        xid_names: o.xid_names,
+    })?;
+    let mut events: Vec<HealthEvent> = (0..o.events).map(|_| fleet.next_event()).collect();
     // The stream ends ten minutes ago, whatever time it spans.
-    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
-    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
-    let raw: Vec<(String, Vec<u8>)> = (0..o.events)
-        .map(|i| {
-            let mut e = crate::classify::event(i, o.nodes, base).event;
-            e.observed_at = base + spacing * i32::try_from(i).unwrap_or(i32::MAX);
-            Ok((e.node.clone(), gpumedic_schemas::encode(&e)?))
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let end = fleet::micros(chrono::Utc::now() - chrono::Duration::minutes(10));
+    match o.event_spacing_us {
+        None => {
+            let shift = end - fleet.clock();
+            events.iter_mut().for_each(|e| e.observed_at += shift);
+        }
+        Some(us) => {
+            let spacing = chrono::Duration::microseconds(us);
+            let base = end - spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
+            for (i, e) in events.iter_mut().enumerate() {
+                e.observed_at = base + spacing * i32::try_from(i).unwrap_or(i32::MAX);
+            }
+        }
+    }
+    let event_seconds = match (events.first(), events.last()) {
+        (Some(a), Some(b)) => (b.observed_at - a.observed_at).num_milliseconds() as f64 / 1000.0,
+        _ => 0.0,
+    };
+    let raw: Vec<(String, Vec<u8>)> =
+        events.iter().map(|e| Ok((e.node.clone(), gpumedic_schemas::encode(e)?))).collect::<anyhow::Result<_>>()?;
+    drop(events);
     let raw = Arc::new(raw);
     let bytes = raw.iter().map(|(_, b)| b.len()).sum::<usize>() / raw.len().max(1);
-    println!("pipeline-throughput: {} raw events of {bytes} B", o.events);
+    let counts = fleet.counts().clone();
+    let count = |k: &str| counts.get(k).copied().unwrap_or(0);
+    println!(
+        "pipeline-throughput: {} raw events of {bytes} B from {} simulated collectors over {:.0} s of event time: \
+         {} heartbeats, {} inventories, {} start-snapshot readings, {} Xids ({} by PCI bus id only), {} GPUs lost",
+        o.events,
+        o.nodes,
+        event_seconds,
+        count("monitor_health"),
+        count("gpu_inventory"),
+        count("snapshot"),
+        count("xid"),
+        count("xid_by_pci_only"),
+        count("gpu_lost"),
+    );
+    println!("  the fleet's mix: {counts:?}");
+    drop(fleet);
 
     let ceiling = crate::kafka_ceiling(o.events, bytes, topics::DEFAULT_PARTITIONS).await?;
     println!(
@@ -206,6 +268,12 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             run.rollups,
             run.rollup_bytes as f64 / run.rollups.max(1) as f64
         );
+        println!(
+            "  enricher: {} GPU references unresolved; the fleet sent {} events naming a GPU outside its node's \
+             last inventory",
+            run.gpu_unresolved,
+            count("outside_inventory")
+        );
         runs.push(run);
     }
     let mut runs = runs.into_iter();
@@ -224,6 +292,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         events: o.events,
         nodes: o.nodes,
         raw_bytes_per_event: bytes,
+        event_seconds,
+        fleet_counts: counts,
         kafka_produce_per_sec: ceiling.produce_per_sec,
         kafka_consume_per_sec: ceiling.consume_per_sec,
         persist: o.persist,
@@ -383,6 +453,7 @@ async fn pass(
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events").fetch_one(&pool).await?;
     let (_, text) = testkit::http_get(enricher.admin_addr(), "/metrics").await?;
     let token_reviews = crate::classify::metric(&text, "gpumedic_enricher_token_reviews_total") as u64;
+    let gpu_unresolved = crate::classify::metric(&text, "gpumedic_enricher_gpu_unresolved_total") as u64;
     for s in [&mut enricher, &mut classifier] {
         let _ = s.terminate(Duration::from_secs(20)).await;
     }
@@ -420,6 +491,7 @@ async fn pass(
         rollup_bytes,
         dead_lettered: dead,
         token_reviews,
+        gpu_unresolved,
         enricher_cpu_us_per_event: cpu[0] * 1e6 / events as f64,
         classifier_cpu_us_per_event: cpu[1] * 1e6 / events as f64,
         timeline,

@@ -3,14 +3,16 @@
 //! stay flat.
 //!
 //! 1. The simulated fleet ([`crate::fleet`]) is created in the apiserver: `--nodes` GPU nodes,
-//!    labelled for this run only, with GPU pods.
+//!    labelled for this run only, with GPU pods. Its stream has the collector's shape (an
+//!    inventory first, readings on change, a heartbeat per GPU, kernel-log Xids by PCI bus id), its
+//!    collectors' intervals scaled so that the fleet sends `--rate` events per second.
 //! 2. The release enricher, classifier (fresh database) and remediator (`cordon-drain`, on this
 //!    run's nodes, with the default safety limits) start on topics of this run only, so other
 //!    users of the testbed's Kafka neither feed nor read it.
 //! 3. The fleet's stream, with its fault mix, is produced to the raw topic at `--rate` for
 //!    `--duration`. Every `--sample-every`: each service's RSS (`/proc/<pid>/status`), its
-//!    consumer lag (`gpumedic_<service>_consumer_lag`, from librdkafka's statistics) and the
-//!    classifier's events so far.
+//!    consumer lag (`gpumedic_<service>_consumer_lag`, from librdkafka's statistics), the
+//!    classifier's events so far and the enricher's GPU references it could not resolve.
 //! 4. Verdicts, after the first fifth of the run (warm-up) is set aside and the rest cut in
 //!    thirds: memory is flat when the median RSS of the last third is at most 10% (and at least
 //!    8 MiB) above that of the first; lag is flat when the highest lag of the last third is at most
@@ -45,6 +47,10 @@ pub struct Options {
     /// Faults per minute over the whole fleet.
     #[arg(long, default_value_t = 30.0)]
     faults_per_minute: f64,
+    /// How kernel-log Xids name their GPU: `pci` (the PCI bus id only) or `stamped` (with the
+    /// UUID the collector's publisher adds).
+    #[arg(long, value_enum, default_value_t = fleet::XidNames::Pci)]
+    xid_names: fleet::XidNames,
     /// Time between two samples.
     #[arg(long, default_value = "10s", value_parser = crate::duration)]
     sample_every: Duration,
@@ -62,6 +68,8 @@ pub struct Sample {
     classified: f64,
     rss_mib: BTreeMap<&'static str, f64>,
     lag: BTreeMap<&'static str, f64>,
+    /// The enricher's `gpumedic_enricher_gpu_unresolved_total` so far.
+    gpu_unresolved: f64,
 }
 
 /// A service's verdict.
@@ -87,6 +95,13 @@ pub struct Result {
     produced: u64,
     classified: f64,
     rate_achieved: f64,
+    /// The simulated collectors' sample interval, heartbeat interval and inventory refresh, in ms.
+    intervals_ms: [f64; 3],
+    /// How much fleet time (`observed_at`) the stream spanned, in seconds.
+    fleet_seconds: f64,
+    /// GPU references the enricher could not resolve (its counter at the last sample), beside the
+    /// fleet's count of events naming a GPU outside their node's last inventory (`outside_inventory`).
+    gpu_unresolved: f64,
     fleet_counts: BTreeMap<&'static str, u64>,
     verdicts: Vec<Flatness>,
     flat: bool,
@@ -147,8 +162,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let client = testkit::require_kubernetes().await?;
     let admin_db = testkit::require_postgres().await?;
     let id = testkit::unique_name("soak");
-    let mut fleet = Fleet::new(&id, o.nodes, o.rate, o.faults_per_minute, 1);
+    let mut fleet = Fleet::paced(&id, o.nodes, o.rate, o.faults_per_minute, 1, o.xid_names)?;
     let names = fleet.nodes().to_vec();
+    let [sample, heartbeat, refresh] = fleet.intervals().millis();
     let ns = fleet::create_in_apiserver(&client, &id, &names, o.pods_per_node, 32).await?;
     println!(
         "soak: {} nodes ({} GPUs, {} pods) in the apiserver; {} events/s for {:?}, {} faults/min",
@@ -158,6 +174,10 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         o.rate,
         o.duration,
         o.faults_per_minute
+    );
+    println!(
+        "  the simulated collectors sample every {sample:.0} ms, beat every {heartbeat:.0} ms per GPU and publish \
+         their inventory every {refresh:.0} ms"
     );
 
     let db = id.replace('-', "_");
@@ -211,6 +231,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             let mut rss_mib = BTreeMap::new();
             let mut lag = BTreeMap::new();
             let mut classified = 0.0;
+            let mut gpu_unresolved = 0.0;
             for (name, s) in &mut services {
                 if let Ok(Some(status)) = s.try_wait() {
                     anyhow::bail!("the {name} exited with {status} during the soak");
@@ -221,6 +242,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 if *name == "classifier" {
                     classified = crate::classify::metric(&text, "gpumedic_classifier_events_total");
                 }
+                if *name == "enricher" {
+                    gpu_unresolved = crate::classify::metric(&text, "gpumedic_enricher_gpu_unresolved_total");
+                }
             }
             let sample = Sample {
                 t_s: start.elapsed().as_secs_f64(),
@@ -228,10 +252,11 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 classified,
                 rss_mib,
                 lag,
+                gpu_unresolved,
             };
             println!(
-                "  t={:>6.0}s produced {:>9} classified {:>9.0}  rss MiB {:?}  lag {:?}",
-                sample.t_s, sample.produced, sample.classified, sample.rss_mib, sample.lag
+                "  t={:>6.0}s produced {:>9} classified {:>9.0}  rss MiB {:?}  lag {:?}  unresolved {:.0}",
+                sample.t_s, sample.produced, sample.classified, sample.rss_mib, sample.lag, sample.gpu_unresolved
             );
             samples.push(sample);
         }
@@ -287,6 +312,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         produced: last.produced,
         classified: last.classified,
         rate_achieved: last.produced as f64 / last.t_s,
+        intervals_ms: fleet.intervals().millis(),
+        fleet_seconds: fleet.fleet_seconds(),
+        gpu_unresolved: last.gpu_unresolved,
         fleet_counts: fleet.counts().clone(),
         flat: verdicts.iter().all(|v| v.rss_flat && v.lag_flat),
         verdicts,
@@ -298,6 +326,17 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         result.duration_s,
         result.classified,
         if result.flat { "flat" } else { "NOT flat" }
+    );
+    println!(
+        "  fleet: {:.0} s of fleet time; {} Xids, {} of them by PCI bus id only; the enricher left {:.0} GPU \
+         references unresolved, the fleet sent {} naming a GPU outside its node's last inventory (NVML's gpu_lost \
+         after a GPU left it); {:?}",
+        result.fleet_seconds,
+        result.fleet_counts.get("xid").copied().unwrap_or(0),
+        result.fleet_counts.get("xid_by_pci_only").copied().unwrap_or(0),
+        result.gpu_unresolved,
+        result.fleet_counts.get("outside_inventory").copied().unwrap_or(0),
+        result.fleet_counts
     );
     Ok(result)
 }
@@ -313,6 +352,7 @@ mod tests {
             classified: 0.0,
             rss_mib: SERVICES.iter().map(|s| (*s, rss)).collect(),
             lag: SERVICES.iter().map(|s| (*s, lag)).collect(),
+            gpu_unresolved: 0.0,
         }
     }
 

@@ -58,10 +58,12 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let admin = testkit::require_postgres().await?;
     let base = chrono::Utc::now() - chrono::Duration::minutes(30);
     let mut batches: Vec<EventRows> = Vec::new();
-    for chunk in (0..o.events).collect::<Vec<_>>().chunks(o.batch.max(1)) {
+    let events: Vec<_> =
+        crate::fleet::Enriched::new(o.nodes, base, chrono::Duration::microseconds(10))?.take(o.events).collect();
+    for chunk in events.chunks(o.batch.max(1)) {
         let mut rows = EventRows::with_capacity(chunk.len());
-        for &i in chunk {
-            rows.push(&crate::classify::event(i, o.nodes, base))?;
+        for e in chunk {
+            rows.push(e)?;
         }
         batches.push(rows);
     }
@@ -171,13 +173,7 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
     let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
     let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
     let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
-    let events: Vec<_> = (0..o.events)
-        .map(|i| {
-            let mut e = crate::classify::event(i, o.nodes, base);
-            e.event.observed_at = base + spacing * i32::try_from(i).unwrap_or(i32::MAX);
-            e
-        })
-        .collect();
+    let events: Vec<_> = crate::fleet::Enriched::new(o.nodes, base, spacing)?.take(o.events).collect();
     println!(
         "persist-policies: {} events of {} nodes at {} per node per second ({:.1} h of event time)",
         o.events,
