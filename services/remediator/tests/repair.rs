@@ -780,17 +780,7 @@ async fn a_validation_job_that_passes_releases_the_node_and_one_that_fails_escal
     let (a, b) = (w.node().await, w.node().await);
     let receiver = Receiver::default();
     let (url, ca) = start_receiver(&receiver).await;
-    let mut r = w
-        .start(&[
-            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
-            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
-            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
-            ("GPUMEDIC_VALIDATION", "job".into()),
-            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
-        ])
-        .await;
+    let mut r = w.start(&job_validation_env(&w, &url, &ca, "10m")).await;
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
 
     // A: healthy evidence; the Job runs pinned to the node; the node waits, validating.
@@ -853,17 +843,7 @@ async fn a_validation_job_that_never_finishes_times_out_and_escalates() {
     let name = w.node().await;
     let receiver = Receiver::default();
     let (url, ca) = start_receiver(&receiver).await;
-    let mut r = w
-        .start(&[
-            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
-            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
-            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
-            ("GPUMEDIC_VALIDATION", "job".into()),
-            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "3s".into()),
-        ])
-        .await;
+    let mut r = w.start(&job_validation_env(&w, &url, &ca, "3s")).await;
     let (_, job) = repaired_then_recovered(&w, &name).await;
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
     assert!(jobs.get_opt(&job).await.unwrap().is_some());
@@ -1039,17 +1019,7 @@ async fn a_validation_jobs_result_carries_its_conditions_and_its_pods_terminatio
     let (a, b) = (w.node().await, w.node().await);
     let receiver = Receiver::default();
     let (url, ca) = start_receiver(&receiver).await;
-    let mut r = w
-        .start(&[
-            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
-            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
-            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
-            ("GPUMEDIC_VALIDATION", "job".into()),
-            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
-        ])
-        .await;
+    let mut r = w.start(&job_validation_env(&w, &url, &ca, "10m")).await;
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
     let what = "validation Job";
     let ((va, _, job_a), (vb, _, job_b)) =
@@ -1083,8 +1053,9 @@ async fn a_validation_jobs_result_carries_its_conditions_and_its_pods_terminatio
     cleanup(&w.client, &[&a, &b], &[&w.ns]).await;
 }
 
-/// The remediator's settings for a Job validation with `burn_in`, its webhook at `url` (CA `ca`).
-fn burn_in_env(w: &World, url: &str, ca: &str, burn_in: &str) -> Vec<(&'static str, String)> {
+/// The remediator's settings for a Job validation that may take `timeout`, on a two-rung repair
+/// ladder whose webhook is at `url` (CA `ca`).
+fn job_validation_env(w: &World, url: &str, ca: &str, timeout: &str) -> Vec<(&'static str, String)> {
     vec![
         ("GPUMEDIC_REPAIR_WEBHOOK_URL", url.to_owned()),
         ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
@@ -1092,9 +1063,15 @@ fn burn_in_env(w: &World, url: &str, ca: &str, burn_in: &str) -> Vec<(&'static s
         ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
         ("GPUMEDIC_VALIDATION", "job".into()),
         ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
-        ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
-        ("GPUMEDIC_VALIDATION_BURN_IN", burn_in.to_owned()),
+        ("GPUMEDIC_VALIDATION_TIMEOUT", timeout.to_owned()),
     ]
+}
+
+/// The remediator's settings for a Job validation with `burn_in`, its webhook at `url` (CA `ca`).
+fn burn_in_env(w: &World, url: &str, ca: &str, burn_in: &str) -> Vec<(&'static str, String)> {
+    let mut env = job_validation_env(w, url, ca, "10m");
+    env.push(("GPUMEDIC_VALIDATION_BURN_IN", burn_in.to_owned()));
+    env
 }
 
 /// Passes the validation Job `job` of `node` and waits for the node's burn-in to begin.
@@ -1217,17 +1194,7 @@ async fn a_release_from_a_quarantine_without_a_repair_is_validated_first() {
     let (a, b, c, d) = (w.node().await, w.node().await, w.node().await, w.node().await);
     let receiver = Receiver::default();
     let (url, ca) = start_receiver(&receiver).await;
-    let mut r = w
-        .start(&[
-            ("GPUMEDIC_REPAIR_WEBHOOK_URL", url),
-            ("GPUMEDIC_REPAIR_WEBHOOK_SECRET", SECRET.to_owned()),
-            ("GPUMEDIC_REPAIR_WEBHOOK_CA_FILE", w.file("ca.pem", &ca)),
-            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
-            ("GPUMEDIC_VALIDATION", "job".into()),
-            ("GPUMEDIC_VALIDATION_NAMESPACE", w.ns.clone()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "20s".into()),
-        ])
-        .await;
+    let mut r = w.start(&job_validation_env(&w, &url, &ca, "20s")).await;
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
     let drain = RecommendedAction::Drain;
     let ((rec_a, job_a), (rec_b, job_b), (rec_c, _), (rec_d, job_d)) = tokio::join!(
