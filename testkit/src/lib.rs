@@ -4,6 +4,7 @@
 //!   server fails with how to start it (it never passes by skipping), unique names so tests run
 //!   in parallel, and readers of what a test waits for on Kafka;
 //! - [`process`]: service binaries started by a test and stopped with SIGTERM;
+//! - [`demo`]: `gpumedic demo` run as a newcomer runs it, its output waited on by text;
 //! - [`eventually()`]: the one poller for a condition a service makes true in the background;
 //! - [`fixtures`] and [`NodeBuilder`]: builders for health events, enriched events, verdicts and
 //!   Kubernetes Nodes;
@@ -12,6 +13,7 @@
 //! Everything is re-exported at the root: `gpumedic_testkit::require_kafka()`,
 //! `gpumedic_testkit::event("node").xid(79)`.
 
+pub mod demo;
 pub mod eventually;
 pub mod fixtures;
 pub mod http;

@@ -8,13 +8,10 @@
 //! testbed it starts no server. Needs the binaries (`cargo build --workspace --bins`). The full
 //! story takes about 90 seconds, the interrupted one about 20.
 
-use std::io::{BufRead as _, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gpumedic_testkit as testkit;
+use gpumedic_testkit::{self as testkit, demo::Demo};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::{Api, ListParams};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -22,92 +19,6 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 /// The two runs one after the other: each starts ten processes, and the machine running the
 /// tests may have two cores.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A running `gpumedic demo`, its output collected line by line (and echoed for the test log).
-struct Demo {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-}
-
-impl Demo {
-    fn start() -> Self {
-        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let mut cmd = Command::new(testkit::workspace_binary("gpumedic").unwrap_or_else(|e| panic!("{e}")));
-        cmd.args(["demo", "--repo"]).arg(&repo).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
-        // compose/env names the testbed's folder from GPUMEDIC_TESTBED, else the checkout's
-        // .testbed: the one whose kubeconfig the tests use.
-        if std::env::var_os("GPUMEDIC_TESTBED").is_none()
-            && let Some(dir) = testkit::kubeconfig_path().parent()
-        {
-            cmd.env("GPUMEDIC_TESTBED", dir);
-        }
-        let mut child = cmd.spawn().expect("gpumedic demo starts");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        for stream in [
-            Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().expect("stderr")),
-        ] {
-            let lines = Arc::clone(&lines);
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    println!("demo| {line}");
-                    lines.lock().expect("lines").push(line);
-                }
-            });
-        }
-        Self { child, lines }
-    }
-
-    fn output(&self) -> String {
-        self.lines.lock().expect("lines").join("\n")
-    }
-
-    /// Waits until a line contains `text`; panics (after stopping the demo) past `timeout`.
-    fn wait_for_line(&mut self, text: &str, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        while !self.output().contains(text) {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                panic!("the demo exited ({st}) before printing {text:?}:\n{}", self.output());
-            }
-            if Instant::now() > deadline {
-                self.signal("TERM");
-                let _ = self.child.wait();
-                panic!("the demo did not print {text:?} within {timeout:?}:\n{}", self.output());
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    fn signal(&self, name: &str) {
-        let _ = Command::new("kill").args([&format!("-{name}"), &self.child.id().to_string()]).status();
-    }
-
-    /// Waits for the exit; SIGTERM (the demo cleans up then too) past `timeout`, and a panic.
-    fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(st) = self.child.try_wait().expect("wait") {
-                // The reader threads finish with the pipes.
-                std::thread::sleep(Duration::from_millis(300));
-                return st;
-            }
-            if Instant::now() > deadline {
-                self.signal("TERM");
-                let _ = self.child.wait();
-                panic!("the demo did not finish within {timeout:?}:\n{}", self.output());
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
-
-    /// The run id the demo announced (`run <id>: ...`).
-    fn run_id(&self) -> String {
-        let out = self.output();
-        out.lines()
-            .find_map(|l| l.trim().strip_prefix("run ").and_then(|r| r.split(':').next()).map(str::to_owned))
-            .unwrap_or_else(|| panic!("the demo printed no run id:\n{out}"))
-    }
-}
 
 /// Asserts that nothing of run `run_id` is left: Nodes, namespace, consumer groups, state folders.
 async fn assert_cleaned_up(run_id: &str) {
@@ -160,7 +71,7 @@ fn assert_in_order(out: &str, needles: &[String]) {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_demo_tells_the_story_and_leaves_nothing_behind() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut demo = Demo::start();
+    let mut demo = Demo::start(&[]);
     let status = tokio::task::block_in_place(|| demo.wait(Duration::from_secs(300)));
     let out = demo.output();
     assert!(status.success(), "gpumedic demo failed ({status}):\n{out}");
@@ -192,7 +103,7 @@ async fn an_interrupted_demo_cleans_up_too() {
     // The console's usual port held (by this test, or by whoever holds it already): the demo
     // takes another and says so.
     let _held = std::net::TcpListener::bind("127.0.0.1:9405");
-    let mut demo = Demo::start();
+    let mut demo = Demo::start(&[]);
     // Interrupted once the fleet, the groups and the services exist, in the middle of the story.
     tokio::task::block_in_place(|| demo.wait_for_line("all services report ready", Duration::from_secs(180)));
     demo.signal("INT");
