@@ -50,19 +50,8 @@ pub struct Args {
     /// heavy query never takes a connection the classifier writes with.
     #[arg(long, env = "GPUMEDIC_API_DATABASE_POOL", default_value_t = 2)]
     api_database_pool: u32,
-    /// How the incident API (`/api/`) authenticates requests: `kubernetes` (a bearer token,
-    /// checked with a TokenReview, whose user needs `get`/`list` on `incidents.gpumedic.io` by a
-    /// SubjectAccessReview) or `none` (anyone who reaches the admin port; local use only).
-    #[arg(long, env = "GPUMEDIC_API_AUTH", default_value = "kubernetes")]
-    api_auth: String,
-    /// How long the incident API reuses a decision about a token (allowed or refused), so a
-    /// dashboard that polls does not review its token on every request. A revoked grant keeps
-    /// working this long; `0s` reviews every request.
-    #[arg(long, env = "GPUMEDIC_API_AUTH_CACHE_TTL", default_value = "10s")]
-    api_auth_cache_ttl: String,
-    /// At most this many decisions about tokens are kept.
-    #[arg(long, env = "GPUMEDIC_API_AUTH_CACHE_SIZE", default_value_t = 1024)]
-    api_auth_cache_size: usize,
+    #[command(flatten)]
+    api_auth: gpumedic_runtime::api_auth::ApiAuthArgs,
     /// A folder of rule files (*.yaml) to use instead of the built-in default rule set.
     #[arg(long, env = "GPUMEDIC_RULES_DIR")]
     rules_dir: Option<PathBuf>,
@@ -208,14 +197,7 @@ impl Validate for Args {
                 format!("{} is not from 1 to --database-pool ({})", self.write_parallelism, self.database_pool),
             );
         }
-        let api_auth = p.check("--api-auth", auth::Mode::parse(&self.api_auth));
-        let api_auth_cache_ttl = p.check("--api-auth-cache-ttl", parse_duration(&self.api_auth_cache_ttl));
-        if api_auth_cache_ttl.is_some_and(|t| t > Duration::from_secs(300)) {
-            p.push("--api-auth-cache-ttl", "must be at most 5m (a revoked grant keeps working that long)");
-        }
-        if !(1..=100_000).contains(&self.api_auth_cache_size) {
-            p.push("--api-auth-cache-size", format!("{} is not from 1 to 100000", self.api_auth_cache_size));
-        }
+        let api_auth = self.api_auth.settings(&mut p);
         let rules = match &self.rules_dir {
             None => rules::defaults::rule_set(),
             Some(dir) => rules::load::check_dir(dir),
@@ -303,11 +285,7 @@ impl Validate for Args {
                 database_url: self.database_url,
                 database_pool: self.database_pool,
                 api_database_pool: self.api_database_pool,
-                api_auth: auth::Settings {
-                    mode: api_auth.expect("checked"),
-                    cache_ttl: api_auth_cache_ttl.expect("checked"),
-                    cache_size: self.api_auth_cache_size,
-                },
+                api_auth: api_auth.expect("checked"),
                 write_parallelism: self.write_parallelism,
                 persist: persist.expect("checked"),
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },

@@ -45,18 +45,8 @@ pub struct Args {
     /// a random suffix, starting at the end of the topic (a live view, not a replay).
     #[arg(long, env = "GPUMEDIC_GROUP_PREFIX", default_value = "gpumedic-console")]
     group_prefix: String,
-    /// How the pages and the API authenticate requests: `kubernetes` (a bearer token, checked
-    /// with a TokenReview, whose user needs `get`/`list` on `incidents.gpumedic.io` by a
-    /// SubjectAccessReview, as the incident API) or `none` (anyone who reaches the port; local
-    /// use only).
-    #[arg(long, env = "GPUMEDIC_API_AUTH", default_value = "kubernetes")]
-    api_auth: String,
-    /// How long a decision about a token is reused; `0s` reviews every request.
-    #[arg(long, env = "GPUMEDIC_API_AUTH_CACHE_TTL", default_value = "10s")]
-    api_auth_cache_ttl: String,
-    /// At most this many decisions about tokens are kept.
-    #[arg(long, env = "GPUMEDIC_API_AUTH_CACHE_SIZE", default_value_t = 1024)]
-    api_auth_cache_size: usize,
+    #[command(flatten)]
+    api_auth: gpumedic_runtime::api_auth::ApiAuthArgs,
     /// How often the fleet gauges (`gpumedic_console_fleet_*`) are recomputed from the caches.
     #[arg(long, env = "GPUMEDIC_FLEET_GAUGE_INTERVAL", default_value = "5s")]
     fleet_gauge_interval: String,
@@ -129,14 +119,7 @@ impl Validate for Args {
         if self.group_prefix.trim().is_empty() || self.group_prefix.len() > 200 {
             p.push("--group-prefix", "must be 1 to 200 characters");
         }
-        let api_auth = p.check("--api-auth", api_auth::Mode::parse(&self.api_auth));
-        let api_auth_cache_ttl = p.check("--api-auth-cache-ttl", parse_duration(&self.api_auth_cache_ttl));
-        if api_auth_cache_ttl.is_some_and(|t| t > Duration::from_secs(300)) {
-            p.push("--api-auth-cache-ttl", "must be at most 5m (a revoked grant keeps working that long)");
-        }
-        if !(1..=100_000).contains(&self.api_auth_cache_size) {
-            p.push("--api-auth-cache-size", format!("{} is not from 1 to 100000", self.api_auth_cache_size));
-        }
+        let api_auth = self.api_auth.settings(&mut p);
         let gauge = p.check("--fleet-gauge-interval", parse_duration(&self.fleet_gauge_interval));
         if gauge.is_some_and(|d| d.is_zero()) {
             p.push("--fleet-gauge-interval", "must be more than 0");
@@ -159,11 +142,7 @@ impl Validate for Args {
             status_configmap: self.status_configmap,
             verdicts_topic: self.verdicts_topic,
             group_prefix: self.group_prefix,
-            api_auth: api_auth::Settings {
-                mode: api_auth.expect("checked"),
-                cache_ttl: api_auth_cache_ttl.expect("checked"),
-                cache_size: self.api_auth_cache_size,
-            },
+            api_auth: api_auth.expect("checked"),
             fleet_gauge_interval: gauge.expect("checked"),
             trace_url,
         })

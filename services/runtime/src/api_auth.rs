@@ -74,6 +74,45 @@ pub struct Settings {
     pub cache_size: usize,
 }
 
+/// The `--api-auth*` flags of a service that serves the incident history over HTTP (the
+/// classifier's incident API, the console), flattened into its arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ApiAuthArgs {
+    /// How the API authenticates requests: `kubernetes` (a bearer token, checked with a
+    /// TokenReview, whose user needs `get`/`list` on `incidents.gpumedic.io` by a
+    /// SubjectAccessReview) or `none` (anyone who reaches the admin port; local use only).
+    #[arg(long = "api-auth", env = "GPUMEDIC_API_AUTH", default_value = "kubernetes")]
+    pub mode: String,
+    /// How long a decision about a token (allowed or refused) is reused, so a dashboard that
+    /// polls does not review its token on every request. A revoked grant keeps working this long;
+    /// `0s` reviews every request.
+    #[arg(long = "api-auth-cache-ttl", env = "GPUMEDIC_API_AUTH_CACHE_TTL", default_value = "10s")]
+    pub cache_ttl: String,
+    /// At most this many decisions about tokens are kept.
+    #[arg(long = "api-auth-cache-size", env = "GPUMEDIC_API_AUTH_CACHE_SIZE", default_value_t = 1024)]
+    pub cache_size: usize,
+}
+
+impl ApiAuthArgs {
+    /// The settings, or `None` with every problem added to `problems`.
+    pub fn settings(&self, problems: &mut crate::config::Problems) -> Option<Settings> {
+        let mode = problems.check("--api-auth", Mode::parse(&self.mode));
+        let cache_ttl = problems.check("--api-auth-cache-ttl", crate::config::parse_duration(&self.cache_ttl));
+        if cache_ttl.is_some_and(|t| t > Duration::from_secs(300)) {
+            problems.push("--api-auth-cache-ttl", "must be at most 5m (a revoked grant keeps working that long)");
+        }
+        if !(1..=100_000).contains(&self.cache_size) {
+            problems.push("--api-auth-cache-size", format!("{} is not from 1 to 100000", self.cache_size));
+            return None;
+        }
+        Some(Settings {
+            mode: mode?,
+            cache_ttl: cache_ttl.filter(|t| *t <= Duration::from_secs(300))?,
+            cache_size: self.cache_size,
+        })
+    }
+}
+
 /// What a request asks to do with incidents: the SubjectAccessReview's verb.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Verb {
