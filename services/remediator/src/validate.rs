@@ -324,7 +324,7 @@ pub fn with_pods(verdict: Verdict, pods: Option<String>) -> Verdict {
 /// message it reported beside a success; `what` names the hook for the summary.
 pub fn hook_verdict(report: &Report, message: Option<&str>, what: &str) -> Verdict {
     match report {
-        Report::Working => Verdict::Running,
+        Report::Working | Report::Silent => Verdict::Running,
         Report::Succeeded => Verdict::Passed(match message {
             Some(m) => format!("{what} reported Succeeded: {m}"),
             None => format!("{what} reported Succeeded"),
