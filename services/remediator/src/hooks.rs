@@ -382,7 +382,8 @@ pub fn idempotency_key(verdict_id: &str, step: usize) -> String {
 pub const VALIDATE_ACTION: &str = "validate";
 
 /// The idempotency key of the validation after step `step` of the ladder started by
-/// `verdict_id`: the step's key with `:validate`, the same at every look.
+/// `verdict_id`: the step's key with `:validate`, the same at every look (a second validation at
+/// the same step adds [`crate::ladder::Ladder::validation_suffix`]).
 pub fn validation_key(verdict_id: &str, step: usize) -> String {
     format!("{}:{VALIDATE_ACTION}", idempotency_key(verdict_id, step))
 }

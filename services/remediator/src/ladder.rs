@@ -4,7 +4,10 @@
 //! ([`crate::hooks`]) and has a timeout; the step succeeds when a hook reports success (the custom
 //! resource's phase reads `Succeeded`) or when healthy evidence arrives (a recovery verdict for
 //! the incident). A step that fails or times out escalates to the next; when the last one fails
-//! the node is left `failed` for an operator.
+//! the node is left `failed` for an operator. After a failed validation the ladder keeps the
+//! recovery it held ([`Ladder::held_recovery`]): the next step is then over when a hook reports
+//! success, or, when no hook reports back (the webhook alone), when it has had its timeout, and
+//! the node is validated again ([`Move::Validate`]).
 //!
 //! The ladder is durable: it lives on the Node in the [`LADDER_ANNOTATION`] (JSON [`Ladder`]), like
 //! deferred actions, and the leader drives it from a periodic task, so a failover or a restart
@@ -101,7 +104,9 @@ pub enum Phase {
     /// node returns to service or the ladder escalates.
     Validating,
     /// The validation passed at `since`; the node returns once it has had no new fault for the
-    /// validation's burn-in period. A new fault escalates the ladder.
+    /// validation's burn-in period. A new fault escalates the ladder, unless it is another
+    /// incident's on another GPU ([`Ladder::fault_elsewhere`]): that one holds the burn-in
+    /// ([`Ladder::burn_in_held_for`]) until it recovers.
     BurnIn,
     /// Every step failed: an operator must act.
     Failed,
