@@ -31,7 +31,8 @@
 //!   fault of another incident on another GPU holds the burn-in without escalating, and it starts
 //!   over once that incident recovers;
 //! - after a failed validation the ladder keeps the held recovery: on a webhook-only ladder the
-//!   escalated step is validated again once it has had its timeout (across a restart), and a
+//!   escalated step is validated again once it has had its timeout (across a restart), one whose
+//!   custom resource reports `Succeeded` is validated again at once, and a
 //!   drained node's validation before release, failed, is validated again after its first rung
 //!   under a Job of its own;
 //! - the validation and burn-in counters are on /metrics at zero from the start;
@@ -1427,6 +1428,53 @@ async fn a_fault_on_another_gpu_during_the_burn_in_holds_it_until_that_incident_
     w.outcome(v.verdict_id, |o| o.detail.starts_with("burn-in completed")).await;
     w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
     assert!(called_for_step(&receiver, &name, 2).is_none(), "no second rung");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn after_a_failed_validation_the_next_rungs_reported_success_is_validated_at_once() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let name = w.node().await;
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
+        w.ns
+    );
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "resource".into()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
+        ])
+        .await;
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let report = async |name: &str, phase: &str, message: &str| {
+        let status = json!({ "status": { "phase": phase, "message": message } });
+        repairs.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await.expect("status set");
+    };
+    let (v, rec, first) = held_for_validation(&w, &name, "validation resource").await;
+    report(&first, "Failed", "NVLink errors on GPU 0").await;
+
+    // The reboot's controller reports success: the recovery the failed validation held is the
+    // healthy evidence, so the node is validated again at once, under the second step's name.
+    let step2 = format!("gpumedic-{}-2", v.verdict_id);
+    eventually("the second rung", Duration::from_secs(30), async || repairs.get_opt(&step2).await.unwrap()).await;
+    report(&step2, "Succeeded", "rebooted").await;
+    let second = format!("gpumedic-validate-{}-2", v.verdict_id.simple());
+    let cr =
+        eventually("the second validation", Duration::from_secs(30), async || repairs.get_opt(&second).await.unwrap())
+            .await;
+    assert_eq!(cr.data["spec"]["operation"], "validate");
+    assert_eq!(state(&get_node(&w.client, &name).await).as_deref(), Some("validating"));
+    report(&second, "Succeeded", "diag passed after the reboot").await;
+    returned(&w, &name).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let passed = w.outcome(v.verdict_id, |o| o.detail.contains("diag passed after the reboot")).await;
+    assert_eq!(passed.status, ActionStatus::Applied);
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
