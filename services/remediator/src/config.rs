@@ -204,7 +204,8 @@ pub struct Args {
     validation_timeout: String,
     /// After a validation passes, how long the node stays out (state `burn-in`) without a new
     /// fault before it returns (`30m`, `24h`); a fault verdict meanwhile escalates the repair
-    /// ladder. Unset or `0s`: no burn-in.
+    /// ladder, except one of another incident on another GPU, which holds the burn-in until that
+    /// incident recovers (then it starts over). Unset or `0s`: no burn-in.
     #[arg(long, env = "GPUMEDIC_VALIDATION_BURN_IN")]
     validation_burn_in: Option<String>,
     /// The namespace validation Jobs are created in (a template's own namespace wins); default

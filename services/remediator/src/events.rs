@@ -51,8 +51,11 @@ pub(crate) mod names {
     pub(crate) const REPAIR_STEPS_TOTAL: &str = "gpumedic_remediator_repair_steps_total";
     /// Validations (Jobs, webhook calls, resources), by `result`.
     pub(crate) const VALIDATIONS_TOTAL: &str = "gpumedic_remediator_validations_total";
-    /// Burn-ins after a passed validation, by `result` (`started`, `completed`, `interrupted`).
+    /// Burn-ins after a passed validation, by `result` (one of [`BURN_IN_RESULTS`]).
     pub(crate) const BURN_INS_TOTAL: &str = "gpumedic_remediator_burn_ins_total";
+    /// The `result`s of [`BURN_INS_TOTAL`]: started, completed, interrupted (a new fault escalated
+    /// the ladder), held (a fault on another GPU holds it), restarted (after such a fault).
+    pub(crate) const BURN_IN_RESULTS: [&str; 5] = ["started", "completed", "interrupted", "held", "restarted"];
     /// Unreadable repair ladders ignored.
     pub(crate) const LADDERS_REFUSED_TOTAL: &str = "gpumedic_remediator_ladders_refused_total";
     /// Node writes refused because this replica could not prove it leads.
@@ -381,7 +384,8 @@ impl InternalEvent for ValidationFailed<'_> {
     }
 }
 
-/// A burn-in started or completed (counted; its outcome and Event tell it).
+/// A burn-in started, completed, was held by another incident's fault, or restarted after it
+/// (counted; its outcome and Event tell it).
 pub(crate) struct BurnIn {
     pub(crate) result: &'static str,
 }

@@ -382,7 +382,8 @@ pub fn idempotency_key(verdict_id: &str, step: usize) -> String {
 pub const VALIDATE_ACTION: &str = "validate";
 
 /// The idempotency key of the validation after step `step` of the ladder started by
-/// `verdict_id`: the step's key with `:validate`, the same at every look.
+/// `verdict_id`: the step's key with `:validate`, the same at every look (a second validation at
+/// the same step adds [`crate::ladder::Ladder::validation_suffix`]).
 pub fn validation_key(verdict_id: &str, step: usize) -> String {
     format!("{}:{VALIDATE_ACTION}", idempotency_key(verdict_id, step))
 }
@@ -544,12 +545,18 @@ impl Webhook {
     /// how long it may take in all), under the same key at every look: the receiver starts the
     /// validation on the first request and answers each with its state, in the shape of a repair
     /// resource's status (`{"status": {"phase": "Succeeded", "message": "..."}}`; `Failed`, or
-    /// anything else while it runs). See [`answer_of`].
-    pub async fn validate(&self, ladder: &Ladder, timeout: Duration) -> Result<(Report, Option<String>), HookError> {
-        let key = validation_key(&ladder.verdict_id, ladder.step_number());
+    /// anything else while it runs). See [`answer_of`]. `key` is the validation's idempotency
+    /// key as recorded when it started ([`validation_key`], with the ladder's
+    /// [`Ladder::validation_suffix`] for a second validation at the same step).
+    pub async fn validate(
+        &self,
+        ladder: &Ladder,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<(Report, Option<String>), HookError> {
         let secs = timeout.as_secs().max(1);
         let delivered = self
-            .deliver(&key, |attempt, now| WebhookBody::asking(ladder, VALIDATE_ACTION.to_owned(), secs, attempt, now))
+            .deliver(key, |attempt, now| WebhookBody::asking(ladder, VALIDATE_ACTION.to_owned(), secs, attempt, now))
             .await?;
         Ok(answer_of(&delivered.body))
     }
@@ -868,11 +875,12 @@ impl Hooks {
         Ok(parts.join("; "))
     }
 
-    /// What the hooks report about the current (running) step; a webhook does not report back.
+    /// What the hooks report about the current (running) step; a webhook does not report back,
+    /// so without the custom resource the answer is [`Report::Silent`].
     pub async fn report(&self, ladder: &Ladder) -> Result<Report, HookError> {
         match &self.resource {
             Some(r) => r.report(ladder).await,
-            None => Ok(Report::Working),
+            None => Ok(Report::Silent),
         }
     }
 }

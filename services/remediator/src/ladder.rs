@@ -4,7 +4,10 @@
 //! ([`crate::hooks`]) and has a timeout; the step succeeds when a hook reports success (the custom
 //! resource's phase reads `Succeeded`) or when healthy evidence arrives (a recovery verdict for
 //! the incident). A step that fails or times out escalates to the next; when the last one fails
-//! the node is left `failed` for an operator.
+//! the node is left `failed` for an operator. After a failed validation the ladder keeps the
+//! recovery it held ([`Ladder::held_recovery`]): the next step is then over when a hook reports
+//! success, or, when no hook reports back (the webhook alone), when it has had its timeout, and
+//! the node is validated again ([`Move::Validate`]).
 //!
 //! The ladder is durable: it lives on the Node in the [`LADDER_ANNOTATION`] (JSON [`Ladder`]), like
 //! deferred actions, and the leader drives it from a periodic task, so a failover or a restart
@@ -101,7 +104,9 @@ pub enum Phase {
     /// node returns to service or the ladder escalates.
     Validating,
     /// The validation passed at `since`; the node returns once it has had no new fault for the
-    /// validation's burn-in period. A new fault escalates the ladder.
+    /// validation's burn-in period. A new fault escalates the ladder, unless it is another
+    /// incident's on another GPU ([`Ladder::fault_elsewhere`]): that one holds the burn-in
+    /// ([`Ladder::burn_in_held_for`]) until it recovers.
     BurnIn,
     /// Every step failed: an operator must act.
     Failed,
@@ -135,6 +140,24 @@ pub struct Ladder {
     /// no longer returns the node (only an operator does).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub failed_validation: bool,
+    /// The recovery verdict a failed validation (or an interrupted burn-in) held: the incident
+    /// has recovered already and the classifier sends no other recovery for it, so once the
+    /// escalated step is over ([`Move::Validate`]) the node is validated again with this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_recovery: Option<Remediation>,
+    /// How many validations have started at the current step (back to 0 when the ladder
+    /// escalates); a second one at the same step (a drained node's validation before release
+    /// failed, and its first rung is over) gets a name of its own ([`Ladder::validation_suffix`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub validations_at_step: u32,
+    /// The other incidents that quarantine the node during its burn-in (faults on other GPUs):
+    /// the burn-in does not complete while any is open, and starts over once the last recovers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub burn_in_held_for: Vec<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What the hooks say about the current step.
@@ -146,6 +169,9 @@ pub enum Report {
     Succeeded,
     /// A hook reported the repair failed, and why.
     Failed(String),
+    /// No hook reports back on this step (the webhook alone): healthy evidence or the timeout
+    /// ends it.
+    Silent,
 }
 
 /// What the driver does with a ladder now.
@@ -159,6 +185,10 @@ pub enum Move {
     Succeed,
     /// The current step failed (the reason); the next step follows, or the ladder fails.
     Escalate(String),
+    /// The current step is over (the reason: its hook reported success, or no hook reports on it
+    /// and it has had its timeout) and the node's healthy evidence is already held
+    /// ([`Ladder::held_recovery`]): the node is validated now.
+    Validate(String),
     /// The ladder is over (succeeded or failed): nothing to drive.
     Done,
 }
@@ -183,6 +213,9 @@ impl Ladder {
             history: Vec::new(),
             validation: None,
             failed_validation: false,
+            held_recovery: None,
+            validations_at_step: 0,
+            burn_in_held_for: Vec::new(),
         }
     }
 
@@ -202,6 +235,9 @@ impl Ladder {
             history: Vec::new(),
             validation: None,
             failed_validation: false,
+            held_recovery: None,
+            validations_at_step: 0,
+            burn_in_held_for: Vec::new(),
         }
     }
 
@@ -265,6 +301,36 @@ impl Ladder {
         self.current + 1 >= self.steps.len()
     }
 
+    /// What tells the next validation's name (Job, resource, webhook key) apart from an earlier
+    /// one of this ladder at the same step: nothing for the first validation at a step (its name
+    /// is the verdict's and the step's), the count for the later ones (`-2`, `-3`, ...), so a
+    /// re-validation never finds the Job that failed before.
+    pub fn validation_suffix(&self) -> String {
+        match self.validations_at_step {
+            0 => String::new(),
+            n => format!("-{}", n + 1),
+        }
+    }
+
+    /// Whether `fault` (a new quarantining fault verdict during the burn-in) is another
+    /// incident's on another GPU than this ladder's: a new problem, no sign that this ladder's
+    /// repair did not hold. A fault of the ladder's own incident, on its GPU, or one that names no
+    /// GPU (a node-level fault), or any fault after a repair of the whole node (the ladder names no
+    /// GPU), says the repair did not hold.
+    pub fn fault_elsewhere(&self, fault: &Remediation) -> bool {
+        if fault.incident_id == self.request.incident_id {
+            return false;
+        }
+        match (&fault.gpu, &self.request.gpu) {
+            (Some(new), Some(ours)) => {
+                let same_uuid = !new.uuid.is_empty() && new.uuid.eq_ignore_ascii_case(&ours.uuid);
+                let same_bus = !new.pci_bus_id.is_empty() && new.pci_bus_id.eq_ignore_ascii_case(&ours.pci_bus_id);
+                !same_uuid && !same_bus
+            }
+            _ => false,
+        }
+    }
+
     /// Decides the next move at `now`, given what the hooks report about a running step. A
     /// report of success or failure wins over the timeout: a hook that answered in time is
     /// believed even when it is read after the deadline. A pending step (hooks unreachable so
@@ -281,9 +347,17 @@ impl Ladder {
             // Driven by the validation's own reading and the burn-in's clock (see crate::repairs).
             Phase::Succeeded | Phase::Failed | Phase::Validating | Phase::BurnIn => Move::Done,
             Phase::Running => match report {
+                Report::Succeeded if self.held_recovery.is_some() => {
+                    Move::Validate("its repair controller reported success".to_owned())
+                }
                 Report::Succeeded => Move::Succeed,
                 Report::Failed(why) => Move::Escalate(why.clone()),
-                Report::Working => {
+                // Nothing will report this step done, and the recovery that would is held
+                // already: the step's timeout is the time the repair was given.
+                Report::Silent if self.held_recovery.is_some() && elapsed >= self.step().timeout() => Move::Validate(
+                    format!("it has had its {}s and no hook reports back on it", self.step().timeout_seconds),
+                ),
+                Report::Working | Report::Silent => {
                     if elapsed >= self.step().timeout() {
                         Move::Escalate(format!(
                             "no success within the step's timeout of {}s",
@@ -317,6 +391,7 @@ impl Ladder {
             self.phase = Phase::Failed;
         } else {
             self.current += 1;
+            self.validations_at_step = 0;
             self.phase = Phase::Pending;
         }
         self.since = now;
@@ -427,7 +502,7 @@ pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::Subsystem;
+    use crate::request::{GpuRef, Subsystem};
 
     fn at(secs: i64) -> DateTime<Utc> {
         DateTime::from_timestamp(1_767_225_600 + secs, 0).unwrap()
@@ -558,6 +633,56 @@ mod tests {
         let back: Ladder = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
         assert_eq!(back, l);
         assert!(back.burn_in_over(at(100 + 3600)));
+    }
+
+    #[test]
+    fn with_the_recovery_held_from_a_failed_validation_the_end_of_the_next_step_validates() {
+        let r = request(Action::ResetGpu);
+        let mut l = Ladder::new("v1", RecommendedAction::ResetGpu, &r, &default_ladder(), at(0));
+        l.escalate("validation failed: diag FAIL", at(10));
+        l.started(at(20));
+        // Without the held recovery, a step no hook reports on times out and escalates.
+        assert!(matches!(l.decide(at(20 + 1800), &Report::Silent), Move::Escalate(_)));
+        l.held_recovery = Some(Remediation { recovery: true, action: Action::None, ..r });
+        assert_eq!(l.decide(at(20 + 1799), &Report::Silent), Move::Wait, "the step has its whole timeout");
+        assert!(matches!(l.decide(at(20 + 1800), &Report::Silent), Move::Validate(w) if w.contains("1800s")));
+        assert!(matches!(l.decide(at(21), &Report::Succeeded), Move::Validate(w) if w.contains("reported success")));
+        // A repair controller that reports back and stays silent past the timeout did not finish.
+        assert!(matches!(l.decide(at(20 + 1800), &Report::Working), Move::Escalate(_)));
+        assert!(matches!(l.decide(at(21), &Report::Failed("no spare".into())), Move::Escalate(_)));
+        // Written and read back (a restart), the held recovery is still there.
+        let back: Ladder = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
+        assert_eq!(back, l);
+    }
+
+    #[test]
+    fn a_second_validation_on_a_ladder_gets_a_name_of_its_own() {
+        let mut l =
+            Ladder::new("v1", RecommendedAction::ResetGpu, &request(Action::ResetGpu), &default_ladder(), at(0));
+        assert_eq!(l.validation_suffix(), "");
+        l.validations_at_step = 1;
+        assert_eq!(l.validation_suffix(), "-2", "a second validation at step 1");
+        l.escalate("validation failed", at(1));
+        assert_eq!(l.validation_suffix(), "", "the first at step 2");
+        let first = serde_json::to_string(&l).unwrap();
+        assert!(!first.contains("validationsAtStep"), "records without a validation keep their shape: {first}");
+        assert_eq!(serde_json::from_str::<Ladder>(&first).unwrap().validations_at_step, 0);
+    }
+
+    #[test]
+    fn only_another_incidents_fault_on_another_gpu_is_elsewhere() {
+        let l = Ladder::new("v1", RecommendedAction::ResetGpu, &request(Action::ResetGpu), &default_ladder(), at(0));
+        let gpu = |uuid: &str, bus: &str| Some(GpuRef { uuid: uuid.into(), pci_bus_id: bus.into(), index: None });
+        let ours = Remediation { gpu: gpu("GPU-aaa", "0000:3b:00.0"), ..request(Action::ResetGpu) };
+        let l = Ladder { request: ours.clone(), ..l };
+        let other = |gpu: Option<GpuRef>| Remediation { incident_id: "i2".into(), gpu, ..ours.clone() };
+        assert!(l.fault_elsewhere(&other(gpu("GPU-bbb", "0000:5e:00.0"))));
+        assert!(!l.fault_elsewhere(&other(gpu("gpu-AAA", ""))), "the same GPU by UUID");
+        assert!(!l.fault_elsewhere(&other(gpu("", "0000:3B:00.0"))), "the same GPU by bus id");
+        assert!(!l.fault_elsewhere(&other(None)), "a node-level fault");
+        assert!(!l.fault_elsewhere(&Remediation { gpu: gpu("GPU-bbb", ""), ..ours.clone() }), "our own incident");
+        let whole = Ladder { request: Remediation { gpu: None, ..ours.clone() }, ..l.clone() };
+        assert!(!whole.fault_elsewhere(&other(gpu("GPU-bbb", ""))), "after a repair of the whole node");
     }
 
     #[test]

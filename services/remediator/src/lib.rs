@@ -97,6 +97,12 @@ fn register_metrics() {
     for until in ["window", "time", "idle"] {
         metrics::counter!(names::DEFERRED_TOTAL, "until" => until).increment(0);
     }
+    for result in ["started", "passed", "failed"] {
+        metrics::counter!(names::VALIDATIONS_TOTAL, "result" => result).increment(0);
+    }
+    for result in names::BURN_IN_RESULTS {
+        metrics::counter!(names::BURN_INS_TOTAL, "result" => result).increment(0);
+    }
     for name in [
         names::WRITES_REFUSED_NOT_LEADING_TOTAL,
         names::DRAINS_INCOMPLETE_TOTAL,

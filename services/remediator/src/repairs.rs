@@ -106,55 +106,24 @@ pub(crate) async fn hold_for_validation(
         }
         (ladder::Phase::Failed, _) => return Ok(None),
         (ladder::Phase::Validating | ladder::Phase::BurnIn, Some(v)) => return Ok(Some(waiting(&v.describe()))),
+        // The recovery is held already, since a validation failed: the driver validates the node
+        // again once the escalated step is over (a repeat of the recovery must not start it
+        // while that step's repair may still be under way).
+        (ladder::Phase::Pending | ladder::Phase::Running, _) if l.held_recovery.is_some() => {
+            return Ok(Some(waiting(&format!(
+                "after repair step {}/{} {}",
+                l.step_number(),
+                l.steps.len(),
+                l.step_name()
+            ))));
+        }
         _ => {}
     }
-    let mut name = crate::validate::job_name(&l.verdict_id, l.step_number());
-    let mut namespace = String::new();
-    shared.remediator.leading(&request.node)?;
-    match &settings.step {
-        crate::validate::Step::Job(template) => {
-            let job = crate::validate::render(template, request, &name, &settings.namespace);
-            namespace = job["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
-            crate::validate::create(&client, &job).await.map_err(ApplyError::Validation)?;
-        }
-        crate::validate::Step::Resource => {
-            let hook = shared.hooks.resource.as_ref().ok_or_else(|| {
-                ApplyError::Validation("--validation resource needs --repair-resource-template".to_owned())
-            })?;
-            hook.create_validation(&l, &name)
-                .await
-                .map_err(|e| ApplyError::Validation(format!("cannot create the validation resource: {e}")))?;
-        }
-        // Asked at every look of the driver, the first one included.
-        crate::validate::Step::Webhook => name = hooks::validation_key(&l.verdict_id, l.step_number()),
-    }
-    let now = chrono::Utc::now();
-    let timeout_seconds = settings.timeout.as_secs().max(1);
-    let validation = crate::validate::Validation {
-        kind: settings.step.kind(),
-        namespace,
-        job: name.clone(),
-        recovery: request.clone(),
-        since: now,
-        timeout_seconds,
-        burn_in_seconds: settings.burn_in.map_or(0, |b| b.as_secs().max(1)),
-        release_from,
-    };
-    let what = validation.describe();
-    l.validating(validation);
-    let runs = match settings.step {
-        crate::validate::Step::Job(_) => format!("{what} runs on the node"),
-        _ => format!("the repair hooks validate the node ({what})"),
-    };
     let after = match release_from {
         Some(state) => format!("healthy evidence for a node in quarantine ({})", state.as_str()),
         None => format!("healthy evidence after repair step {}/{} {}", l.step_number(), l.steps.len(), l.step_name()),
     };
-    let detail = format!("validating: {after}; {runs} before it returns to service (timeout {timeout_seconds}s)");
-    let outcome = validation_outcome(&l, ActionStatus::Applied, detail.clone());
-    publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
-    shared.remediator.record_event(&node, "ValidationStarted", detail, false).await;
-    Validation { result: "started" }.emit();
+    let what = start_validation(shared, &node, &mut l, &settings, request, release_from, &after).await?;
     let written = write_ladder_if_unchanged(shared, &request.node, raw.as_deref(), &l)
         .await
         .map_err(|e| ApplyError::Validation(format!("cannot record the validation on node {}: {e}", request.node)))?;
@@ -164,6 +133,72 @@ pub(crate) async fn hold_for_validation(
     shared.remediator.advance_state(&request.node, plan::State::Validating).await?;
     tracing::info!(node = %request.node, validation = %what, "Healthy evidence: validating the node before it returns to service.");
     Ok(Some(waiting(&what)))
+}
+
+/// Starts the validation of the node on the ladder `l` before `recovery` is carried out: the Job
+/// or the custom resource is created (the webhook is asked at the driver's first look), the
+/// ladder moves to [`ladder::Phase::Validating`] holding the recovery, and the outcome and the
+/// `ValidationStarted` Event say so, naming `after` (what the healthy evidence follows). The
+/// caller writes the ladder and moves the state label. Returns what runs the validation.
+async fn start_validation(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    l: &mut ladder::Ladder,
+    settings: &crate::validate::Settings,
+    recovery: &request::Remediation,
+    release_from: Option<plan::State>,
+    after: &str,
+) -> Result<String, ApplyError> {
+    let client = shared.remediator.client();
+    let suffix = l.validation_suffix();
+    let mut name = format!("{}{suffix}", crate::validate::job_name(&l.verdict_id, l.step_number()));
+    let mut namespace = String::new();
+    shared.remediator.leading(&recovery.node)?;
+    match &settings.step {
+        crate::validate::Step::Job(template) => {
+            let job = crate::validate::render(template, recovery, &name, &settings.namespace);
+            namespace = job["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
+            crate::validate::create(&client, &job).await.map_err(ApplyError::Validation)?;
+        }
+        crate::validate::Step::Resource => {
+            let hook = shared.hooks.resource.as_ref().ok_or_else(|| {
+                ApplyError::Validation("--validation resource needs --repair-resource-template".to_owned())
+            })?;
+            hook.create_validation(l, &name)
+                .await
+                .map_err(|e| ApplyError::Validation(format!("cannot create the validation resource: {e}")))?;
+        }
+        // Asked at every look of the driver, the first one included.
+        crate::validate::Step::Webhook => {
+            name = format!("{}{suffix}", hooks::validation_key(&l.verdict_id, l.step_number()));
+        }
+    }
+    let now = chrono::Utc::now();
+    let timeout_seconds = settings.timeout.as_secs().max(1);
+    let validation = crate::validate::Validation {
+        kind: settings.step.kind(),
+        namespace,
+        job: name,
+        recovery: recovery.clone(),
+        since: now,
+        timeout_seconds,
+        burn_in_seconds: settings.burn_in.map_or(0, |b| b.as_secs().max(1)),
+        release_from,
+    };
+    let what = validation.describe();
+    l.validating(validation);
+    l.validations_at_step += 1;
+    l.held_recovery = None;
+    let runs = match settings.step {
+        crate::validate::Step::Job(_) => format!("{what} runs on the node"),
+        _ => format!("the repair hooks validate the node ({what})"),
+    };
+    let detail = format!("validating: {after}; {runs} before it returns to service (timeout {timeout_seconds}s)");
+    let outcome = validation_outcome(l, ActionStatus::Applied, detail.clone());
+    publish(shared, &outcome, None).await.map_err(|e| ApplyError::Publish(e.to_string()))?;
+    shared.remediator.record_event(node, "ValidationStarted", detail, false).await;
+    Validation { result: "started" }.emit();
+    Ok(what)
 }
 
 /// What the validation `v` of the ladder `l` says now: the Job's status with its pods'
@@ -204,7 +239,7 @@ async fn read_validation(
             None => gone(),
         },
         Kind::Webhook => match &shared.hooks.webhook {
-            Some(w) => match w.validate(l, timeout).await {
+            Some(w) => match w.validate(l, &v.job, timeout).await {
                 Ok((report, message)) => {
                     crate::validate::hook_verdict(&report, message.as_deref(), "the validation webhook")
                 }
@@ -295,11 +330,13 @@ async fn drive_validation(
 }
 
 /// One look at the burn-in of the ladder `l` on `node`: over without a new fault (a new fault
-/// escalates the ladder when its verdict arrives, [`interrupt_burn_in`]), the node returns.
+/// escalates the ladder when its verdict arrives, [`interrupt_burn_in`]), the node returns. While
+/// another incident keeps the node out (recorded in gpumedic's ownership record) the burn-in
+/// waits, and it starts over once the last such incident has recovered.
 async fn drive_burn_in(
     shared: &Shared,
     node: &k8s_openapi::api::core::v1::Node,
-    l: ladder::Ladder,
+    mut l: ladder::Ladder,
     raw: Option<&str>,
 ) -> Result<(), TermError> {
     let name = l.request.node.clone();
@@ -307,6 +344,36 @@ async fn drive_burn_in(
     let Some(v) = l.validation.clone() else {
         return escalate_from_validation(shared, node, l, raw, "the validation record is missing", now).await;
     };
+    // Another incident that keeps the node out (a fault on another GPU) holds the burn-in: the
+    // node does not pass while it has an open fault, and burns in for the whole period again
+    // once the last such incident has recovered.
+    let others = other_quarantining_incidents(node, &l.request.incident_id);
+    if !others.is_empty() {
+        if l.burn_in_held_for != others {
+            tracing::info!(node = %name, incidents = %others.join(", "),
+                "Other incidents keep the node out: its burn-in waits for them to recover.");
+            l.burn_in_held_for = others;
+            l.since = now;
+            write_ladder_if_unchanged(shared, &name, raw, &l).await?;
+        }
+        return Ok(());
+    }
+    if !l.burn_in_held_for.is_empty() {
+        let recovered = std::mem::take(&mut l.burn_in_held_for).join(", ");
+        l.since = now;
+        let detail = format!(
+            "burn-in restarted: incident(s) {recovered} that kept the node out recovered; the node burns in for {} \
+             from now before it returns",
+            hooks::human_seconds(v.burn_in_seconds)
+        );
+        publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "BurnInRestarted", detail, false).await;
+        BurnIn { result: "restarted" }.emit();
+        tracing::info!(node = %name, incidents = %recovered,
+            "The incidents that held the burn-in recovered: the burn-in starts over.");
+        write_ladder_if_unchanged(shared, &name, raw, &l).await?;
+        return Ok(());
+    }
     if !l.burn_in_over(now) {
         return Ok(());
     }
@@ -322,8 +389,11 @@ async fn drive_burn_in(
 
 /// A new fault verdict (`request`, issued at `issued_at`) for a node in its burn-in: the burn-in
 /// is interrupted and the ladder escalates, as a failed validation does (the outcome and a Warning
-/// Event say which fault). A verdict issued before the burn-in began (a replay) changes nothing;
-/// nor does one for a node that is not burning in.
+/// Event say which fault). A fault of another incident on another GPU
+/// ([`ladder::Ladder::fault_elsewhere`]) is a new problem rather than a repair that did not hold:
+/// the ladder stays at its step and the burn-in starts over and waits for that incident
+/// ([`drive_burn_in`]). A verdict issued before the burn-in began (a replay) changes nothing; nor
+/// does one for a node that is not burning in.
 pub(crate) async fn interrupt_burn_in(
     shared: &Shared,
     request: &request::Remediation,
@@ -352,6 +422,9 @@ pub(crate) async fn interrupt_burn_in(
         request.incident_id
     );
     shared.remediator.leading(&request.node)?;
+    if l.fault_elsewhere(request) {
+        return hold_burn_in(shared, &node, l, raw.as_deref(), request, now).await;
+    }
     let moved = async {
         let detail = format!("burn-in interrupted: {why}");
         publish(shared, &validation_outcome(&l, ActionStatus::Failed, detail.clone()), None).await?;
@@ -364,9 +437,61 @@ pub(crate) async fn interrupt_burn_in(
         .map_err(|e| ApplyError::Validation(format!("cannot escalate the burn-in of node {}: {e}", request.node)))
 }
 
+/// A fault of another incident on another GPU (`fault`) arrived during the burn-in of the ladder
+/// `l` on `node` at `now`: the ladder does not escalate (its repair is not in question), but the
+/// burn-in's clock starts over and the burn-in waits for that incident to recover
+/// ([`drive_burn_in`] reads it from the ownership record once the verdict has been carried out).
+async fn hold_burn_in(
+    shared: &Shared,
+    node: &k8s_openapi::api::core::v1::Node,
+    mut l: ladder::Ladder,
+    raw: Option<&str>,
+    fault: &request::Remediation,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(), ApplyError> {
+    let gpu = fault.gpu.as_ref().map_or_else(String::new, |g| g.uuid.clone());
+    let period = l.validation.as_ref().map_or(0, |v| v.burn_in_seconds);
+    let detail = format!(
+        "burn-in held: a fault on another GPU ({gpu}: {}, verdict {}, incident {}) is a new problem, not a sign that \
+         repair step {}/{} {} did not hold; the ladder stays at that step, and the node stays out and burns in for {} \
+         again once that incident has recovered",
+        fault.reason,
+        fault.verdict_id,
+        fault.incident_id,
+        l.step_number(),
+        l.steps.len(),
+        l.step_name(),
+        hooks::human_seconds(period)
+    );
+    // The incident itself is recorded as holding the burn-in by the driver, from the ownership
+    // record the verdict is about to be written to: recorded here first, a look in between would
+    // take it for recovered.
+    l.since = now;
+    let held = async {
+        publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
+        shared.remediator.record_event(node, "BurnInHeld", detail, false).await;
+        BurnIn { result: "held" }.emit();
+        tracing::info!(node = %fault.node, incident = %fault.incident_id, gpu = %gpu,
+            "A fault on another GPU during the burn-in: the burn-in waits for its incident to recover.");
+        write_ladder_if_unchanged(shared, &fault.node, raw, &l).await
+    };
+    held.await
+        .map(|_| ())
+        .map_err(|e| ApplyError::Validation(format!("cannot hold the burn-in of node {}: {e}", fault.node)))
+}
+
+/// The open incidents other than `ours` that keep `node` out of scheduling, as gpumedic's
+/// ownership record lists them (sorted); none when the record cannot be read.
+fn other_quarantining_incidents(node: &k8s_openapi::api::core::v1::Node, ours: &str) -> Vec<String> {
+    let view = plan::NodeView::from_node(node);
+    let Ok(Some(applied)) = view.applied() else { return Vec::new() };
+    applied.upgraded().incidents.into_iter().filter(|(id, c)| c.quarantines && id != ours).map(|(id, _)| id).collect()
+}
+
 /// The validation (or the burn-in after it) of the ladder `l` on `node` failed for `why` at `now`:
-/// the held recovery is dropped and the ladder escalates from the step the node was on, as a
-/// failed repair step does; the state label follows (`remediating`, or `failed` on the last rung).
+/// the ladder escalates from the step the node was on, as a failed repair step does, keeping the
+/// recovery it held ([`ladder::Ladder::held_recovery`]) for the validation after the next step;
+/// the state label follows (`remediating`, or `failed` on the last rung).
 async fn escalate_from_validation(
     shared: &Shared,
     node: &k8s_openapi::api::core::v1::Node,
@@ -377,7 +502,11 @@ async fn escalate_from_validation(
 ) -> Result<(), TermError> {
     let name = l.request.node.clone();
     l.failed_validation = true;
-    let release_from = l.validation.take().and_then(|v| v.release_from);
+    // The recovery stays with the ladder: the classifier has closed the incident and sends no
+    // other, so the next validation (once the escalated step is over) carries this one out.
+    let held = l.validation.take();
+    let release_from = held.as_ref().and_then(|v| v.release_from);
+    l.held_recovery = held.map(|v| v.recovery);
     match release_from {
         // Validated before a release, with no repair behind it: a drained node starts its repair
         // ladder at the first rung; one that was only cordoned (work still on it) is not
@@ -423,18 +552,25 @@ async fn escalate_from_validation(
 /// The validation `v` (and its burn-in, if any) passed: the ladder ends, then the held recovery is
 /// carried out (the node returns) and its outcome published under the recovery verdict.
 async fn release(shared: &Shared, name: &str, v: &crate::validate::Validation) -> Result<(), TermError> {
+    carry_out(shared, name, &v.recovery).await?;
+    tracing::info!(node = %name, validation = %v.describe(), "The validation passed: the node returned to service.");
+    Ok(())
+}
+
+/// Ends the ladder on `name` and carries out its held `recovery` (what gpumedic applied goes),
+/// publishing the recovery's outcome under its verdict.
+async fn carry_out(shared: &Shared, name: &str, recovery: &request::Remediation) -> Result<(), TermError> {
     // The ladder ends before the recovery runs, so the driver cannot escalate a node that
     // is returning; the recovery then removes what gpumedic applied.
-    end_ladder(shared, &v.recovery).await?;
+    end_ladder(shared, recovery).await?;
     let gpu_nodes = shared.fleet.count.load(std::sync::atomic::Ordering::Acquire);
-    let released = shared.remediator.remediate(&v.recovery, gpu_nodes).await.map_err(|e| e.to_string());
+    let released = shared.remediator.remediate(recovery, gpu_nodes).await.map_err(|e| e.to_string());
     shared.remediator.leading(name)?;
-    crate::maintenance::clear_for(&shared.remediator.client(), name, &v.recovery.incident_id).await?;
-    let verdict_id = uuid::Uuid::parse_str(&v.recovery.verdict_id).unwrap_or_default();
+    crate::maintenance::clear_for(&shared.remediator.client(), name, &recovery.incident_id).await?;
+    let verdict_id = uuid::Uuid::parse_str(&recovery.verdict_id).unwrap_or_default();
     let outcome =
         crate::verdicts::outcome_for(verdict_id, name, gpumedic_schemas::verdict::RecommendedAction::None, &released);
     publish(shared, &outcome, None).await?;
-    tracing::info!(node = %name, validation = %v.describe(), "The validation passed: the node returned to service.");
     Ok(())
 }
 
@@ -563,6 +699,23 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
             l.succeeded(now);
         }
         ladder::Move::Escalate(why) => escalate(shared, node, &mut l, &why, now).await?,
+        ladder::Move::Validate(why) => {
+            let Some(recovery) = l.held_recovery.clone() else { return Ok(()) };
+            if report == ladder::Report::Succeeded {
+                RepairStep { action: step.action.name(), result: "succeeded" }.emit();
+            }
+            let Some(settings) = shared.remediator.settings().validation.clone() else {
+                // A replica started without --validation carries the held recovery out as the
+                // recovery verdict would have been without one.
+                tracing::info!(node = %name, step = %what, "The repair step is over and no validation is configured: the held recovery is carried out.");
+                return carry_out(shared, &name, &recovery).await;
+            };
+            let after = format!(
+                "{what} is over ({why}) and the incident's healthy evidence is held from before it (recovery verdict {})",
+                recovery.verdict_id
+            );
+            start_validation(shared, node, &mut l, &settings, &recovery, None, &after).await?;
+        }
     }
     if !write_ladder_if_unchanged(shared, &name, raw.as_deref(), &l).await? {
         tracing::info!(node = %name, "The repair ladder changed meanwhile (a recovery?); leaving it.");
@@ -571,6 +724,7 @@ pub(crate) async fn drive_ladder(shared: &Shared, node: &k8s_openapi::api::core:
     match l.phase {
         ladder::Phase::Succeeded => shared.remediator.advance_state(&name, plan::State::Remediated).await?,
         ladder::Phase::Failed => shared.remediator.advance_state(&name, plan::State::Failed).await?,
+        ladder::Phase::Validating => shared.remediator.advance_state(&name, plan::State::Validating).await?,
         _ => {}
     }
     Ok(())

@@ -12,8 +12,9 @@
 //!
 //! The validation is a phase of the ladder ([`crate::ladder::Phase::Validating`]), recorded on the
 //! Node with the held recovery ([`Validation`]), so a failover continues it and the resync leaves
-//! it to the ladder's driver. The Job's name derives from the ladder's verdict and step, so a retry
-//! or a new leader finds the Job instead of creating a second. Rendering and reading a Job are pure
+//! it to the ladder's driver. The Job's name derives from the ladder's verdict and step (and, for a
+//! second validation at the same step, its count: [`crate::ladder::Ladder::validation_suffix`]), so
+//! a retry or a new leader finds the Job instead of creating a second. Rendering and reading a Job are pure
 //! and tested here; [`create`] and [`read`] are the edge.
 
 use std::time::Duration;
@@ -324,7 +325,7 @@ pub fn with_pods(verdict: Verdict, pods: Option<String>) -> Verdict {
 /// message it reported beside a success; `what` names the hook for the summary.
 pub fn hook_verdict(report: &Report, message: Option<&str>, what: &str) -> Verdict {
     match report {
-        Report::Working => Verdict::Running,
+        Report::Working | Report::Silent => Verdict::Running,
         Report::Succeeded => Verdict::Passed(match message {
             Some(m) => format!("{what} reported Succeeded: {m}"),
             None => format!("{what} reported Succeeded"),

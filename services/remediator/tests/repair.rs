@@ -27,7 +27,15 @@
 //!   success releases, failure and the timeout escalate;
 //! - burn-in (`--validation-burn-in`): after a passed validation the node stays out (`burn-in`)
 //!   and returns once the period passes without a new fault; a new fault verdict escalates the
-//!   ladder; a remediator restarted during the burn-in finishes it without validating again;
+//!   ladder; a remediator restarted during the burn-in finishes it without validating again; a
+//!   fault of another incident on another GPU holds the burn-in without escalating, and it starts
+//!   over once that incident recovers;
+//! - after a failed validation the ladder keeps the held recovery: on a webhook-only ladder the
+//!   escalated step is validated again once it has had its timeout (across a restart), one whose
+//!   custom resource reports `Succeeded` is validated again at once, and a
+//!   drained node's validation before release, failed, is validated again after its first rung
+//!   under a Job of its own;
+//! - the validation and burn-in counters are on /metrics at zero from the start;
 //! - validation of releases without a repair (a drain or cordon quarantine, full-remediation):
 //!   the recovery is held for a Job; a pass releases, a failure or timeout starts the repair
 //!   ladder of a drained node and leaves a node that was only cordoned `failed` for an operator.
@@ -1259,4 +1267,214 @@ async fn a_release_from_a_quarantine_without_a_repair_is_validated_first() {
     w.outcome(rec_c.verdict_id, |o| o.detail.contains("did not finish within 20s")).await;
     r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
     cleanup(&w.client, &[&a, &b, &c, &d], &[&w.ns]).await;
+}
+
+/// The test's validation Job `job`, once the remediator has created it.
+async fn validation_job(w: &World, job: &str) -> k8s_openapi::api::batch::v1::Job {
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    eventually("the validation Job", Duration::from_secs(60), async || jobs.get_opt(job).await.unwrap()).await
+}
+
+/// Writes the status of the validation Job `job` as the Job controller would: passed or failed.
+async fn end_job(w: &World, job: &str, passed: bool) {
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), &w.ns);
+    jobs.patch_status(job, &PatchParams::default(), &Patch::Merge(job_status(passed))).await.expect("Job status");
+}
+
+/// Waits until `node` is back in service: uncordoned, without gpumedic's taint, state or ladder.
+async fn returned(w: &World, node: &str) {
+    eventually("the node to return", Duration::from_secs(60), async || {
+        let n = get_node(&w.client, node).await;
+        (!cordoned(&n) && gpumedic_taints(&n).is_empty() && state(&n).is_none() && !has_ladder(&n)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn after_a_failed_validation_a_webhook_only_step_is_validated_again_once_it_has_had_its_time() {
+    let w = World::new().await;
+    let (a, b) = (w.node().await, w.node().await);
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    // The webhook is the only hook: nothing reports a step done, and the incident's recovery
+    // verdict, held by the failed validation, is the only healthy evidence there will be.
+    let mut env = job_validation_env(&w, &url, &ca, "10m");
+    env.push(("GPUMEDIC_REPAIR_LADDER", "reset_gpu=30s,reboot_node=12s".into()));
+    let mut r = w.start(&env).await;
+
+    // A: repaired at step 1, recovered, and the validation fails: the ladder escalates to reboot.
+    let (va, rec_a, job_a1) = held_for_validation(&w, &a, "validation Job").await;
+    validation_job(&w, &job_a1).await;
+    end_job(&w, &job_a1, false).await;
+    eventually("A's second rung", Duration::from_secs(30), async || called_for_step(&receiver, &a, 2)).await;
+    // The remediator goes away during the reboot: the held recovery is on the Node.
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let node = get_node(&w.client, &a).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("remediating"), "A stays out");
+    let recorded: Value =
+        serde_json::from_str(&node.metadata.annotations.as_ref().unwrap()[LADDER_ANNOTATION]).unwrap();
+    assert_eq!(recorded["heldRecovery"]["verdict_id"], rec_a.verdict_id.to_string(), "{recorded}");
+
+    // A new replica: once the reboot has had its 12 s, the node is validated again, and released.
+    let mut r = w.start(&env).await;
+    let job_a2 = format!("gpumedic-validate-{}-2", va.verdict_id.simple());
+    let job = validation_job(&w, &job_a2).await;
+    let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.node_name.as_deref(), Some(a.as_str()), "pinned to the node");
+    let again = w.outcome(va.verdict_id, |o| o.detail.contains(&format!("Job {}/{job_a2}", w.ns))).await;
+    assert!(again.detail.starts_with("validating: repair step 2/2 reboot_node is over"), "{}", again.detail);
+    assert_eq!(state(&get_node(&w.client, &a).await).as_deref(), Some("validating"));
+    end_job(&w, &job_a2, true).await;
+    returned(&w, &a).await;
+    w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let done = w.outcome(va.verdict_id, |o| o.detail.starts_with("remediated")).await;
+    assert!(done.detail.contains("reboot_node"), "{}", done.detail);
+
+    // B: drained without a repair; its validation before release fails, so its ladder starts
+    // at the first rung; after that rung's time a second validation (a Job of its own) runs.
+    let (rec_b, job_b1) = quarantined_then_recovered(&w, &b, RecommendedAction::Drain, "drained").await;
+    validation_job(&w, &job_b1).await;
+    end_job(&w, &job_b1, false).await;
+    eventually("B's first rung", Duration::from_secs(30), async || called_for_step(&receiver, &b, 1)).await;
+    let job_b2 = format!("{job_b1}-2");
+    validation_job(&w, &job_b2).await;
+    end_job(&w, &job_b2, true).await;
+    returned(&w, &b).await;
+    w.outcome(rec_b.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&a, &b], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn the_validation_and_burn_in_counters_are_exported_at_zero_from_the_start() {
+    let w = World::new().await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w.start(&burn_in_env(&w, &url, &ca, "1h")).await;
+    let body = testkit::http_get(r.admin_addr(), "/metrics").await.unwrap().1;
+    let at_zero = |name: &str, result: &str| {
+        body.lines().any(|l| {
+            l.starts_with(&format!("{name}{{")) && l.contains(&format!("result=\"{result}\"")) && l.ends_with(" 0")
+        })
+    };
+    for result in ["started", "completed", "interrupted", "held", "restarted"] {
+        assert!(at_zero("gpumedic_remediator_burn_ins_total", result), "burn_ins_total {result} missing:\n{body}");
+    }
+    for result in ["started", "passed", "failed"] {
+        assert!(
+            at_zero("gpumedic_remediator_validations_total", result),
+            "validations_total {result} missing:\n{body}"
+        );
+    }
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[], &[&w.ns]).await;
+}
+
+/// A fault verdict of a new incident on `node`'s GPU `uuid` (index `index`), asking for `action`.
+fn fault_on_gpu(node: &str, uuid: &str, index: i32, action: RecommendedAction) -> Verdict {
+    let gpu = gpumedic_schemas::health::Entity {
+        gpu_uuid: Some(uuid.into()),
+        gpu_index: Some(index),
+        pci_bus_id: Some(format!("0000:{:02x}:00.0", 0x3b + index)),
+        ..Default::default()
+    };
+    testkit::verdict(node).incident(uuid::Uuid::new_v4()).action(action).entity(gpu).build()
+}
+
+#[tokio::test]
+async fn a_fault_on_another_gpu_during_the_burn_in_holds_it_until_that_incident_recovers() {
+    let w = World::new().await;
+    let name = w.node().await;
+    let receiver = Receiver::default();
+    let (url, ca) = start_receiver(&receiver).await;
+    let mut r = w.start(&burn_in_env(&w, &url, &ca, "10s")).await;
+    let (v, rec, job) = held_for_validation(&w, &name, "validation Job").await;
+    pass_into_burn_in(&w, &name, &job, &v).await;
+
+    // Another incident on another GPU: a new problem, not a repair that did not hold.
+    let other = fault_on_gpu(&name, "GPU-bbb", 1, RecommendedAction::ResetGpu);
+    w.publish(&other).await;
+    let held = w.outcome(v.verdict_id, |o| o.detail.starts_with("burn-in held")).await;
+    assert_eq!((held.action, held.status), (RecommendedAction::RunDiagnostics, ActionStatus::Applied));
+    assert!(held.detail.contains(&other.incident_id.to_string()), "{}", held.detail);
+    w.outcome(other.verdict_id, |_| true).await;
+    // Well past the burn-in's 10 s: the node is still out, burning in, on its first rung.
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    let node = get_node(&w.client, &name).await;
+    assert!(cordoned(&node) && state(&node).as_deref() == Some("burn-in"), "the node stays out");
+    let recorded: Value =
+        serde_json::from_str(&node.metadata.annotations.as_ref().unwrap()[LADDER_ANNOTATION]).unwrap();
+    assert_eq!(recorded["current"], 0, "no escalation: {recorded}");
+    assert_eq!(recorded["burnInHeldFor"], json!([other.incident_id.to_string()]), "{recorded}");
+    assert!(called_for_step(&receiver, &name, 2).is_none(), "no second rung");
+    let events = event_reasons(&w.client, &name).await;
+    assert!(events.iter().any(|e| e == "BurnInHeld"), "{events:?}");
+    assert!(!events.iter().any(|e| e == "BurnInInterrupted" || e == "RepairEscalated"), "{events:?}");
+
+    // The other incident recovers: the burn-in starts over, and the node returns after it.
+    let other_rec = Verdict {
+        verdict_id: uuid::Uuid::new_v4(),
+        recovery: true,
+        action: RecommendedAction::None,
+        severity: Severity::Info,
+        issued_at: chrono::Utc::now(),
+        ..other.clone()
+    };
+    w.publish(&other_rec).await;
+    let restarted = w.outcome(v.verdict_id, |o| o.detail.starts_with("burn-in restarted")).await;
+    assert!(restarted.detail.contains(&other.incident_id.to_string()), "{}", restarted.detail);
+    assert_eq!(state(&get_node(&w.client, &name).await).as_deref(), Some("burn-in"), "not released at once");
+    returned(&w, &name).await;
+    w.outcome(v.verdict_id, |o| o.detail.starts_with("burn-in completed")).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    assert!(called_for_step(&receiver, &name, 2).is_none(), "no second rung");
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
+}
+
+#[tokio::test]
+async fn after_a_failed_validation_the_next_rungs_reported_success_is_validated_at_once() {
+    let w = World::new().await;
+    install_crd(&w.client).await;
+    let name = w.node().await;
+    let template = format!(
+        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
+         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
+        w.ns
+    );
+    let mut r = w
+        .start(&[
+            ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
+            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
+            ("GPUMEDIC_VALIDATION", "resource".into()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
+        ])
+        .await;
+    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
+    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let report = async |name: &str, phase: &str, message: &str| {
+        let status = json!({ "status": { "phase": phase, "message": message } });
+        repairs.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await.expect("status set");
+    };
+    let (v, rec, first) = held_for_validation(&w, &name, "validation resource").await;
+    report(&first, "Failed", "NVLink errors on GPU 0").await;
+
+    // The reboot's controller reports success: the recovery the failed validation held is the
+    // healthy evidence, so the node is validated again at once, under the second step's name.
+    let step2 = format!("gpumedic-{}-2", v.verdict_id);
+    eventually("the second rung", Duration::from_secs(30), async || repairs.get_opt(&step2).await.unwrap()).await;
+    report(&step2, "Succeeded", "rebooted").await;
+    let second = format!("gpumedic-validate-{}-2", v.verdict_id.simple());
+    let cr =
+        eventually("the second validation", Duration::from_secs(30), async || repairs.get_opt(&second).await.unwrap())
+            .await;
+    assert_eq!(cr.data["spec"]["operation"], "validate");
+    assert_eq!(state(&get_node(&w.client, &name).await).as_deref(), Some("validating"));
+    report(&second, "Succeeded", "diag passed after the reboot").await;
+    returned(&w, &name).await;
+    w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
+    let passed = w.outcome(v.verdict_id, |o| o.detail.contains("diag passed after the reboot")).await;
+    assert_eq!(passed.status, ActionStatus::Applied);
+    r.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    cleanup(&w.client, &[&name], &[&w.ns]).await;
 }
