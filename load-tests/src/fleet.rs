@@ -34,7 +34,7 @@
 //!
 //! | share | fault | what follows |
 //! |---|---|---|
-//! | 60% | an Xid from the kernel log: 13, 31 (22% each, application faults), 43 (12%), 45 (10%), 94 (6%), 79 (6%), 74 (5%), 63 (4%), 48 (3%), 119 (3%), 64 (2%), 95 (2%), 92 (1%) | with Xid 79 the GPU falls off the bus: the next sample brings a changed inventory without it and NVML's `gpu_lost`; 20 samples later the node reboots (a new boot id, a `start` inventory and a new snapshot) |
+//! | 60% | an Xid from the kernel log: 13, 31 (22% each, application faults), 43 (12%), 45 (10%), 94 (6%), 79 (6%), 74 (5%), 63 (4%), 48 (3%), 119 (3%), 64 (2%), 95 (2%), 92 (1%) | with Xid 79 the GPU falls off the bus: the next sample brings NVML's `gpu_lost`, then a changed inventory without it; 20 samples later the node reboots (a new boot id, a `start` inventory and a new snapshot) |
 //! | 15% | an ECC trend | the GPU's corrected-error counters climb for 10 samples (an `ecc` event each); one trend in four ends in an uncorrected error and a pending row remap, which a GPU reset clears 10 samples later |
 //! | 15% | a thermal excursion | the GPU reads 88-91 °C (over its 87 °C slowdown) with `hw_thermal_slowdown` for 6 samples, then cools |
 //! | 10% | a cloud maintenance notice for the node | an AWS `system-reboot` window two days ahead |
@@ -571,16 +571,16 @@ impl Fleet {
             node.boot_id = boot_id;
             node.sampler = Sampler::new(&node.name, Source::Nvml, heartbeat);
         }
-        // The inventory first, as in the collector: a reboot's proof of repair is a complete
-        // inventory of the new boot.
-        let mut events: Vec<HealthEvent> =
-            node.inventory.observe(inventory::present(&samples), now).into_iter().collect();
-        if let Some(Detail::GpuInventory(d)) = events.first().map(|e| &e.detail) {
-            node.published = d.gpus.clone();
-        }
-        events.extend(node.sampler.observe_with_snapshot(&samples, at));
+        // In the collector's order: a GPU's `gpu_lost` before the inventory without it, the
+        // inventory before everything else (a reboot's proof of repair is a complete inventory
+        // of the new boot).
+        let due = node.inventory.observe(inventory::present(&samples), now);
+        let events = inventory::publication_order(due, node.sampler.observe_with_snapshot(&samples, at));
         for mut e in events {
             e.observed_at = at;
+            if let Detail::GpuInventory(d) = &e.detail {
+                self.nodes[k].published = d.gpus.clone();
+            }
             self.publish(k, e);
         }
     }
@@ -1073,7 +1073,7 @@ mod tests {
         let mut f = fleet(30, 0.02, 6, XidNames::Pci);
         let events = take(&mut f, 60_000);
         let mut cache = InventoryCache::default();
-        let (mut xids, mut unresolved) = (0, 0);
+        let (mut xids, mut unresolved, mut lost) = (0, 0, 0);
         for e in &events {
             if let Some(d) = inventory(e) {
                 cache.apply(&e.node, d, e.observed_at);
@@ -1082,6 +1082,13 @@ mod tests {
             let resolution = cache.resolve(&e.node, &e.entity, e.component, e.observed_at);
             if matches!(resolution, Resolution::Unresolved(_)) {
                 unresolved += 1;
+            }
+            if e.kind == Kind::GpuLost {
+                // NVML's gpu_lost goes out before the inventory without the GPU: it names the GPU.
+                lost += 1;
+                let Resolution::Resolved(gpu) = resolution else { panic!("{e:?}: {resolution:?}") };
+                assert_eq!(gpu.uuid, e.entity.gpu_uuid);
+                assert!(gpu.serial.is_some(), "{gpu:?}");
             }
             if let Detail::Xid(x) = &e.detail {
                 xids += 1;
@@ -1098,11 +1105,11 @@ mod tests {
         }
         assert!(xids > 100, "{xids} Xids: {:?}", f.counts());
         assert_eq!(Some(&xids), f.counts().get("xid_by_pci_only"));
-        // What the enricher cannot resolve is what the generator says: NVML's `gpu_lost`, which
-        // follows the inventory that no longer lists the lost GPU.
-        assert_eq!(unresolved, f.counts().get("outside_inventory").copied().unwrap_or(0));
-        assert_eq!(unresolved, f.counts().get("gpu_lost").copied().unwrap_or(0));
-        assert!(unresolved > 0);
+        // Every GPU reference resolves, the lost GPUs' included: no event names a GPU outside its
+        // node's last inventory.
+        assert!(lost > 0 && Some(&lost) == f.counts().get("gpu_lost"), "{:?}", f.counts());
+        assert_eq!(unresolved, 0);
+        assert_eq!(f.counts().get("outside_inventory"), None);
 
         let mut stamped = fleet(30, 0.02, 6, XidNames::Stamped);
         let xids: Vec<HealthEvent> = take(&mut stamped, 60_000).into_iter().filter(|e| e.kind == Kind::Xid).collect();
@@ -1168,15 +1175,17 @@ mod tests {
         assert!(matches!(xid.detail, Detail::Xid(ref x) if x.code == 79), "{xid:?}");
         assert_eq!((xid.entity.gpu_uuid.as_deref(), xid.entity.pci_bus_id.as_deref()), (None, Some("0000:48:00.0")));
         assert_eq!(xid.event_id, kmsg::event_id("t-00000", &boot, 1), "the kernel log's own event id");
-        let change = inventory(&events[1]).expect("the next sample's inventory");
-        assert_eq!((change.reason.as_str(), change.gpus.len(), events[1].healthy), ("change", 7, false));
-        assert_eq!(events[2].kind, Kind::GpuLost);
+        // The next sample: NVML's gpu_lost, then the inventory without the GPU.
+        assert_eq!(events[1].kind, Kind::GpuLost);
         let uuid3 = gpumedic_collector::gpu::simulated_uuid("t-00000", 3);
-        assert_eq!(events[2].entity.gpu_uuid.as_deref(), Some(uuid3.as_str()));
+        assert_eq!(events[1].entity.gpu_uuid.as_deref(), Some(uuid3.as_str()));
+        let change = inventory(&events[2]).expect("the next sample's inventory");
+        assert_eq!((change.reason.as_str(), change.gpus.len(), events[2].healthy), ("change", 7, false));
+        assert_eq!(events[1].observed_at, events[2].observed_at, "one sample");
         let restart = events.iter().position(|e| e.boot_id.as_deref() != Some(boot.as_str())).expect("a reboot");
         let start = inventory(&events[restart]).expect("the new boot's inventory first");
         assert_eq!((start.reason.as_str(), start.gpus.len()), ("start", 8));
-        let gap = (events[restart].observed_at - events[1].observed_at).to_std().unwrap();
+        let gap = (events[restart].observed_at - events[2].observed_at).to_std().unwrap();
         assert_eq!(gap, Intervals::COLLECTOR.sample * LOST_SAMPLES);
         assert!(events[restart..].iter().any(|e| e.raw.as_deref() == Some(SNAPSHOT_RAW)), "a new start snapshot");
     }
@@ -1195,7 +1204,13 @@ mod tests {
         let beats = events.iter().filter(|e| e.event.kind == Kind::MonitorHealth);
         assert!(beats.clone().count() > 1000 && beats.clone().all(|e| e.gpu.is_some() && !e.gpu_unresolved));
         let lost = events.iter().filter(|e| e.event.kind == Kind::GpuLost);
-        assert!(lost.clone().all(|e| e.gpu_unresolved), "NVML's gpu_lost follows the inventory without the GPU");
+        assert!(lost.clone().count() > 0);
+        assert!(
+            lost.clone().all(|e| !e.gpu_unresolved
+                && e.gpu.as_ref().is_some_and(|g| g.uuid == e.event.entity.gpu_uuid && g.serial.is_some())),
+            "NVML's gpu_lost names its GPU with its UUID and serial"
+        );
+        assert!(events.iter().all(|e| !e.gpu_unresolved), "every GPU reference resolves");
     }
 
     #[test]

@@ -475,6 +475,27 @@ mod tests {
     }
 
     #[test]
+    fn a_lemon_is_dated_by_the_incidents_that_made_it_never_by_the_wall_clock() {
+        // A replay of a stream from long ago declares the same lemon at the same time: its
+        // decision (so its verdict and incident) and the history in its reason carry the verdict
+        // times of the incidents that made it one. (The log line announcing it is stamped when
+        // it is written, like every log line.)
+        let faults = || {
+            vec![fault(1, "n1", Some("GPU-a"), 0), fault(2, "n1", Some("GPU-a"), 10), fault(3, "n1", Some("GPU-a"), 20)]
+        };
+        let out = Ledger::new(Settings::default()).judge(faults());
+        let l = lemons(&out);
+        assert_eq!(l.len(), 1, "{out:?}");
+        assert_eq!(l[0].decided_at_micros, 20 * DAY);
+        let at = DateTime::<Utc>::from_timestamp_micros(20 * DAY).unwrap();
+        assert_eq!(crate::observe::verdict(l[0]).issued_at, at);
+        for day in ["1970-01-01T00:00:00Z", "1970-01-11T00:00:00Z", "1970-01-21T00:00:00Z"] {
+            assert!(l[0].reason.contains(&format!("{day} xid-48-alone on n1 GPU-a")), "{day}: {}", l[0].reason);
+        }
+        assert_eq!(Ledger::new(Settings::default()).judge(faults()), out, "the same input, the same lemon");
+    }
+
+    #[test]
     fn faults_outside_the_window_recoveries_warnings_and_repeats_do_not_count() {
         let mut ledger = Ledger::new(Settings::default());
         let mut warning = fault(5, "n1", Some("GPU-a"), 25);

@@ -135,7 +135,11 @@ impl Rollup {
         self.last_at = self.last_at.max(at);
         for (field, value) in &o.fields {
             let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
-            let r = self.readings.entry(field.clone()).or_insert(Reading { min: v, max: v, last: v });
+            // Looked up before the field's name is copied: a minute's later events find it.
+            let r = match self.readings.get_mut(field) {
+                Some(r) => r,
+                None => self.readings.entry(field.clone()).or_insert(Reading { min: v, max: v, last: v }),
+            };
             r.min = r.min.min(v);
             r.max = r.max.max(v);
             if later {
@@ -176,13 +180,17 @@ fn counter_step(track: &mut Track, field: &str, now: i64) -> i64 {
 /// The key of a rollup: node, GPU (empty for the node), kind and minute (microseconds).
 pub type RollupKey = (String, String, String, i64);
 
+/// One minute's open rollups, by node, GPU and kind: nested so that an event whose rollup exists
+/// finds it by its own names, without copying them (nearly every healthy event does).
+type Minute = HashMap<String, HashMap<String, HashMap<String, Rollup>>>;
+
 /// Decides, per event, whether it is recorded, and rolls up the rest.
 #[derive(Debug, Default)]
 pub struct Keeper {
     policy: Policy,
     tracks: HashMap<u64, Track>,
     /// The rollups not yet written, by minute, then node, GPU and kind.
-    open: BTreeMap<i64, HashMap<(String, String, String), Rollup>>,
+    open: BTreeMap<i64, Minute>,
     /// The newest event time seen.
     watermark: i64,
     /// Each node, GPU and kind has an event recorded in every period this long (microseconds).
@@ -229,8 +237,21 @@ impl Keeper {
         }
         if o.healthy {
             let minute = at.div_euclid(MINUTE_MICROS) * MINUTE_MICROS;
-            let key = (o.node.clone(), gpu.to_owned(), o.kind.clone());
-            self.open.entry(minute).or_default().entry(key).or_default().add(o, at, track);
+            // Found by the event's own names, copied only for a minute's first event of the key.
+            let nodes = self.open.entry(minute).or_default();
+            let gpus = match nodes.get_mut(o.node.as_str()) {
+                Some(gpus) => gpus,
+                None => nodes.entry(o.node.clone()).or_default(),
+            };
+            let kinds = match gpus.get_mut(gpu) {
+                Some(kinds) => kinds,
+                None => gpus.entry(gpu.to_owned()).or_default(),
+            };
+            let rollup = match kinds.get_mut(o.kind.as_str()) {
+                Some(rollup) => rollup,
+                None => kinds.entry(o.kind.clone()).or_default(),
+            };
+            rollup.add(o, at, track);
         }
         keep
     }
@@ -252,16 +273,20 @@ impl Keeper {
     /// replica, which starts them afresh).
     pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) {
         for minute in self.open.values_mut() {
-            minute.retain(|k, _| keep(&k.0));
+            minute.retain(|node, _| keep(node));
         }
     }
 }
 
-fn flatten(open: BTreeMap<i64, HashMap<(String, String, String), Rollup>>) -> Vec<(RollupKey, Rollup)> {
-    let mut out: Vec<(RollupKey, Rollup)> = open
-        .into_iter()
-        .flat_map(|(minute, keys)| keys.into_iter().map(move |((n, g, k), r)| ((n, g, k, minute), r)))
-        .collect();
+fn flatten(open: BTreeMap<i64, Minute>) -> Vec<(RollupKey, Rollup)> {
+    let mut out: Vec<(RollupKey, Rollup)> = Vec::new();
+    for (minute, nodes) in open {
+        for (node, gpus) in nodes {
+            for (gpu, kinds) in gpus {
+                out.extend(kinds.into_iter().map(|(kind, r)| ((node.clone(), gpu.clone(), kind, minute), r)));
+            }
+        }
+    }
     // In key order, so a statement's rows lock in the same order every time.
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out

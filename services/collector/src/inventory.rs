@@ -55,6 +55,36 @@ pub fn present(samples: &[GpuSample]) -> Vec<GpuIdentity> {
     gpus
 }
 
+/// One sample's events in the order the collector publishes them: the sampler's events about GPUs
+/// that `inventory` (the sample's inventory event, if one is due) no longer lists first, then the
+/// inventory, then the rest. So NVML's `gpu_lost` goes out before the inventory without the lost
+/// GPU, and the enricher still finds the GPU in the node's inventory when it names it; a reboot's
+/// `start` inventory, which lists every GPU, still comes before the new boot's heartbeats and
+/// start snapshot (the proof of repair is a complete inventory, then the GPUs' own evidence).
+pub fn publication_order(inventory: Option<HealthEvent>, sampled: Vec<HealthEvent>) -> Vec<HealthEvent> {
+    let Some(inventory) = inventory else { return sampled };
+    let Detail::GpuInventory(detail) = &inventory.detail else {
+        let mut events = vec![inventory];
+        events.extend(sampled);
+        return events;
+    };
+    let listed = |e: &HealthEvent| {
+        let (uuid, pci) = (e.entity.gpu_uuid.as_deref(), e.entity.pci_bus_id.as_deref());
+        if uuid.is_none() && pci.is_none() {
+            // About no GPU in particular (a monitor's health): nothing the inventory can lack.
+            return true;
+        }
+        detail.gpus.iter().any(|g| match uuid {
+            Some(u) => g.uuid.as_deref() == Some(u),
+            None => g.pci_bus_id.as_deref() == pci,
+        })
+    };
+    let (mut events, after): (Vec<HealthEvent>, Vec<HealthEvent>) = sampled.into_iter().partition(|e| !listed(e));
+    events.push(inventory);
+    events.extend(after);
+    events
+}
+
 /// The key a GPU is remembered by: its UUID, else its PCI bus id, else its index.
 fn key(gpu: &GpuIdentity) -> String {
     gpu.uuid.clone().or_else(|| gpu.pci_bus_id.clone()).unwrap_or_else(|| format!("index:{}", gpu.index.unwrap_or(-1)))
@@ -303,6 +333,41 @@ mod tests {
         control.reboot(&identity);
         let start = inv.observe(present(&sim.sample().unwrap()), Instant::now()).expect("start");
         assert_eq!((detail(&start).reason.as_str(), detail(&start).expected, start.healthy), ("start", Some(2), true));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_lost_gpus_events_go_before_the_inventory_without_it_and_the_rest_after() {
+        use crate::sampler::Sampler;
+        let dir = state_dir("order");
+        let (mut sim, control) = Simulated::new("n", 4);
+        let mut inv = Inventory::open("n", &dir, REFRESH, NodeIdentity::new("boot-1"));
+        let mut sampler = Sampler::new("n", Source::Nvml, Duration::from_secs(60));
+        let (t0, at) = (Instant::now(), chrono::Utc::now());
+        let sample = |sim: &mut Simulated| sim.sample().unwrap();
+        let mut observe = |samples: Vec<GpuSample>, secs: u64| {
+            let inventory = inv.observe(present(&samples), t0 + Duration::from_secs(secs));
+            let sampled = sampler.observe_with_snapshot(&samples, at + chrono::Duration::seconds(secs as i64));
+            publication_order(inventory, sampled)
+        };
+        // The first sample: the complete inventory before every GPU's heartbeat and snapshot.
+        let start = observe(sample(&mut sim), 0);
+        assert_eq!(start[0].kind, Kind::GpuInventory);
+        assert!(start.len() > 4 && start[1..].iter().all(|e| e.kind != Kind::GpuInventory));
+
+        control.update(2, |g| g.lost = true);
+        let lost = observe(sample(&mut sim), 60);
+        let kinds: Vec<Kind> = lost.iter().map(|e| e.kind).collect();
+        let uuid2 = crate::gpu::simulated_uuid("n", 2);
+        assert_eq!(kinds[..2], [Kind::GpuLost, Kind::GpuInventory], "{kinds:?}");
+        assert_eq!(lost[0].entity.gpu_uuid.as_deref(), Some(uuid2.as_str()));
+        assert_eq!(detail(&lost[1]).gpus.len(), 3);
+        assert!(kinds[2..].iter().all(|k| *k == Kind::MonitorHealth), "the others' heartbeats after: {kinds:?}");
+        assert_eq!(kinds.len(), 5);
+
+        // No inventory due: the sampler's events as they are.
+        let quiet = observe(sample(&mut sim), 70);
+        assert!(quiet.is_empty(), "{quiet:?}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -374,15 +374,12 @@ impl GpuSampling {
         for s in samples.iter().filter(|s| s.error.is_none() && !s.lost && !s.uuid.is_empty()) {
             self.identity.set_mig_devices(&s.uuid, s.mig_devices.iter().cloned());
         }
-        // The inventory goes first: a reboot's proof of repair is a complete inventory of the
-        // new boot, then the lost GPU's own heartbeat.
-        let mut events: Vec<HealthEvent> = self
-            .inventory
-            .observe(crate::inventory::present(&samples), std::time::Instant::now())
-            .into_iter()
-            .collect();
-        events.extend(self.sampler.observe_with_snapshot(&samples, chrono::Utc::now()));
-        events
+        // A reboot's proof of repair is a complete inventory of the new boot, then the lost GPU's
+        // own heartbeat; a GPU that leaves the inventory is reported lost before the inventory
+        // without it (`publication_order`).
+        let inventory = self.inventory.observe(crate::inventory::present(&samples), std::time::Instant::now());
+        let sampled = self.sampler.observe_with_snapshot(&samples, chrono::Utc::now());
+        crate::inventory::publication_order(inventory, sampled)
     }
 }
 

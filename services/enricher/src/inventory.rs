@@ -7,6 +7,13 @@
 //! the node's partition sees the inventory in order with the node's other events. This module keeps
 //! the latest inventory of each node and answers, for every event, which GPU it names.
 //!
+//! A GPU that leaves the inventory (it fell off the bus) is still known by its names for
+//! [`InventoryLimits::max_age`] after the inventory without it: the events about its departure
+//! (NVML's `gpu_lost`, the kernel log's Xid 79) may reach the enricher after that inventory, since
+//! the collector samples NVML and reads the kernel log independently, and they must still name the
+//! GPU by its UUID and serial. A GPU the latest inventory lists always comes first: a departed
+//! GPU answers only a UUID or a PCI bus id no present GPU has, never an index (NVML renumbers).
+//!
 //! The cache is owned by the consumer's handler (one task), so it needs no lock; it is bounded in
 //! nodes (least recently updated evicted first) and in GPUs per node. Lookups scan the node's few
 //! GPUs (64 at most) without allocating; only the one resolved identity is cloned into the output.
@@ -85,6 +92,9 @@ pub struct InventoryLimits {
     /// An inventory observed longer than this before an event is not used to resolve it: the node
     /// has stopped refreshing (its collector is down) or its partition moved to another enricher
     /// and back, so the inventory may no longer be true. Three missed 5-minute refreshes.
+    ///
+    /// A GPU that leaves a node's inventory is still resolved (by UUID or PCI bus id) for as
+    /// long after the inventory without it, as an inventory listing it would have been trusted.
     pub max_age: TimeDelta,
 }
 
@@ -205,6 +215,9 @@ struct Gpu {
 #[derive(Debug)]
 struct NodeInventory {
     gpus: Vec<Gpu>,
+    /// GPUs an earlier inventory listed and a later one did not, with the observation time of the
+    /// first inventory without them; kept for [`InventoryLimits::max_age`], never in conflict.
+    departed: Vec<(Gpu, DateTime<Utc>)>,
     observed_at: DateTime<Utc>,
     /// Position in the eviction order.
     seq: u64,
@@ -286,7 +299,14 @@ impl InventoryCache {
                 self.order.insert(seq, name);
                 applied.log_conflicts = !applied.conflicts.is_empty() && existing.logged != applied.conflicts;
                 existing.logged.clone_from(&applied.conflicts);
-                existing.gpus = gpus;
+                let previous = std::mem::replace(&mut existing.gpus, gpus);
+                existing.departed = departed(
+                    previous,
+                    std::mem::take(&mut existing.departed),
+                    &existing.gpus,
+                    observed_at,
+                    self.limits,
+                );
                 existing.observed_at = observed_at;
                 existing.seq = seq;
             }
@@ -301,7 +321,7 @@ impl InventoryCache {
                 self.order.insert(seq, node.to_owned());
                 self.nodes.insert(
                     node.to_owned(),
-                    NodeInventory { gpus, observed_at, seq, logged: applied.conflicts.clone() },
+                    NodeInventory { gpus, departed: Vec::new(), observed_at, seq, logged: applied.conflicts.clone() },
                 );
             }
         }
@@ -334,9 +354,16 @@ impl InventoryCache {
         let Some(inventory) = inventory else {
             return if names_gpu { Resolution::Unresolved(Unresolved::NoInventory) } else { Resolution::NoGpu };
         };
+        let departed = |pred: &dyn Fn(&Gpu) -> bool| {
+            inventory
+                .departed
+                .iter()
+                .find(|(g, left)| observed_at.signed_duration_since(*left) <= self.limits.max_age && pred(g))
+                .map(|(g, _)| g)
+        };
         let found = if let Some(uuid) = uuid {
-            let found =
-                find(&inventory.gpus, |g| g.identity.uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(uuid)));
+            let named = |g: &Gpu| g.identity.uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(uuid));
+            let found = find(&inventory.gpus, named).or_departed(|| departed(&named));
             // The event's own PCI bus id must agree with the GPU its UUID names.
             match (found, pci) {
                 (Found::Gpu(g), Some(p)) if g.pci.is_some_and(|gp| gp != p) => Found::Conflict,
@@ -344,7 +371,10 @@ impl InventoryCache {
             }
         } else if pci_text.is_some() {
             match pci {
-                Some(p) => find(&inventory.gpus, |g| g.pci == Some(p)),
+                Some(p) => {
+                    let named = |g: &Gpu| g.pci == Some(p);
+                    find(&inventory.gpus, named).or_departed(|| departed(&named))
+                }
                 // Not a PCI address: it names nothing in any inventory.
                 None => Found::None,
             }
@@ -396,7 +426,15 @@ enum Found<'a> {
     NotAGpu,
 }
 
-impl Found<'_> {
+impl<'a> Found<'a> {
+    /// A miss among the present GPUs looked up again among the departed ones (`departed`).
+    fn or_departed(self, departed: impl FnOnce() -> Option<&'a Gpu>) -> Self {
+        match self {
+            Found::None => departed().map_or(Found::None, Found::Gpu),
+            other => other,
+        }
+    }
+
     /// A miss on a PCI bus id that may be another device's is no GPU reference.
     fn or_not_a_gpu(self, names_gpu: bool) -> Self {
         match self {
@@ -404,6 +442,42 @@ impl Found<'_> {
             other => other,
         }
     }
+}
+
+/// The GPUs that have left a node's inventory as `now` (observed at `at`) replaces `previous`:
+/// those of `previous` that `now` does not list (by UUID, else PCI bus id), departing at `at`, and
+/// those of `departed` that have not come back and left no longer than `max_age` ago. Entries in
+/// conflict are not kept; at most `max_gpus`, the latest departures first.
+fn departed(
+    previous: Vec<Gpu>,
+    departed: Vec<(Gpu, DateTime<Utc>)>,
+    now: &[Gpu],
+    at: DateTime<Utc>,
+    limits: InventoryLimits,
+) -> Vec<(Gpu, DateTime<Utc>)> {
+    let listed = |g: &Gpu| {
+        now.iter().any(|n| match (&g.identity.uuid, &n.identity.uuid) {
+            (Some(a), Some(b)) => a.eq_ignore_ascii_case(b),
+            (None, _) => g.pci.is_some() && g.pci == n.pci,
+            (Some(_), None) => false,
+        })
+    };
+    let mut kept: Vec<(Gpu, DateTime<Utc>)> = previous
+        .into_iter()
+        .filter(|g| !g.conflict && (g.identity.uuid.is_some() || g.pci.is_some()) && !listed(g))
+        .map(|g| (g, at))
+        .collect();
+    for (g, left) in departed {
+        if kept.len() == limits.max_gpus {
+            break;
+        }
+        let repeated = kept.iter().any(|(k, _)| k.identity == g.identity);
+        if at.signed_duration_since(left) <= limits.max_age && !listed(&g) && !repeated {
+            kept.push((g, left));
+        }
+    }
+    kept.truncate(limits.max_gpus);
+    kept
 }
 
 /// The entry matching `pred`; conflicting entries match but are not used.
@@ -639,10 +713,79 @@ mod tests {
         let mut c = cache();
         c.apply("n", &inventory(vec![gpu(0, C, "0000:1b:00.0")]), t0());
         assert_eq!(resolved(c.resolve("n", &by_pci("0000:1b:00.0"), Component::Gpu, t0())).1, Some(C));
-        assert_eq!(c.resolve("n", &by_uuid(B), Component::Gpu, t0()), Resolution::Unresolved(Unresolved::Unknown));
+        assert_eq!(resolved(c.resolve("n", &by_index(0), Component::Gpu, t0())).1, Some(C));
+        // B left with that inventory: known for as long as an inventory listing it was trusted.
+        let gone = t0() + TimeDelta::minutes(16);
+        c.apply("n", &inventory(vec![gpu(0, C, "0000:1b:00.0")]), gone);
+        assert_eq!(c.resolve("n", &by_uuid(B), Component::Gpu, gone), Resolution::Unresolved(Unresolved::Unknown));
         // An empty inventory (every GPU gone): references are unknown, not "no inventory".
-        c.apply("n", &inventory(vec![]), t0());
-        assert_eq!(c.resolve("n", &by_uuid(C), Component::Gpu, t0()), Resolution::Unresolved(Unresolved::Unknown));
+        c.apply("n", &inventory(vec![]), gone);
+        let later = gone + TimeDelta::minutes(16);
+        c.apply("n", &inventory(vec![]), later);
+        assert_eq!(c.resolve("n", &by_uuid(C), Component::Gpu, later), Resolution::Unresolved(Unresolved::Unknown));
+    }
+
+    /// The inventory of `n` without A (it fell off the bus) `at`.
+    fn a_departs(c: &mut InventoryCache, at: DateTime<Utc>) {
+        c.apply("n", &inventory(vec![gpu(1, B, "00000000:2A:00.0")]), at);
+    }
+
+    #[test]
+    fn a_gpu_that_leaves_the_inventory_is_still_resolved_by_uuid_and_pci_for_a_while() {
+        // The collector may publish the inventory without a lost GPU before NVML's gpu_lost and
+        // the kernel log's Xid 79 reach the enricher: both must still name the GPU.
+        let mut c = cache();
+        let left = t0() + TimeDelta::seconds(10);
+        a_departs(&mut c, left);
+        let lost = c.resolve("n", &by_uuid(A), Component::Gpu, left);
+        assert_eq!(resolved(lost), (Some(0), Some(A), Some("0000:1b:00.0")), "gpu_lost, by UUID");
+        let Resolution::Resolved(g) = lost else { unreachable!() };
+        assert_eq!(g.serial.as_deref(), Some("serial-0"), "the whole identity, serial included");
+        let xid79 = c.resolve("n", &by_pci("PCI:0000:1b:00"), Component::Gpu, left + TimeDelta::seconds(1));
+        assert_eq!(resolved(xid79).1, Some(A), "Xid 79, by PCI bus id");
+        // Names that must agree still must.
+        let e = Entity { gpu_uuid: Some(A.into()), pci_bus_id: Some("0000:2a:00.0".into()), ..Entity::default() };
+        assert_eq!(c.resolve("n", &e, Component::Gpu, left), Resolution::Unresolved(Unresolved::Conflict));
+        // Not by index: NVML renumbers the GPUs that are left.
+        assert_eq!(c.resolve("n", &by_index(0), Component::Gpu, left), Resolution::Unresolved(Unresolved::Unknown));
+        // Refreshes without A keep its departure time; past the inventory's trust it is unknown.
+        let refreshed = left + TimeDelta::minutes(10);
+        a_departs(&mut c, refreshed);
+        assert_eq!(resolved(c.resolve("n", &by_uuid(A), Component::Gpu, refreshed)).1, Some(A));
+        let past = left + TimeDelta::minutes(15) + TimeDelta::seconds(1);
+        assert_eq!(c.resolve("n", &by_uuid(A), Component::Gpu, past), Resolution::Unresolved(Unresolved::Unknown));
+        a_departs(&mut c, past);
+        assert_eq!(c.resolve("n", &by_uuid(A), Component::Gpu, refreshed), Resolution::Unresolved(Unresolved::Unknown));
+    }
+
+    #[test]
+    fn a_present_gpu_always_wins_over_a_departed_one() {
+        let mut c = cache();
+        a_departs(&mut c, t0());
+        // A new GPU at A's address: the address is its, A keeps its UUID.
+        c.apply("n", &inventory(vec![gpu(0, C, "0000:1b:00.0"), gpu(1, B, "0000:2a:00.0")]), t0());
+        assert_eq!(resolved(c.resolve("n", &by_pci("0000:1b:00.0"), Component::Gpu, t0())).1, Some(C));
+        assert_eq!(resolved(c.resolve("n", &by_uuid(A), Component::Gpu, t0())).1, Some(A));
+        // A comes back after a reboot: it is present again, not departed twice.
+        let back = t0() + TimeDelta::minutes(1);
+        c.apply("n", &inventory(vec![gpu(0, A, "0000:1b:00.0"), gpu(1, B, "0000:2a:00.0")]), back);
+        assert_eq!(resolved(c.resolve("n", &by_index(0), Component::Gpu, back)).1, Some(A));
+        let departed: Vec<Option<&str>> =
+            c.nodes["n"].departed.iter().map(|(g, _)| g.identity.uuid.as_deref()).collect();
+        assert_eq!(departed, [Some(C)]);
+    }
+
+    #[test]
+    fn departed_gpus_are_bounded_per_node() {
+        let mut c = InventoryCache::new(InventoryLimits { max_gpus: 2, ..InventoryLimits::default() });
+        let mut at = t0();
+        for i in 0..5 {
+            c.apply("n", &inventory(vec![gpu(i, &format!("GPU-{i:08x}"), &format!("0000:{:02x}:00.0", i + 1))]), at);
+            at += TimeDelta::seconds(1);
+        }
+        c.apply("n", &inventory(vec![]), at);
+        let departed: Vec<Option<i32>> = c.nodes["n"].departed.iter().map(|(g, _)| g.identity.index).collect();
+        assert_eq!(departed, [Some(4), Some(3)], "the latest departures first");
     }
 
     #[test]

@@ -97,7 +97,8 @@ pub struct Args {
     #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_GPUS", default_value_t = 64)]
     inventory_max_gpus: usize,
     /// An inventory observed longer than this before an event is not trusted to resolve it (the
-    /// collector refreshes every 5 minutes).
+    /// collector refreshes every 5 minutes); a GPU that left a node's inventory is still resolved
+    /// by UUID or PCI bus id this long after the first inventory without it.
     #[arg(long, env = "GPUMEDIC_INVENTORY_MAX_AGE", default_value = "15m")]
     inventory_max_age: String,
     /// Whether raw records must carry a valid token of the collector of the node they claim:

@@ -158,11 +158,14 @@ impl NodeFacts {
             && (o.gpu_index.is_some() || o.gpu_pci.is_some())
             && gpu.starts_with("GPU-")
         {
-            // Merge: a kernel-log line knows the PCI bus id, NVML the index too.
-            let known = self.names.get(gpu).cloned().unwrap_or_default();
-            let names = GpuNames { index: o.gpu_index.or(known.index), pci: o.gpu_pci.clone().or(known.pci) };
-            if self.names.get(gpu) != Some(&names) {
+            // Merge: a kernel-log line knows the PCI bus id, NVML the index too. Compared before
+            // anything is copied: nearly every observation repeats names already known.
+            let known = self.names.get(gpu);
+            let index = o.gpu_index.or(known.and_then(|k| k.index));
+            let pci = o.gpu_pci.as_ref().or(known.and_then(|k| k.pci.as_ref()));
+            if known.is_none_or(|k| k.index != index || k.pci.as_ref() != pci) {
                 changed = true;
+                let names = GpuNames { index, pci: pci.cloned() };
                 bounded_insert(&mut self.names, gpu.clone(), names);
             }
         }
