@@ -348,9 +348,10 @@ async fn pass(
         enrichers.push(testkit::ServiceProcess::start(&enricher_binary, &[], &enricher_env)?);
         classifiers.push(testkit::ServiceProcess::start(&classifier_binary, &[], &classifier_env)?);
     }
-    let measured = measure(bootstrap, raw, &raw_topic, &enricher_env, &classifier_env, &mut enrichers, &mut classifiers)
-        .await
-        .with_context(|| format!("{replicas} replica(s)"));
+    let measured =
+        measure(bootstrap, raw, &raw_topic, &enricher_env, &classifier_env, &mut enrichers, &mut classifiers)
+            .await
+            .with_context(|| format!("{replicas} replica(s)"));
     for s in enrichers.iter_mut().chain(classifiers.iter_mut()) {
         let _ = s.terminate(Duration::from_secs(20)).await;
     }
@@ -389,7 +390,8 @@ async fn measure(
     }
 
     let producer = Arc::new(crate::scratch_producer(bootstrap)?);
-    let cpu = |ps: &[testkit::ServiceProcess]| ps.iter().map(|p| cpu_seconds(p.pid())).collect::<anyhow::Result<Vec<_>>>();
+    let cpu =
+        |ps: &[testkit::ServiceProcess]| ps.iter().map(|p| cpu_seconds(p.pid())).collect::<anyhow::Result<Vec<_>>>();
     let (enricher_before, classifier_before) = (cpu(enrichers)?, cpu(classifiers)?);
     let start = Instant::now();
     let producing = {
@@ -435,7 +437,8 @@ async fn measure(
     // Settled: a classifier counting one event more after the clock stopped would be a duplicate.
     let classifier_events = metric_per_replica(classifiers, "gpumedic_classifier_events_total").await?;
     let enricher_events = metric_per_replica(enrichers, "gpumedic_enricher_events_total").await?;
-    let gpu_unresolved = metric_per_replica(enrichers, "gpumedic_enricher_gpu_unresolved_total").await?.iter().sum::<f64>();
+    let gpu_unresolved =
+        metric_per_replica(enrichers, "gpumedic_enricher_gpu_unresolved_total").await?.iter().sum::<f64>();
     let dlq = kafka::dead_letter_topic(raw_topic);
     let dead = records_in(bootstrap, &dlq).await?;
     anyhow::ensure!(dead == 0, "{dead} records in {dlq}: the enrichers refused them");
@@ -531,7 +534,10 @@ mod tests {
         let rows = summarize(&[measured(1, 1.0, vec![1000.0]), measured(2, 0.8, vec![600.0, 400.0])]);
         let table = table(&rows);
         assert_eq!(table.lines().count(), 4, "{table}");
-        assert!(table.contains("| 2 | 1250 | 1.25 | 0.62 | 1500.0 (500.0 + 1000.0) | 60% / 40% | 50% / 50% |"), "{table}");
+        assert!(
+            table.contains("| 2 | 1250 | 1.25 | 0.62 | 1500.0 (500.0 + 1000.0) | 60% / 40% | 50% / 50% |"),
+            "{table}"
+        );
     }
 
     #[test]
