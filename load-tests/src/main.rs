@@ -23,6 +23,9 @@
 //! - `chaos`: the pipeline at 2,000 events per second on private servers while every service is
 //!   SIGKILLed and Kafka, PostgreSQL and the apiserver are restarted or paused; proves by id that
 //!   no event, incident or node action was lost or duplicated (see [`chaos`]).
+//! - `scale-out`: the enricher and the classifier as R replicas each (`--replicas 1,2,4`) in one
+//!   consumer group per service on 12-partition topics: events per second, speed-up over one
+//!   replica, efficiency, CPU per event and each replica's share (see [`scale_out`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
 //! - `console`: the console's fleet, node list and node pages with 10,000 Nodes and 1,000,000
@@ -39,6 +42,7 @@ mod pipeline;
 
 mod remediation;
 mod restart;
+mod scale_out;
 mod soak;
 mod writes;
 
@@ -109,6 +113,9 @@ enum Scenario {
     /// How long a classifier takes to rebuild its state from a day of fleet history in
     /// PostgreSQL, and its peak memory, beside the raw read rate of the same rows.
     ClassifierRestart(restart::Options),
+    /// The enricher and the classifier as 1, 2 and 4 replicas each on 12-partition topics (Kafka
+    /// consumer groups spread the partitions): events per second, speed-up and efficiency.
+    ScaleOut(scale_out::Options),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -172,6 +179,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::ClassifierRestart(options) => {
             let result = restart::run(options).await?;
             write_result(&cli.out_dir, "classifier-restart.json", &result)?;
+        }
+        Scenario::ScaleOut(options) => {
+            let result = scale_out::run(options).await?;
+            write_result(&cli.out_dir, "scale-out.json", &result)?;
         }
         Scenario::Remediation(args) => remediation::run(args, &cli.out_dir).await?,
         Scenario::Console(options) => {

@@ -500,7 +500,7 @@ async fn pass(
 
 /// The CPU time (user and system, all threads) process `pid` has used so far, from
 /// `/proc/<pid>/stat`, whose clock ticks are 1/100 s on Linux.
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat =
         std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("read /proc/{pid}/stat"))?;
     stat_cpu_seconds(&stat)
@@ -519,7 +519,7 @@ fn stat_cpu_seconds(stat: &str) -> anyhow::Result<f64> {
 }
 
 /// The records the enricher's `/metrics` counts as dead-lettered, on any topic.
-fn dead_lettered(metrics: &str) -> f64 {
+pub(crate) fn dead_lettered(metrics: &str) -> f64 {
     metrics
         .lines()
         .filter(|l| l.starts_with("gpumedic_enricher_records_total{") && l.contains("outcome=\"dead_lettered\""))
@@ -528,7 +528,7 @@ fn dead_lettered(metrics: &str) -> f64 {
 }
 
 /// The enricher's refusals of node authentication, per claimed node and reason, for an error.
-fn refusals(metrics: &str) -> String {
+pub(crate) fn refusals(metrics: &str) -> String {
     let lines: Vec<&str> =
         metrics.lines().filter(|l| l.starts_with("gpumedic_enricher_records_unauthenticated_total")).take(5).collect();
     if lines.is_empty() { "no node authentication refusals counted".to_owned() } else { lines.join("; ") }
@@ -536,7 +536,7 @@ fn refusals(metrics: &str) -> String {
 
 /// The records in `topic` (the sum of its partitions' high watermarks: a topic of this run, never
 /// truncated).
-async fn records_in(bootstrap: &str, topic: &str) -> anyhow::Result<u64> {
+pub(crate) async fn records_in(bootstrap: &str, topic: &str) -> anyhow::Result<u64> {
     let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
