@@ -151,6 +151,8 @@ pub struct Relist {
 pub struct FaultToCordon {
     faults: usize,
     cordoned: usize,
+    /// Targets the fleet's own fault mix had cordoned before their timed fault was sent.
+    already_cordoned: usize,
     p50_ms: f64,
     p99_ms: f64,
     max_ms: f64,
@@ -615,11 +617,14 @@ async fn phases(
             (c >= f).then(|| (*c - *f).as_secs_f64() * 1000.0)
         })
         .collect();
+    let already_cordoned =
+        targets.iter().filter(|n| matches!((seen.get(*n), faulted_at.get(*n)), (Some(c), Some(f)) if c < f)).count();
     let mut sorted: Vec<f64> = latencies_ms.iter().flatten().copied().collect();
     sorted.sort_by(f64::total_cmp);
     let faults = FaultToCordon {
         faults: faulted_at.len(),
         cordoned: sorted.len(),
+        already_cordoned,
         p50_ms: crate::latency::percentile(&sorted, 0.50),
         p99_ms: crate::latency::percentile(&sorted, 0.99),
         max_ms: sorted.last().copied().unwrap_or(f64::NAN),
