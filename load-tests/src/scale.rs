@@ -61,8 +61,8 @@ pub struct Options {
     /// The fleet sizes, in nodes of 8 GPUs, smallest first: the fleet grows to each in turn.
     #[arg(long, value_delimiter = ',', default_value = "10000,30000,100000")]
     nodes: Vec<usize>,
-    /// GPU pods bound to each node.
-    #[arg(long, default_value_t = 2)]
+    /// GPU pods bound to each node (one 8-GPU pod: a training fleet's shape).
+    #[arg(long, default_value_t = 1)]
     pods_per_node: usize,
     /// Steady events per node per second (the production-like 0.03).
     #[arg(long, default_value_t = 0.03)]
@@ -98,6 +98,11 @@ pub struct Options {
     /// deleted).
     #[arg(long)]
     keep_fleet: bool,
+    /// Grow the fleet a run with `--keep-fleet` left (its id, the value of its Nodes'
+    /// `gpumedic-bench/fleet` label) instead of a new one: its Nodes are counted and only the
+    /// rest made. The apiserver's creation figures then cover the new Nodes only.
+    #[arg(long)]
+    fleet: Option<String>,
 }
 
 impl Options {
@@ -335,11 +340,17 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let client = testkit::require_kubernetes().await?;
     let admin_db = testkit::require_postgres().await?;
     let load_at_start = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_owned();
-    let id = testkit::unique_name("scale");
+    let id = o.fleet.clone().unwrap_or_else(|| testkit::unique_name("scale"));
     let largest = *o.nodes.last().expect("sizes");
     let names: Vec<String> = (0..largest).map(|n| format!("{id}-{n:05}")).collect();
     let selector = format!("{}={id}", fleet::FLEET_LABEL);
     let nodes_api: Api<Node> = Api::all(client.clone());
+    // A kept fleet's Nodes are the first of its names.
+    let mut made = gpumedic_remediator::apply::managed_nodes(&client, &selector).await?.len();
+    anyhow::ensure!(o.fleet.is_some() || made == 0, "a new fleet has no Nodes yet");
+    if made > 0 {
+        println!("fleet-scale: the kept fleet {id} has {made} Nodes");
+    }
     let mut watch = servers()?;
     let sampler = Sampler::default();
     let t0 = Instant::now();
@@ -363,24 +374,23 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 
     let mut namespaces: Vec<String> = Vec::new();
     let mut steps = Vec::new();
-    let mut made = 0usize;
     let mut sizes = (0usize, 0usize);
     let outcome: anyhow::Result<()> = async {
         for (k, &size) in o.nodes.iter().enumerate() {
             // 1. Grow the fleet.
-            let new = &names[made..size];
+            let new = &names[made.min(size)..size];
             let started = Instant::now();
             fleet::create_gpu_nodes(&client, &id, new, true, o.concurrency).await?;
             namespaces.push(fleet::create_gpu_pods(&client, new, o.pods_per_node, o.concurrency).await?);
-            made = size;
+            made = made.max(size);
             let mut step = Step { nodes: size, pods: size * o.pods_per_node, ..Step::default() };
             step.create_seconds = started.elapsed().as_secs_f64();
-            step.create_per_sec = (new.len() * (1 + o.pods_per_node)) as f64 / step.create_seconds;
+            step.create_per_sec = (new.len() * (1 + o.pods_per_node)) as f64 / step.create_seconds.max(1e-3);
             if sizes == (0, 0) {
                 let node = serde_json::to_vec(&nodes_api.get(&names[0]).await?)?.len();
-                let pods: Api<Pod> = Api::namespaced(client.clone(), &namespaces[0]);
-                let pod = serde_json::to_vec(&pods.get("trainer-000000").await?)?.len();
-                sizes = (node, pod);
+                let pods: Api<Pod> = Api::all(client.clone());
+                let pod = pods.list(&kube::api::ListParams::default().labels("app=trainer").limit(1)).await?;
+                sizes = (node, pod.items.first().map_or(0, |p| serde_json::to_vec(p).map_or(0, |v| v.len())));
             }
             println!(
                 "  {size} nodes: {} Nodes and {} Pods created in {:.0} s ({:.0} objects/s); a Node is {} B, a Pod {} B",
