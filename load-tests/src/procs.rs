@@ -79,7 +79,10 @@ pub(crate) fn listening_on(port: u16) -> Option<u32> {
             let Some(local) = f.get(1) else { continue };
             let listening = f.get(3) == Some(&"0A");
             let on_port = local.rsplit_once(':').and_then(|(_, p)| u16::from_str_radix(p, 16).ok()) == Some(port);
-            if listening && on_port && let Some(inode) = f.get(9) {
+            if listening
+                && on_port
+                && let Some(inode) = f.get(9)
+            {
                 inodes.insert(format!("socket:[{inode}]"));
             }
         }

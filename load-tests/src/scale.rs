@@ -222,10 +222,13 @@ pub struct Result {
 /// The processes sampled, by name.
 type Watchlist = Vec<(&'static str, Watched)>;
 
+/// One reading of one process, when it was taken.
+type Sample = (Instant, &'static str, Reading);
+
 /// Samples every process in `watch` until told to stop; shared with the phases.
 #[derive(Clone, Default)]
 struct Sampler {
-    samples: Arc<Mutex<Vec<(Instant, &'static str, Reading)>>>,
+    samples: Arc<Mutex<Vec<Sample>>>,
 }
 
 impl Sampler {
@@ -274,9 +277,12 @@ fn servers() -> anyhow::Result<Watchlist> {
         .and_then(|urls| procs::port_of(urls.split(',').next()?))
         .and_then(procs::listening_on);
     let mut list = vec![("load-tests", Watched { pid: std::process::id(), with_children: false })];
-    for (name, pid, with_children) in
-        [("kafka", kafka, false), ("postgres", postgres, true), ("kube-apiserver", apiserver, false), ("etcd", etcd, false)]
-    {
+    for (name, pid, with_children) in [
+        ("kafka", kafka, false),
+        ("postgres", postgres, true),
+        ("kube-apiserver", apiserver, false),
+        ("etcd", etcd, false),
+    ] {
         match pid {
             Some(pid) => list.push((name, Watched { pid, with_children })),
             None => println!("  fleet-scale: cannot see the {name} process (not listening here?); it is not measured"),
@@ -486,8 +492,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 "    start-up to ready: {:?} s; the enricher holds {:.0} MiB with its cache filled",
                 step.startup_s, step.enricher_ready_mib
             );
-            let result = phases(&o, &id, k, size, &topics, &bootstrap, &nodes_api, &targets, &sampler, &services)
-                .await;
+            let result = phases(&o, &id, k, size, &topics, &bootstrap, &nodes_api, &targets, &sampler, &services).await;
             for (name, s) in &services {
                 if let Ok((_, text)) = testkit::http_get(s.admin_addr(), "/metrics").await
                     && *name == "remediator"
@@ -571,8 +576,9 @@ async fn phases(
 
     // Steady.
     let start = Instant::now();
-    let (fleet, steady_sent) =
-        produce(fleet, bootstrap, &topics.raw, steady_rate, o.steady)?.join().map_err(|_| anyhow::anyhow!("panic"))??;
+    let (fleet, steady_sent) = produce(fleet, bootstrap, &topics.raw, steady_rate, o.steady)?
+        .join()
+        .map_err(|_| anyhow::anyhow!("panic"))??;
     let end = Instant::now();
     let mut steady = sampler.phase(start, end);
     steady.rate_target = steady_rate as f64;

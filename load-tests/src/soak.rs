@@ -171,9 +171,14 @@ impl RunTopics {
     pub(crate) async fn create(bootstrap: &str, id: &str) -> anyhow::Result<Self> {
         let [raw, enriched, verdicts, actions] =
             ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
-        KafkaSettings { bootstrap: bootstrap.to_owned(), options: vec![], schema_registry: None, topic_replication: None }
-            .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
-            .await?;
+        KafkaSettings {
+            bootstrap: bootstrap.to_owned(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
+        .await?;
         Ok(Self { raw, enriched, verdicts, actions })
     }
 
@@ -261,16 +266,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let url = testkit::fresh_database(&admin_db, &db).await?;
     let run_topics = RunTopics::create(&bootstrap, &id).await?;
     let raw = run_topics.raw.clone();
-    let mut services = start_services(
-        &bootstrap,
-        "soak",
-        &run_topics,
-        &url,
-        &format!("{}={id}", fleet::FLEET_LABEL),
-        &ns,
-        vec![],
-    )
-    .await?;
+    let mut services =
+        start_services(&bootstrap, "soak", &run_topics, &url, &format!("{}={id}", fleet::FLEET_LABEL), &ns, vec![])
+            .await?;
     for (_, s) in &mut services {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
