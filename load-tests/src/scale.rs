@@ -436,8 +436,11 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 step.relist_whole.etcd_cpu_s,
                 step.relist_whole.json_mib
             );
-            let targets: Vec<String> = new.iter().take(o.faults).cloned().collect();
-            let target_label = format!("{id}-{k}");
+            // The newest nodes (a kept fleet's newest when this step adds none), under a label
+            // of this run's own.
+            let pool = if new.is_empty() { &names[..size] } else { new };
+            let targets: Vec<String> = pool[pool.len().saturating_sub(o.faults)..].to_vec();
+            let target_label = testkit::unique_name("target");
             let mut floor = Vec::with_capacity(targets.len());
             for name in &targets {
                 let t = Instant::now();
@@ -492,7 +495,9 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 "    start-up to ready: {:?} s; the enricher holds {:.0} MiB with its cache filled",
                 step.startup_s, step.enricher_ready_mib
             );
-            let result = phases(&o, &id, k, size, &topics, &bootstrap, &nodes_api, &targets, &sampler, &services).await;
+            let result =
+                phases(&o, &id, &target_label, k, size, &topics, &bootstrap, &nodes_api, &targets, &sampler, &services)
+                    .await;
             for (name, s) in &services {
                 if let Ok((_, text)) = testkit::http_get(s.admin_addr(), "/metrics").await
                     && *name == "remediator"
@@ -558,6 +563,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 async fn phases(
     o: &Options,
     id: &str,
+    target_label: &str,
     k: usize,
     size: usize,
     topics: &RunTopics,
@@ -589,7 +595,7 @@ async fn phases(
 
     // Burst, with the timed faults.
     let (watch, cordoned_at) =
-        crate::latency::watch_cordons(nodes_api.clone(), format!("gpumedic-bench/fault-target={id}-{k}"));
+        crate::latency::watch_cordons(nodes_api.clone(), format!("gpumedic-bench/fault-target={target_label}"));
     let settings = gpumedic_runtime::kafka::KafkaSettings {
         bootstrap: bootstrap.to_owned(),
         options: vec![],
