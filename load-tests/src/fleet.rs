@@ -805,25 +805,74 @@ pub fn produce_paced(
 /// The label every Node of a created fleet carries, with the fleet's id as its value.
 pub const FLEET_LABEL: &str = "gpumedic-bench/fleet";
 
-/// Creates `names` as GPU Nodes labelled `FLEET_LABEL=fleet` (with the labels a GPU node of a
-/// cloud fleet has), `concurrency` requests in flight.
+/// A GPU Node of the fleet `fleet`: labelled `FLEET_LABEL=fleet` with the labels a GPU node of a
+/// cloud fleet has; with `status`, also the status a kubelet would report for a p5.48xlarge
+/// (capacity and allocatable with 8 `nvidia.com/gpu`, the four usual conditions, addresses and
+/// node info), so the object has the size of a real Node.
+pub fn gpu_node(name: &str, fleet: &str, status: bool) -> anyhow::Result<Node> {
+    let mut node = json!({ "metadata": { "name": name, "labels": {
+        FLEET_LABEL: fleet,
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "node.kubernetes.io/instance-type": "p5.48xlarge",
+        "topology.kubernetes.io/zone": "us-east-1a",
+    } } });
+    if status {
+        let now = Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let condition = |kind: &str, state: &str, reason: &str, message: &str| {
+            json!({ "type": kind, "status": state, "reason": reason, "message": message,
+                "lastHeartbeatTime": now, "lastTransitionTime": now })
+        };
+        let resources = json!({ "cpu": "192", "memory": "2097152Mi", "ephemeral-storage": "7650Gi",
+            "pods": "110", "nvidia.com/gpu": GPUS_PER_NODE.to_string(), "vpc.amazonaws.com/efa": "32" });
+        node["metadata"]["labels"]["kubernetes.io/hostname"] = json!(name);
+        node["metadata"]["labels"]["kubernetes.io/os"] = json!("linux");
+        node["metadata"]["labels"]["kubernetes.io/arch"] = json!("amd64");
+        node["metadata"]["labels"]["nvidia.com/gpu.count"] = json!(GPUS_PER_NODE.to_string());
+        node["metadata"]["labels"]["nvidia.com/gpu.memory"] = json!("81559");
+        node["spec"] = json!({ "providerID": format!("aws:///us-east-1a/i-{name}") });
+        node["status"] = json!({
+            "capacity": resources, "allocatable": resources,
+            "conditions": [
+                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+                condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                condition("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
+            ],
+            "addresses": [{ "type": "InternalIP", "address": "10.0.0.1" }, { "type": "Hostname", "address": name }],
+            "nodeInfo": { "machineID": "ec2", "systemUUID": "ec2", "bootID": "b", "kernelVersion": "6.8.0-1015-aws",
+                "osImage": "Ubuntu 24.04.1 LTS", "containerRuntimeVersion": "containerd://1.7.24",
+                "kubeletVersion": "v1.36.3", "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64" },
+        });
+    }
+    Ok(serde_json::from_value(node)?)
+}
+
+/// Creates `names` as GPU Nodes of `fleet` ([`gpu_node`] without status), `concurrency` requests
+/// in flight.
 pub async fn create_nodes(
     client: &kube::Client,
     fleet: &str,
     names: &[String],
     concurrency: usize,
 ) -> anyhow::Result<()> {
+    create_gpu_nodes(client, fleet, names, false, concurrency).await
+}
+
+/// Creates `names` as GPU Nodes of `fleet` ([`gpu_node`], with its status when `status`),
+/// `concurrency` requests in flight.
+pub async fn create_gpu_nodes(
+    client: &kube::Client,
+    fleet: &str,
+    names: &[String],
+    status: bool,
+    concurrency: usize,
+) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     futures::stream::iter(names.iter().map(|name| {
         let nodes = nodes.clone();
         async move {
-            let node: Node = serde_json::from_value(json!({ "metadata": { "name": name, "labels": {
-                FLEET_LABEL: fleet,
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "node.kubernetes.io/instance-type": "p5.48xlarge",
-                "topology.kubernetes.io/zone": "us-east-1a",
-            } } }))?;
+            let node = gpu_node(name, fleet, status)?;
             nodes.create(&PostParams::default(), &node).await.with_context(|| format!("create node {name}"))?;
             Ok::<_, anyhow::Error>(())
         }
@@ -843,6 +892,17 @@ pub async fn create_in_apiserver(
     concurrency: usize,
 ) -> anyhow::Result<String> {
     create_nodes(client, fleet, names, concurrency).await?;
+    create_gpu_pods(client, names, pods_per_node, concurrency).await
+}
+
+/// `pods_per_node` GPU pods bound to each of `names` (the node's 8 GPUs shared out between them),
+/// in a new namespace, which it returns.
+pub async fn create_gpu_pods(
+    client: &kube::Client,
+    names: &[String],
+    pods_per_node: usize,
+    concurrency: usize,
+) -> anyhow::Result<String> {
     let ns = gpumedic_testkit::unique_name("bench-fleet");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces.create(&PostParams::default(), &serde_json::from_value(json!({ "metadata": { "name": ns } }))?).await?;

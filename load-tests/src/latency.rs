@@ -74,11 +74,54 @@ pub struct Result {
     background_timeline: Vec<[f64; 2]>,
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+/// The `p` quantile (0..=1) of `sorted` by the nearest-rank method; NaN when empty.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
     sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// When each Node matching `selector` was first seen cordoned by a watch, kept by a task that runs
+/// until aborted.
+pub(crate) fn watch_cordons(
+    api: Api<Node>,
+    selector: String,
+) -> (tokio::task::JoinHandle<()>, Arc<std::sync::Mutex<HashMap<String, Instant>>>) {
+    let cordoned_at: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
+    let seen = cordoned_at.clone();
+    let task = tokio::spawn(async move {
+        let stream = watcher(api, watcher::Config::default().labels(&selector));
+        futures::pin_mut!(stream);
+        while let Some(Ok(event)) = stream.next().await {
+            let nodes: Vec<Node> = match event {
+                watcher::Event::Apply(n) | watcher::Event::InitApply(n) => vec![n],
+                _ => vec![],
+            };
+            for n in nodes {
+                if n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+                    && let Some(name) = n.metadata.name
+                {
+                    seen.lock().expect("lock").entry(name).or_insert_with(Instant::now);
+                }
+            }
+        }
+    });
+    (task, cordoned_at)
+}
+
+/// Xid 79 (the GPU has fallen off the bus) on `node`, as its kernel log reports it: the fault the
+/// latency scenarios time to a cordon.
+pub(crate) fn fallen_off_the_bus(node: &str) -> HealthEvent {
+    let detail = Detail::Xid(XidDetail {
+        code: 79,
+        text: "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.".into(),
+        pid: None,
+        process: None,
+        nvlink5: None,
+        recovery_action: None,
+    });
+    HealthEvent::new(node, Source::KernelLog, Component::Gpu, Entity::default(), detail)
 }
 
 /// Runs the scenario and prints one line per figure.
@@ -162,29 +205,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     }
 
     // Cordons, as a watch sees them.
-    let cordoned_at: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Arc::default();
-    let watch = {
-        let seen = cordoned_at.clone();
-        let api = nodes_api.clone();
-        let selector = format!("gpumedic-bench/latency={run}");
-        tokio::spawn(async move {
-            let stream = watcher(api, watcher::Config::default().labels(&selector));
-            futures::pin_mut!(stream);
-            while let Some(Ok(event)) = stream.next().await {
-                let nodes: Vec<Node> = match event {
-                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => vec![n],
-                    _ => vec![],
-                };
-                for n in nodes {
-                    if n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
-                        && let Some(name) = n.metadata.name
-                    {
-                        seen.lock().expect("lock").entry(name).or_insert_with(Instant::now);
-                    }
-                }
-            }
-        })
-    };
+    let (watch, cordoned_at) = watch_cordons(nodes_api.clone(), format!("gpumedic-bench/latency={run}"));
 
     // The background load, paced every 10 ms.
     let stop = Arc::new(AtomicBool::new(false));
@@ -248,15 +269,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let mut faulted_at: HashMap<String, Instant> = HashMap::new();
     let mut fault_order: Vec<String> = Vec::with_capacity(o.faults);
     for name in names.iter().take(o.faults) {
-        let detail = Detail::Xid(XidDetail {
-            code: 79,
-            text: "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.".into(),
-            pid: None,
-            process: None,
-            nvlink5: None,
-            recovery_action: None,
-        });
-        let event = HealthEvent::new(name.as_str(), Source::KernelLog, Component::Gpu, Entity::default(), detail);
+        let event = fallen_off_the_bus(name);
         let bytes = gpumedic_schemas::encode(&event)?;
         faulted_at.insert(name.clone(), Instant::now());
         fault_order.push(name.clone());

@@ -26,6 +26,10 @@
 //! - `scale-out`: the enricher and the classifier as R replicas each (`--replicas 1,2,4`) in one
 //!   consumer group per service on 12-partition topics: events per second, speed-up over one
 //!   replica, efficiency, CPU per event and each replica's share (see [`scale_out`]).
+//! - `fleet-scale`: gpumedic at 10,000, 30,000 and 100,000 GPU nodes: each service's and each
+//!   server's memory and CPU at each size under the fleet's steady stream and a burst, the
+//!   enricher's start-up, the remediator's relists, fault to cordon beside the plain-patch floor
+//!   (see [`scale`]).
 //! - `backtest`: `gpumedic replay backtest` over a topic of enriched events, beside the raw Kafka
 //!   consume rate of the same records (see [`backtest`]).
 //! - `console`: the console's fleet, node list and node pages with 10,000 Nodes and 1,000,000
@@ -39,9 +43,10 @@ mod console;
 mod fleet;
 mod latency;
 mod pipeline;
-
+mod procs;
 mod remediation;
 mod restart;
+mod scale;
 mod scale_out;
 mod soak;
 mod writes;
@@ -98,6 +103,9 @@ enum Scenario {
     /// The simulated GPU fleet on its own: raw events in the collector's shape at a rate with a
     /// fault mix into Kafka, and optionally its Nodes and GPU pods in the apiserver.
     Fleet(fleet::Options),
+    /// gpumedic at fleet sizes up to 100,000 GPU nodes: memory and CPU of each service and server,
+    /// the enricher's start-up, the remediator's relists and fault to cordon at each size.
+    FleetScale(scale::Options),
     /// The pipeline for a long run at a steady rate from the simulated fleet, memory and lag of each
     /// service sampled (runs on request: 30 minutes by default).
     Soak(soak::Options),
@@ -171,6 +179,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Fleet(options) => {
             let result = fleet::run(options).await?;
             write_result(&cli.out_dir, "fleet.json", &result)?;
+        }
+        Scenario::FleetScale(options) => {
+            let result = scale::run(options).await?;
+            write_result(&cli.out_dir, "fleet-scale.json", &result)?;
         }
         Scenario::Soak(options) => {
             let result = soak::run(options).await?;

@@ -156,6 +156,88 @@ fn flatness(samples: &[Sample], rate: u64) -> Vec<Flatness> {
         .collect()
 }
 
+/// The four topics of one run (`<id>-raw`, `-enriched`, `-verdicts`, `-actions`): other users of
+/// the testbed's Kafka neither feed nor read a run on them.
+#[derive(Debug, Clone)]
+pub(crate) struct RunTopics {
+    pub(crate) raw: String,
+    pub(crate) enriched: String,
+    pub(crate) verdicts: String,
+    pub(crate) actions: String,
+}
+
+impl RunTopics {
+    /// Creates the run's topics (and their dead-letter topics) in the testbed's Kafka.
+    pub(crate) async fn create(bootstrap: &str, id: &str) -> anyhow::Result<Self> {
+        let [raw, enriched, verdicts, actions] =
+            ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
+        KafkaSettings {
+            bootstrap: bootstrap.to_owned(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        }
+        .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
+        .await?;
+        Ok(Self { raw, enriched, verdicts, actions })
+    }
+
+    /// Deletes the run's topics and their dead-letter topics.
+    pub(crate) async fn delete(&self, bootstrap: &str) -> anyhow::Result<()> {
+        let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).create()?;
+        let dead: Vec<String> = [&self.raw, &self.enriched, &self.actions]
+            .iter()
+            .map(|t| gpumedic_runtime::kafka::dead_letter_topic(t))
+            .collect();
+        let all: Vec<&str> = [&self.raw, &self.enriched, &self.verdicts, &self.actions]
+            .into_iter()
+            .map(String::as_str)
+            .chain(dead.iter().map(String::as_str))
+            .collect();
+        admin.delete_topics(&all, &rdkafka::admin::AdminOptions::new()).await?;
+        Ok(())
+    }
+}
+
+/// Starts the release enricher, classifier (into `database_url`) and remediator (`cordon-drain`
+/// on the nodes matching `selector`, its lease in `lease_namespace`, pods evicted at once, with
+/// `remediator_env` added) on `topics`, each in a new consumer group named after `prefix`; does not
+/// wait for them to be ready.
+pub(crate) async fn start_services(
+    bootstrap: &str,
+    prefix: &str,
+    topics: &RunTopics,
+    database_url: &str,
+    selector: &str,
+    lease_namespace: &str,
+    remediator_env: Vec<(&'static str, String)>,
+) -> anyhow::Result<[(&'static str, ServiceProcess); 3]> {
+    let topics_env = [
+        ("GPUMEDIC_ENRICHED_TOPIC", topics.enriched.clone()),
+        ("GPUMEDIC_VERDICTS_TOPIC", topics.verdicts.clone()),
+        ("GPUMEDIC_ACTIONS_TOPIC", topics.actions.clone()),
+    ];
+    let mut env = crate::service_env(bootstrap, &format!("{prefix}-enricher")).await?;
+    env.extend([("GPUMEDIC_RAW_TOPIC", topics.raw.clone()), topics_env[0].clone()]);
+    let enricher = ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
+    let mut env = crate::service_env(bootstrap, &format!("{prefix}-classifier")).await?;
+    env.push(("GPUMEDIC_DATABASE_URL", database_url.to_owned()));
+    env.extend(topics_env.clone());
+    let classifier = ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut env = crate::service_env(bootstrap, &format!("{prefix}-remediator")).await?;
+    env.extend(topics_env);
+    env.extend([
+        ("GPUMEDIC_MODE", "cordon-drain".to_owned()),
+        ("GPUMEDIC_GPU_NODE_SELECTOR", selector.to_owned()),
+        ("GPUMEDIC_LEASE_NAMESPACE", lease_namespace.to_owned()),
+        ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".to_owned()),
+    ]);
+    env.extend(remediator_env);
+    let remediator = ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
+    Ok([("enricher", enricher), ("classifier", classifier), ("remediator", remediator)])
+}
+
 /// Runs the scenario and prints one line per sample and per verdict.
 pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testkit::require_kafka().await?;
@@ -182,33 +264,11 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
 
     let db = id.replace('-', "_");
     let url = testkit::fresh_database(&admin_db, &db).await?;
-    // Topics of this run only: other users of the testbed's Kafka neither feed nor read this run.
-    let [raw, enriched, verdicts, actions] = ["raw", "enriched", "verdicts", "actions"].map(|t| format!("{id}-{t}"));
-    KafkaSettings { bootstrap: bootstrap.clone(), options: vec![], schema_registry: None, topic_replication: None }
-        .ensure_topics(&stage_topics(&[&raw, &enriched, &actions], &[&verdicts], topics::DEFAULT_PARTITIONS))
-        .await?;
-    let topics_env = [
-        ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
-        ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
-        ("GPUMEDIC_ACTIONS_TOPIC", actions.clone()),
-    ];
-    let mut env = crate::service_env(&bootstrap, "soak-enricher").await?;
-    env.extend([("GPUMEDIC_RAW_TOPIC", raw.clone()), topics_env[0].clone()]);
-    let enricher = ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
-    let mut env = crate::service_env(&bootstrap, "soak-classifier").await?;
-    env.push(("GPUMEDIC_DATABASE_URL", url.clone()));
-    env.extend(topics_env.clone());
-    let classifier = ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
-    let mut env = crate::service_env(&bootstrap, "soak-remediator").await?;
-    env.extend(topics_env);
-    env.extend([
-        ("GPUMEDIC_MODE", "cordon-drain".to_owned()),
-        ("GPUMEDIC_GPU_NODE_SELECTOR", format!("{}={id}", fleet::FLEET_LABEL)),
-        ("GPUMEDIC_LEASE_NAMESPACE", ns.clone()),
-        ("GPUMEDIC_DRAIN_GRACE_SECONDS", "0".to_owned()),
-    ]);
-    let remediator = ServiceProcess::start(&crate::release_binary("gpumedic-remediator")?, &[], &env)?;
-    let mut services = [("enricher", enricher), ("classifier", classifier), ("remediator", remediator)];
+    let run_topics = RunTopics::create(&bootstrap, &id).await?;
+    let raw = run_topics.raw.clone();
+    let mut services =
+        start_services(&bootstrap, "soak", &run_topics, &url, &format!("{}={id}", fleet::FLEET_LABEL), &ns, vec![])
+            .await?;
     for (_, s) in &mut services {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }
@@ -275,16 +335,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             .execute(&admin_db)
             .await?;
         // The run's topics hold gigabytes too.
-        let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
-            rdkafka::ClientConfig::new().set("bootstrap.servers", &bootstrap).create()?;
-        let dead: Vec<String> =
-            [&raw, &enriched, &actions].iter().map(|t| gpumedic_runtime::kafka::dead_letter_topic(t)).collect();
-        let all: Vec<&str> = [&raw, &enriched, &verdicts, &actions]
-            .into_iter()
-            .map(String::as_str)
-            .chain(dead.iter().map(String::as_str))
-            .collect();
-        admin.delete_topics(&all, &rdkafka::admin::AdminOptions::new()).await?;
+        run_topics.delete(&bootstrap).await?;
     }
     outcome?;
     anyhow::ensure!(samples.len() >= 5, "too few samples ({}) for a verdict: run longer", samples.len());

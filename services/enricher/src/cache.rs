@@ -40,6 +40,37 @@ struct Index {
     nodes: HashMap<String, Arc<NodeInfo>>,
     /// Pod (namespace/name) to the node it is bound to and its workload entry.
     pods: HashMap<String, (String, Workload)>,
+    /// Node name to the keys of the pods bound to it, so a node's workloads are found without a
+    /// scan of every pod: a node applied after its pods (every node of the initial list when the
+    /// pods list first) costs its own pods, not the fleet's (a scan made the initial list of
+    /// 10,000 nodes and pods 10^8 comparisons).
+    pods_by_node: HashMap<String, Vec<String>>,
+}
+
+impl Index {
+    /// Binds pod `key` to `node` in [`Index::pods_by_node`], unbinding it from `old` first.
+    fn bind(&mut self, key: &str, old: Option<&str>, node: &str) {
+        if old == Some(node) {
+            return;
+        }
+        if let Some(old) = old {
+            self.unbind(key, old);
+        }
+        let keys = self.pods_by_node.entry(node.to_owned()).or_default();
+        if !keys.iter().any(|k| k == key) {
+            keys.push(key.to_owned());
+        }
+    }
+
+    /// Removes pod `key` from `node`'s keys.
+    fn unbind(&mut self, key: &str, node: &str) {
+        if let Some(keys) = self.pods_by_node.get_mut(node) {
+            keys.retain(|k| k != key);
+            if keys.is_empty() {
+                self.pods_by_node.remove(node);
+            }
+        }
+    }
 }
 
 /// How node labels become context.
@@ -70,8 +101,14 @@ impl ClusterCache {
         context.expected_gpus = expected_gpus(node);
         let mut index = self.inner.write().expect("cache lock");
         let name = node.name_any();
-        let workloads: Vec<Workload> =
-            index.pods.values().filter(|(n, _)| *n == name).map(|(_, w)| w.clone()).collect();
+        let workloads: Vec<Workload> = index
+            .pods_by_node
+            .get(&name)
+            .into_iter()
+            .flatten()
+            .filter_map(|key| index.pods.get(key))
+            .map(|(_, w)| w.clone())
+            .collect();
         let nvlink_domain = labels.get(crate::enrich::labels::GPU_CLIQUE).filter(|v| !v.is_empty()).cloned();
         index.nodes.insert(name, Arc::new(NodeInfo { context, workloads, nvlink_domain }));
     }
@@ -89,7 +126,9 @@ impl ClusterCache {
             return;
         };
         let mut index = self.inner.write().expect("cache lock");
-        if let Some((old_node, _)) = index.pods.insert(key.clone(), (node.clone(), workload.clone()))
+        let old = index.pods.insert(key.clone(), (node.clone(), workload.clone())).map(|(n, _)| n);
+        index.bind(&key, old.as_deref(), &node);
+        if let Some(old_node) = old
             && old_node != node
             && let Some(info) = index.nodes.get_mut(&old_node)
         {
@@ -104,7 +143,11 @@ impl ClusterCache {
 
     fn remove_pod(&self, key: &str) {
         let mut index = self.inner.write().expect("cache lock");
-        if let Some((node, w)) = index.pods.remove(key)
+        let removed = index.pods.remove(key);
+        if let Some((node, _)) = &removed {
+            index.unbind(key, node);
+        }
+        if let Some((node, w)) = removed
             && let Some(info) = index.nodes.get_mut(&node)
         {
             Arc::make_mut(info).workloads.retain(|x| !(x.namespace == w.namespace && x.pod == w.pod));
@@ -422,6 +465,38 @@ mod tests {
         cache.remove_pod("ml/p");
         assert_eq!(cache.node("gpu-2").unwrap().workloads.len(), 0);
         assert!(cache.node("gpu-3").is_none());
+    }
+
+    #[test]
+    fn a_node_applied_after_its_pods_takes_its_own_and_no_other() {
+        // The Pods list may finish before the Nodes list: each node then finds its pods by the
+        // pods' node index, including a pod that moved and one that went away before it came.
+        let cache = ClusterCache::default();
+        let settings = ContextSettings::default();
+        let on = |name: &str, node: &str| {
+            pod(serde_json::json!({ "metadata": { "name": name, "namespace": "ml" },
+                "spec": { "nodeName": node, "containers": [{ "name": "c", "resources": { "limits": { "nvidia.com/gpu": "1" } } }] } }))
+        };
+        cache.apply_pod(&on("p", "gpu-1"));
+        cache.apply_pod(&on("q", "gpu-1"));
+        cache.apply_pod(&on("r", "gpu-2"));
+        cache.apply_pod(&on("q", "gpu-2"));
+        cache.apply_pod(&on("s", "gpu-1"));
+        cache.remove_pod("ml/s");
+        for n in ["gpu-1", "gpu-2", "gpu-3"] {
+            cache.apply_node(&node(serde_json::json!({ "metadata": { "name": n } })), &settings);
+        }
+        let pods_on = |n: &str| {
+            let mut p: Vec<String> = cache.node(n).unwrap().workloads.iter().map(|w| w.pod.clone()).collect();
+            p.sort();
+            p
+        };
+        assert_eq!(pods_on("gpu-1"), ["p"]);
+        assert_eq!(pods_on("gpu-2"), ["q", "r"]);
+        assert!(pods_on("gpu-3").is_empty());
+        // A node applied again (a status change) keeps its workloads.
+        cache.apply_node(&node(serde_json::json!({ "metadata": { "name": "gpu-2" } })), &settings);
+        assert_eq!(pods_on("gpu-2"), ["q", "r"]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use gpumedic_schemas::verdict::RecommendedAction;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -488,15 +488,10 @@ pub async fn write(
     }
 }
 
-/// The managed nodes (matching `selector`) that carry a ladder.
+/// The managed nodes (matching `selector`) that carry a ladder (see
+/// [`crate::maintenance::carrying`]).
 pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
-    Ok(Api::<Node>::all(client.clone())
-        .list(&ListParams::default().labels(selector))
-        .await?
-        .items
-        .into_iter()
-        .filter(|n| n.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(LADDER_ANNOTATION)))
-        .collect())
+    crate::maintenance::carrying(client, selector, LADDER_ANNOTATION).await
 }
 
 #[cfg(test)]

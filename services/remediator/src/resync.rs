@@ -306,8 +306,8 @@ async fn resync_once(
     // The nodes first, then the store: a record on a node at listing time was written after its
     // verdict, which the classifier published before it wrote the incident, so the store read
     // after the listing knows every incident a record holds.
-    let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
-    let snapshots: Vec<NodeSnapshot> = nodes.iter().map(NodeSnapshot::of).collect();
+    let snapshots =
+        maintenance::map_nodes(&shared.remediator.client(), &shared.fleet.selector, NodeSnapshot::of).await?;
     let names: Vec<String> = snapshots.iter().map(|n| n.name.clone()).collect();
     let held: Vec<Uuid> =
         snapshots.iter().flat_map(|n| n.held.iter()).filter_map(|id| Uuid::parse_str(id).ok()).collect();

@@ -63,7 +63,12 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), TermError> {
     let status = shared.status.read().await?;
     shared.remediator.set_paused(status.paused);
     events::paused(status.paused);
-    let nodes = maintenance::list_nodes(&shared.remediator.client(), &shared.fleet.selector).await?;
+    // A page at a time, each node reduced to its quarantine time: a large fleet's whole Nodes
+    // are never held at once.
+    let from_taints = maintenance::map_nodes(&shared.remediator.client(), &shared.fleet.selector, |n| {
+        Some((n.metadata.name.clone().unwrap_or_default(), quarantined_at(n)?))
+    })
+    .await?;
     // gpumedic's DeviceTaintRules are its GPU quarantines; a cluster that serves none has none.
     let gpus = crate::dra::quarantined_gpus(&shared.remediator.client()).await.unwrap_or_else(|e| {
         tracing::debug!(error = %e, "Found no DeviceTaintRules to count against the breaker.");
@@ -76,8 +81,7 @@ pub(crate) async fn begin_term(shared: &Shared) -> Result<(), TermError> {
     // The shared ledger, and gpumedic's taints still on nodes (a ledger written before a crash may
     // lack the last quarantine): the later time of the two per node.
     let mut quarantined: std::collections::BTreeMap<String, Instant> = std::collections::BTreeMap::new();
-    let from_taints =
-        nodes.iter().filter_map(|n| Some((n.metadata.name.clone().unwrap_or_default(), quarantined_at(n)?)));
+    let from_taints = from_taints.into_iter().flatten();
     for (node, added) in status.quarantine_ledger.clone().into_iter().chain(from_taints) {
         let age = (wall - added).to_std().unwrap_or_default();
         if age < window {
