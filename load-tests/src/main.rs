@@ -106,6 +106,11 @@ enum Scenario {
     /// gpumedic at fleet sizes up to 100,000 GPU nodes: memory and CPU of each service and server,
     /// the enricher's start-up, the remediator's relists and fault to cordon at each size.
     FleetScale(scale::Options),
+    /// Internal to `fleet-scale`: the enricher's cache filled in a fresh process, its memory
+    /// growth per node and per pod printed as JSON (a fresh process, so memory freed earlier in
+    /// the run is not reused and hidden).
+    #[command(hide = true)]
+    CacheCost(scale::CacheCostArgs),
     /// The pipeline for a long run at a steady rate from the simulated fleet, memory and lag of each
     /// service sampled (runs on request: 30 minutes by default).
     Soak(soak::Options),
@@ -184,6 +189,7 @@ async fn main() -> anyhow::Result<()> {
             let result = scale::run(options).await?;
             write_result(&cli.out_dir, "fleet-scale.json", &result)?;
         }
+        Scenario::CacheCost(args) => println!("{}", serde_json::to_string(&scale::cache_cost(&args))?),
         Scenario::Soak(options) => {
             let result = soak::run(options).await?;
             write_result(&cli.out_dir, "soak.json", &result)?;

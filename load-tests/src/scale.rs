@@ -193,7 +193,7 @@ pub struct Step {
 }
 
 /// The enricher's cache, filled in this process.
-#[derive(Debug, Default, serde::Serialize)]
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct CacheCost {
     nodes: usize,
     pods: usize,
@@ -532,7 +532,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         }
     }
     outcome?;
-    let enricher_cache = cache_cost(&id, largest, o.pods_per_node);
+    let enricher_cache = cache_cost_in_child(&id, largest, o.pods_per_node)?;
     println!(
         "  the enricher's cache: {:.0} B per node and {:.0} B per pod ({} nodes, {} pods filled in this process)",
         enricher_cache.bytes_per_node, enricher_cache.bytes_per_pod, enricher_cache.nodes, enricher_cache.pods
@@ -687,11 +687,38 @@ fn print_step(step: &Step) {
     );
 }
 
+/// The arguments of the hidden `cache-cost` scenario ([`cache_cost`]).
+#[derive(Debug, clap::Args)]
+pub struct CacheCostArgs {
+    /// The run's id (the Nodes' name prefix).
+    #[arg(long)]
+    id: String,
+    /// Nodes in the cache.
+    #[arg(long)]
+    nodes: usize,
+    /// GPU pods on each node.
+    #[arg(long)]
+    pods_per_node: usize,
+}
+
+/// [`cache_cost`] in a fresh process of this binary: this one has allocated and freed the whole
+/// run's buffers, and a cache filled in their freed memory would grow its resident size by
+/// nothing.
+fn cache_cost_in_child(id: &str, nodes: usize, pods_per_node: usize) -> anyhow::Result<CacheCost> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["cache-cost", "--id", id, "--nodes", &nodes.to_string(), "--pods-per-node", &pods_per_node.to_string()])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "cache-cost failed: {}", String::from_utf8_lossy(&out.stderr));
+    let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
+    Ok(serde_json::from_str(&last)?)
+}
+
 /// The enricher's cache filled with `nodes` Nodes as [`fleet::gpu_node`] makes them and
 /// `pods_per_node` GPU pods on each, in this process: the growth of this process's resident
 /// memory per node and per pod (each object is built, applied and dropped, so the growth is the
 /// cache's).
-fn cache_cost(id: &str, nodes: usize, pods_per_node: usize) -> CacheCost {
+pub fn cache_cost(args: &CacheCostArgs) -> CacheCost {
+    let (id, nodes, pods_per_node) = (args.id.as_str(), args.nodes, args.pods_per_node);
     let rss = || Watched { pid: std::process::id(), with_children: false }.read().map_or(f64::NAN, |r| r.mib);
     let cache = ClusterCache::default();
     let settings = ContextSettings::default();
