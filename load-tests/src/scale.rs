@@ -9,8 +9,9 @@
 //!    in flight. No kubelet runs: nothing else writes to them.
 //! 2. **The servers at rest**: etcd's and the apiserver's memory with the fleet stored, and the
 //!    cost of the remediator's relists of the fleet, measured here with its own calls: the
-//!    names-only list it makes every 30 s to count the fleet for the breaker
-//!    ([`gpumedic_remediator::apply::managed_nodes`]) and the whole-node list of each resync and
+//!    names-only list of the fleet (what the breaker's count made every 30 s before it became a
+//!    metadata watch; now the cost of that watch's initial list and of a relist:
+//!    [`gpumedic_remediator::apply::managed_nodes`]) and the whole-node list of each resync and
 //!    new leader term ([`gpumedic_remediator::maintenance::list_nodes`]), in milliseconds and in
 //!    apiserver CPU per call. Then the floor: a plain label patch on the nodes the faults will hit.
 //! 3. **The services start** (release builds next to this program) on topics of this run: the
@@ -175,7 +176,8 @@ pub struct Step {
     create_per_sec: f64,
     /// The servers with the fleet stored, before the services start: MiB and CPU cores while idle.
     servers_at_rest_mib: BTreeMap<&'static str, f64>,
-    /// The remediator's 30 s fleet count (names only) and its resync's whole-node list.
+    /// A names-only list of the fleet (the remediator's node watch lists so at its start) and
+    /// its resync's whole-node list.
     relist_names: Relist,
     relist_whole: Relist,
     floor_patch_p50_ms: f64,

@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{Event, Node};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Map, Value, json};
 
-use crate::dra::{self, DraError, Ensured};
+use crate::dra::{self, DraCache, DraError, Ensured};
 use crate::drain::{DrainError, DrainPolicy, DrainReport, drain, drain_holders};
 use crate::events::{
     Drained, GpuQuarantineEscalated, GpuQuarantined, GpusReleased, InternalEvent as _, LadderStarted,
@@ -177,6 +177,10 @@ pub struct Remediator {
     paused: Arc<AtomicBool>,
     /// Whether this replica still holds the leader lease; checked before every node write.
     validity: Arc<Validity>,
+    /// The watch caches of the nodes' GPUs and gpumedic's DeviceTaintRules, shared by every
+    /// clone; until [`Remediator::watch_dra`] runs and they have listed, every read goes to the
+    /// apiserver.
+    dra: DraCache,
 }
 
 impl Remediator {
@@ -193,7 +197,16 @@ impl Remediator {
             gate: Arc::new(Mutex::new(gate)),
             paused: Arc::new(AtomicBool::new(false)),
             validity: Arc::new(Validity::unconditional()),
+            dra: DraCache::default(),
         })
+    }
+
+    /// Keeps the GPU quarantine's watch caches current until `token` is cancelled, so a GPU
+    /// verdict reads the node's GPUs and gpumedic's rules on it from memory (see
+    /// [`crate::dra::cache`]). Until it runs, and until each cache has listed once, they are read
+    /// from the apiserver.
+    pub async fn watch_dra(self, token: tokio_util::sync::CancellationToken) {
+        self.dra.clone().run(self.client.clone(), token).await;
     }
 
     /// This remediator, writing only while `validity` says the leader lease is held.
@@ -228,6 +241,12 @@ impl Remediator {
     /// Whether the global pause is set.
     pub fn paused(&self) -> bool {
         self.settings.policy.paused || self.paused.load(Ordering::Acquire)
+    }
+
+    /// The GPU quarantine's watch caches (to see whether they are listed, and how often a
+    /// verdict had to read the apiserver instead).
+    pub fn dra_cache(&self) -> &DraCache {
+        &self.dra
     }
 
     /// The edge's settings.
@@ -304,21 +323,28 @@ impl Remediator {
         {
             return on_node();
         }
-        let slices = match dra::slices_on(&self.client, name).await {
-            Ok(slices) => slices,
+        let (gpus, device) = match self.node_gpus(name, &gpu.uuid).await {
+            Ok(found) => found,
             Err(e) => {
                 tracing::warn!(node = name, error = %e, "Could not read the node's ResourceSlices; quarantining the node instead of the GPU.");
                 return on_node();
             }
         };
-        if slices.is_empty() {
+        if gpus.is_empty() {
             return on_node();
         }
-        let Some(device) = dra::find_device(&slices, &gpu.uuid) else {
+        let Some(device) = device else {
             tracing::warn!(node = name, gpu = %gpu.uuid, "The node publishes its GPUs through DRA but none with the verdict's UUID; quarantining the node instead.");
             return on_node();
         };
-        let rules = match dra::rules_on(&self.client, name).await {
+        let rules = match self.dra.rules_on(name) {
+            Some(cached) => Ok(cached),
+            None => {
+                self.dra.missed();
+                dra::rules_on(&self.client, name).await
+            }
+        };
+        let rules = match rules {
             Ok(rules) => rules,
             Err(e) if dra::unserved(&e) => {
                 tracing::warn!(
@@ -331,7 +357,7 @@ impl Remediator {
         };
         let rule_name = dra::rule_name(name, &gpu.uuid);
         let fresh = !rules.iter().any(|r| r.metadata.name.as_deref() == Some(rule_name.as_str()));
-        let (quarantined, total) = (rules.len() + usize::from(fresh), dra::gpu_count(&slices));
+        let (quarantined, total) = (rules.len() + usize::from(fresh), dra::gpu_count(&gpus));
         let max_share = settings.gpu_quarantine.max_share;
         if fresh && dra::escalates(quarantined, total, max_share) {
             let why = format!(
@@ -364,6 +390,21 @@ impl Remediator {
         result
     }
 
+    /// The whole GPUs `node` publishes and the device of GPU `uuid` among them: from the watch
+    /// cache when it knows the node and has the device, else listed from the apiserver (a slice
+    /// published a moment ago may not have reached the cache).
+    async fn node_gpus(&self, node: &str, uuid: &str) -> Result<(Vec<dra::Gpu>, Option<dra::DeviceRef>), DraError> {
+        if let Some(gpus) = self.dra.gpus_on(node)
+            && let Some(device) = dra::find_device(&gpus, uuid)
+        {
+            return Ok((gpus, Some(device)));
+        }
+        self.dra.missed();
+        let gpus = dra::gpus(&dra::slices_on(&self.client, node).await?);
+        let device = dra::find_device(&gpus, uuid);
+        Ok((gpus, device))
+    }
+
     /// Quarantines GPU `device` of `node` for `request`: marks the node (its condition, the
     /// incident recorded as one that leaves the node in service), creates or joins gpumedic's
     /// DeviceTaintRule `rule_name`, and evicts the pods whose claims are allocated the device.
@@ -387,7 +428,7 @@ impl Remediator {
         plan.intent = Intent::Quarantine;
         self.leading(name)?;
         let wanted = dra::rule(name, uuid, device, request);
-        let ensured = dra::ensure_rule(&self.client, &wanted, &request.incident_id, exists).await?;
+        let ensured = dra::ensure_rule(&self.client, &self.dra, &wanted, &request.incident_id, exists).await?;
         let drained = match ensured {
             Ensured::Foreign => {
                 tracing::warn!(
@@ -458,7 +499,7 @@ impl Remediator {
         .emit();
         match incomplete {
             None => {
-                dra::mark_drained(&self.client, rule_name).await?;
+                dra::mark_drained(&self.client, &self.dra, rule_name).await?;
                 self.record(node, &[note("Drained", report.summary(), false)]).await;
             }
             Some(detail) => self.record(node, &[note("DrainIncomplete", detail, true)]).await,
@@ -471,7 +512,7 @@ impl Remediator {
     async fn release_gpus(&self, request: &Remediation) -> Result<(), ApplyError> {
         let name = request.node.as_str();
         self.leading(name)?;
-        let deleted = match dra::release(&self.client, name, &request.incident_id).await {
+        let deleted = match dra::release(&self.client, &self.dra, name, &request.incident_id).await {
             Ok(deleted) => deleted,
             Err(e) if dra::unserved(&e) => return Ok(()),
             Err(e) => return Err(e.into()),

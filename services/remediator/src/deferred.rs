@@ -25,7 +25,7 @@ pub(crate) async fn carry_out_deferred(shared: Arc<Shared>, term: CancellationTo
         if shared.remediator.paused() {
             continue;
         }
-        let nodes = match maintenance::pending(&shared.remediator.client(), &shared.fleet.selector).await {
+        let nodes = match shared.fleet.carrying(maintenance::DEFERRED_ANNOTATION).await {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(error = %e, "Cannot list the nodes with deferred actions; trying again later.");

@@ -28,6 +28,10 @@ use serde_json::json;
 use crate::drain::PodRef;
 use crate::request::{Action, Remediation};
 
+pub mod cache;
+
+pub use cache::DraCache;
+
 /// The driver whose devices are the node's GPUs.
 pub const DRIVER: &str = "gpu.nvidia.com";
 /// The label every rule gpumedic creates carries (`gpumedic`); rules without it are never
@@ -134,29 +138,44 @@ fn attribute<'a>(device: &'a k8s_openapi::api::resource::v1::Device, name: &str)
     attrs.get(name).or_else(|| attrs.get(&format!("{DRIVER}/{name}"))).and_then(|a| a.string.as_deref())
 }
 
-fn gpu_devices(
-    slices: &[ResourceSlice],
-) -> impl Iterator<Item = (&ResourceSlice, &k8s_openapi::api::resource::v1::Device)> {
+/// One whole GPU a node publishes: the device a rule selects and the GPU's UUID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// The device.
+    pub device: DeviceRef,
+    /// Its `uuid` attribute.
+    pub uuid: String,
+}
+
+/// The whole GPUs among `slices` (devices of driver [`DRIVER`] whose UUID is a GPU's: a MIG
+/// device has a `MIG-` UUID of its own).
+pub fn gpus(slices: &[ResourceSlice]) -> Vec<Gpu> {
     slices
         .iter()
         .filter(|s| s.spec.driver == DRIVER)
         .flat_map(|s| s.spec.devices.iter().flatten().map(move |d| (s, d)))
-        // Whole GPUs only: a MIG device has a `MIG-` UUID of its own.
-        .filter(|(_, d)| {
-            attribute(d, "uuid").is_some_and(|u| u.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("GPU-")))
+        .filter_map(|(s, d)| {
+            let uuid = attribute(d, "uuid")?;
+            uuid.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("GPU-")).then(|| Gpu {
+                device: DeviceRef {
+                    driver: s.spec.driver.clone(),
+                    pool: s.spec.pool.name.clone(),
+                    device: d.name.clone(),
+                },
+                uuid: uuid.to_owned(),
+            })
         })
+        .collect()
 }
 
-/// The device among `slices` whose `uuid` attribute is `uuid` (case-insensitive).
-pub fn find_device(slices: &[ResourceSlice], uuid: &str) -> Option<DeviceRef> {
-    gpu_devices(slices).find(|(_, d)| attribute(d, "uuid").is_some_and(|u| u.eq_ignore_ascii_case(uuid))).map(
-        |(s, d)| DeviceRef { driver: s.spec.driver.clone(), pool: s.spec.pool.name.clone(), device: d.name.clone() },
-    )
+/// The device among `gpus` whose UUID is `uuid` (case-insensitive).
+pub fn find_device(gpus: &[Gpu], uuid: &str) -> Option<DeviceRef> {
+    gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(uuid)).map(|g| g.device.clone())
 }
 
-/// How many whole GPUs `slices` publish.
-pub fn gpu_count(slices: &[ResourceSlice]) -> usize {
-    gpu_devices(slices).map(|(s, d)| (s.spec.pool.name.as_str(), d.name.as_str())).collect::<BTreeSet<_>>().len()
+/// How many whole GPUs `gpus` are (a device published twice counts once).
+pub fn gpu_count(gpus: &[Gpu]) -> usize {
+    gpus.iter().map(|g| (g.device.pool.as_str(), g.device.device.as_str())).collect::<BTreeSet<_>>().len()
 }
 
 /// Whether quarantining `quarantined` of the node's `total` GPUs one by one is too many, so the
@@ -380,8 +399,12 @@ pub enum Ensured {
 
 /// Makes sure gpumedic's rule `wanted` exists and names `incident`; `exists` says whether the
 /// caller saw it already (then it is read first rather than created).
+///
+/// Every rule written goes into `cache` as the apiserver answered it, so the node's next verdict
+/// counts it.
 pub async fn ensure_rule(
     client: &kube::Client,
+    cache: &DraCache,
     wanted: &DeviceTaintRule,
     incident: &str,
     exists: bool,
@@ -395,7 +418,10 @@ pub async fn ensure_rule(
     for _ in 0..5 {
         if create {
             match api.create(&PostParams::default(), wanted).await {
-                Ok(_) => return Ok(Ensured::Created),
+                Ok(created) => {
+                    cache.wrote(&created);
+                    return Ok(Ensured::Created);
+                }
                 Err(kube::Error::Api(s)) if s.is_already_exists() => {}
                 Err(source) => return Err(err(source)),
             }
@@ -419,7 +445,10 @@ pub async fn ensure_rule(
             "annotations": { INCIDENTS_ANNOTATION: held.into_iter().collect::<Vec<_>>().join(","), DRAINED_ANNOTATION: null },
         } });
         match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(_) => return Ok(Ensured::Joined),
+            Ok(joined) => {
+                cache.wrote(&joined);
+                return Ok(Ensured::Joined);
+            }
             Err(kube::Error::Api(s)) if s.is_conflict() || s.is_already_exists() => continue,
             Err(source) => return Err(err(source)),
         }
@@ -429,19 +458,26 @@ pub async fn ensure_rule(
 
 /// Marks gpumedic's rule `name` as drained (its holders have all left), so a redelivered verdict
 /// does not drain again.
-pub async fn mark_drained(client: &kube::Client, name: &str) -> Result<(), DraError> {
+pub async fn mark_drained(client: &kube::Client, cache: &DraCache, name: &str) -> Result<(), DraError> {
     let api: Api<DeviceTaintRule> = Api::all(client.clone());
     let patch = json!({ "metadata": { "annotations": { DRAINED_ANNOTATION: "true" } } });
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
-        .map(|_| ())
+        .map(|marked| cache.wrote(&marked))
         .map_err(|source| DraError::Rule { rule: name.to_owned(), source })
 }
 
 /// Removes `incident` from gpumedic's rules on `node`, deleting each that no open incident holds
 /// any more. Returns the names of the rules deleted. Rules gpumedic did not create are never
-/// listed here, so never touched.
-pub async fn release(client: &kube::Client, node: &str, incident: &str) -> Result<Vec<String>, DraError> {
+/// listed here, so never touched. The rules are listed from the apiserver, not the cache: each
+/// write is guarded by the version read, and a stale one would only fail. Each write goes into
+/// `cache`.
+pub async fn release(
+    client: &kube::Client,
+    cache: &DraCache,
+    node: &str,
+    incident: &str,
+) -> Result<Vec<String>, DraError> {
     let api: Api<DeviceTaintRule> = Api::all(client.clone());
     let mut deleted = Vec::new();
     for rule in rules_on(client, node).await? {
@@ -458,16 +494,24 @@ pub async fn release(client: &kube::Client, node: &str, incident: &str) -> Resul
                 preconditions: Some(Preconditions { resource_version: version, uid: rule.metadata.uid.clone() }),
                 ..DeleteParams::default()
             };
-            api.delete(&name, &dp).await.map(|_| true)
+            api.delete(&name, &dp).await.map(|_| {
+                cache.deleted(&name, rule.metadata.resource_version.as_deref());
+                true
+            })
         } else {
             let patch = json!({ "metadata": { "resourceVersion": version,
                 "annotations": { INCIDENTS_ANNOTATION: held.into_iter().collect::<Vec<_>>().join(",") } } });
-            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(|_| false)
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(|kept| {
+                cache.wrote(&kept);
+                false
+            })
         };
         match result {
             Ok(true) => deleted.push(name),
             Ok(false) => {}
-            Err(kube::Error::Api(s)) if s.is_not_found() => {}
+            Err(kube::Error::Api(s)) if s.is_not_found() => {
+                cache.deleted(&name, rule.metadata.resource_version.as_deref())
+            }
             Err(source) => return Err(err(source)),
         }
     }
@@ -512,13 +556,14 @@ mod tests {
     fn the_device_is_found_by_its_uuid_and_mig_devices_are_not_gpus() {
         let mut s = slice("n1", &[("gpu-0", "GPU-aaa"), ("gpu-1", "GPU-bbb"), ("gpu-1-mig-1g", "MIG-ccc")]);
         assert_eq!(
-            find_device(std::slice::from_ref(&s), "gpu-BBB"),
+            find_device(&gpus(std::slice::from_ref(&s)), "gpu-BBB"),
             Some(DeviceRef { driver: DRIVER.into(), pool: "n1".into(), device: "gpu-1".into() })
         );
-        assert_eq!(find_device(std::slice::from_ref(&s), "GPU-zzz"), None);
-        assert_eq!(gpu_count(std::slice::from_ref(&s)), 2);
+        assert_eq!(find_device(&gpus(std::slice::from_ref(&s)), "GPU-zzz"), None);
+        assert_eq!(gpu_count(&gpus(std::slice::from_ref(&s))), 2);
+        assert_eq!(gpu_count(&gpus(&[s.clone(), s.clone()])), 2, "a device listed twice is one GPU");
         s.spec.driver = "other.example.com".into();
-        assert_eq!(find_device(&[s], "GPU-aaa"), None, "only the NVIDIA driver's devices are GPUs");
+        assert_eq!(find_device(&gpus(&[s]), "GPU-aaa"), None, "only the NVIDIA driver's devices are GPUs");
     }
 
     #[test]

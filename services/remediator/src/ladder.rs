@@ -488,12 +488,6 @@ pub async fn write(
     }
 }
 
-/// The managed nodes (matching `selector`) that carry a ladder (see
-/// [`crate::maintenance::carrying`]).
-pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
-    crate::maintenance::carrying(client, selector, LADDER_ANNOTATION).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,7 +62,7 @@ pub use fleet::Fleet;
 pub use handler::Handler;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::AtomicBool;
 
 use gpumedic_runtime::service::RunError;
 use gpumedic_runtime::service::Service;
@@ -71,7 +71,6 @@ use gpumedic_runtime::stage::Stage;
 use crate::apply::Remediator;
 use crate::control::StatusClient;
 use crate::events::names;
-use crate::fleet::count_gpu_nodes;
 use crate::leader::lead;
 use crate::lease::{LeaseClient, Validity};
 use crate::safety::Gate;
@@ -159,13 +158,16 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     tracing::info!(mode = ?config.settings.policy.mode, identity = %config.lease.identity,
         lease = %format!("{}/{}", config.lease.namespace, config.lease.name), "Remediator ready.");
     let client = remediator.client();
-    let fleet = Fleet {
-        client: client.clone(),
-        selector: config.gpu_node_selector.clone(),
-        names: Arc::new(std::sync::RwLock::new(std::collections::HashSet::new())),
-        count: Arc::new(AtomicUsize::new(0)),
-    };
-    service.shutdown.spawn("gpu-node-count", count_gpu_nodes(fleet.clone(), kube_ready, token.clone()));
+    let fleet = Fleet::new(client.clone(), config.gpu_node_selector.clone());
+    service.shutdown.spawn("gpu-node-watch", fleet.clone().watch(kube_ready, token.clone()));
+    if config.settings.gpu_quarantine.enabled {
+        // Standbys keep the caches too, so a new leader's first GPU verdicts read memory.
+        let dra = remediator.clone().watch_dra(token.clone());
+        service.shutdown.spawn("gpu-quarantine-caches", async move {
+            dra.await;
+            Ok::<(), std::convert::Infallible>(())
+        });
+    }
     metrics::gauge!(names::LEADER).set(0.0);
     let shared = Arc::new(Shared {
         remediator,

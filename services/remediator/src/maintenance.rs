@@ -171,15 +171,11 @@ pub async fn clear_for(client: &kube::Client, node: &str, incident_id: &str) -> 
     }
 }
 
-/// The managed nodes (matching `selector`) that carry a deferred action.
-pub async fn pending(client: &kube::Client, selector: &str) -> Result<Vec<Node>, kube::Error> {
-    carrying(client, selector, DEFERRED_ANNOTATION).await
-}
-
 /// The managed nodes (matching `selector`) that carry `annotation`, whole. The fleet is listed by
 /// metadata only, a page at a time (a quarter of a whole list's cost to the apiserver at 10,000
 /// nodes, and a fraction of its memory here), and only the nodes carrying the annotation are read
-/// whole; a node deleted in between is left out.
+/// whole; a node deleted in between is left out. [`crate::fleet::Fleet::carrying`] reads the
+/// names from its watch instead, and lists here only until the watch has listed once.
 pub async fn carrying(client: &kube::Client, selector: &str, annotation: &str) -> Result<Vec<Node>, kube::Error> {
     let api = Api::<Node>::all(client.clone());
     let mut params = ListParams::default().labels(selector).limit(LIST_PAGE);

@@ -138,6 +138,19 @@ async fn rules(client: &kube::Client, node: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// Starts `r`'s GPU quarantine caches, as the service does, and waits until both have listed.
+/// Cancel the token to stop them.
+async fn watching(r: &gpumedic_remediator::apply::Remediator) -> tokio_util::sync::CancellationToken {
+    let token = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(r.clone().watch_dra(token.clone()));
+    let cache = r.dra_cache().clone();
+    gpumedic_testkit::eventually("the GPU quarantine caches to list", std::time::Duration::from_secs(30), async || {
+        cache.ready().then_some(())
+    })
+    .await;
+    token
+}
+
 fn settings_with(max_share: f64) -> Settings {
     Settings { gpu_quarantine: GpuQuarantine { enabled: true, max_share }, ..settings() }
 }
@@ -246,7 +259,10 @@ async fn more_than_the_share_of_a_nodes_gpus_quarantines_the_node() {
     for (pod, gpu) in [("job-0", 0), ("job-1", 1), ("job-2", 2), ("job-3", 3)] {
         pod_on_gpu(&client, &ns, pod, &node, gpu).await;
     }
+    // With the caches, as the service runs: the rules the first two verdicts write are counted
+    // by the third at once, though the watch may not have delivered them yet.
     let r = remediator(settings_with(0.5)).await;
+    let caches = watching(&r).await;
     // Two of four is the share, not more: GPU by GPU.
     for (gpu, incident) in [(0, "i0"), (1, "i1")] {
         let outcome = r.remediate(&gpu_fault(&node, gpu, incident, Action::Drain), 10).await.expect("remediated");
@@ -271,9 +287,54 @@ async fn more_than_the_share_of_a_nodes_gpus_quarantines_the_node() {
     r.remediate(&recovery(&third), 10).await.expect("recovered");
     assert!(!cordoned(&get_node(&client, &node).await));
     assert_eq!(rules(&client, &node).await.len(), 2);
+    assert_eq!(r.dra_cache().misses(), 0, "every GPU verdict read the node's GPUs and rules from the caches");
+    caches.cancel();
 
     cleanup_dra(&client, &[&slice], &node).await;
     cleanup(&client, &[&node], &[&ns]).await;
+}
+
+#[tokio::test]
+async fn gpus_published_after_the_caches_listed_are_quarantined_one_by_one() {
+    let client = admin().await;
+    require_device_taint_rules(&client).await;
+    let node = gpu_node(&client).await;
+    let r = remediator(settings()).await;
+    let caches = watching(&r).await;
+    // The driver publishes the node's GPUs now, and the fault follows at once: whether or not the
+    // watch has delivered the slice, the GPU is found (the apiserver is asked when the cache
+    // does not know it).
+    let slice = publish_gpus(&client, &node, 8).await;
+    let fault = gpu_fault(&node, 5, "i-late", Action::Cordon);
+    let outcome = r.remediate(&fault, 10).await.expect("remediated");
+    assert!(matches!(&outcome, Outcome::Applied { plan, .. } if plan.gpu_rule.is_some()), "{outcome:?}");
+    assert!(!cordoned(&get_node(&client, &node).await));
+    // The watch delivers the slice, and the rule gpumedic wrote, to the caches.
+    let cache = r.dra_cache().clone();
+    let (late, uuid5) = (node.clone(), uuid(&node, 5));
+    gpumedic_testkit::eventually(
+        "the watch to deliver the node's slice",
+        std::time::Duration::from_secs(30),
+        async || cache.gpus_on(&late).filter(|g| g.len() == 8 && dra::find_device(g, &uuid5).is_some()),
+    )
+    .await;
+    let cached: Vec<_> =
+        r.dra_cache().rules_on(&node).expect("listed").into_iter().filter_map(|r| r.metadata.name).collect();
+    assert_eq!(cached, [dra::rule_name(&node, &uuid(&node, 5))]);
+    // A second GPU of the node now reads only the caches.
+    let misses = r.dra_cache().misses();
+    let second = gpu_fault(&node, 6, "i-late-2", Action::Cordon);
+    let outcome = r.remediate(&second, 10).await.expect("remediated");
+    assert!(matches!(&outcome, Outcome::Applied { plan, .. } if plan.gpu_rule.is_some()), "{outcome:?}");
+    assert_eq!(r.dra_cache().misses(), misses, "the second GPU was found in the caches");
+    // Recovery deletes the rule, and the cache forgets it at once.
+    r.remediate(&recovery(&fault), 10).await.expect("recovered");
+    let left: Vec<_> =
+        r.dra_cache().rules_on(&node).expect("listed").into_iter().filter_map(|r| r.metadata.name).collect();
+    assert_eq!(left, [dra::rule_name(&node, &uuid(&node, 6))]);
+    caches.cancel();
+    cleanup_dra(&client, &[&slice], &node).await;
+    cleanup(&client, &[&node], &[]).await;
 }
 
 #[tokio::test]
@@ -392,6 +453,17 @@ async fn the_cluster_role_is_enough_to_quarantine_a_gpu_and_refuses_writing_slic
     let restricted = kube::Client::try_from(config.clone()).expect("restricted client");
 
     let r = gpumedic_remediator::apply::Remediator::new(config, settings(), roomy_gate()).expect("remediator");
+    // The role lets the caches list and watch: a slice published after they listed arrives.
+    let caches = watching(&r).await;
+    let later = gpu_node(&admin).await;
+    let later_slice = publish_gpus(&admin, &later, 2).await;
+    let cache = r.dra_cache().clone();
+    gpumedic_testkit::eventually(
+        "the role's watch to deliver a new slice",
+        std::time::Duration::from_secs(30),
+        async || cache.gpus_on(&later).filter(|g| g.len() == 2),
+    )
+    .await;
     let fault = gpu_fault(&node, 1, "i-rbac", Action::Drain);
     let outcome = r.remediate(&fault, 10).await.expect("the role allows a GPU quarantine and its drain");
     let Outcome::Applied { plan, drain: Some(report) } = outcome else { panic!("expected a drain, got {outcome:?}") };
@@ -418,6 +490,9 @@ async fn the_cluster_role_is_enough_to_quarantine_a_gpu_and_refuses_writing_slic
     );
     forbidden(claims.delete("job-2-gpu", &DeleteParams::default()).await, "deleting a claim");
 
+    caches.cancel();
+    cleanup_dra(&admin, &[&later_slice], &later).await;
+    cleanup(&admin, &[&later], &[]).await;
     let _ = Api::<ClusterRoleBinding>::all(admin.clone()).delete(&role_name, &DeleteParams::default()).await;
     let _ = Api::<ClusterRole>::all(admin.clone()).delete(&role_name, &DeleteParams::default()).await;
     cleanup_dra(&admin, &[&slice], &node).await;
