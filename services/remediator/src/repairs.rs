@@ -366,12 +366,16 @@ async fn drive_burn_in(
              from now before it returns",
             hooks::human_seconds(v.burn_in_seconds)
         );
+        // The ladder first: when another look changed it meanwhile, that look reports, and
+        // this one neither publishes nor records a restart of its own.
+        if !write_ladder_if_unchanged(shared, &name, raw, &l).await? {
+            return Ok(());
+        }
         publish(shared, &validation_outcome(&l, ActionStatus::Applied, detail.clone()), None).await?;
         shared.remediator.record_event(node, "BurnInRestarted", detail, false).await;
         BurnIn { result: "restarted" }.emit();
         tracing::info!(node = %name, incidents = %recovered,
             "The incidents that held the burn-in recovered: the burn-in starts over.");
-        write_ladder_if_unchanged(shared, &name, raw, &l).await?;
         return Ok(());
     }
     if !l.burn_in_over(now) {
@@ -609,7 +613,7 @@ pub(crate) async fn drive_repairs(shared: Arc<Shared>, term: CancellationToken) 
         if shared.remediator.paused() {
             continue;
         }
-        let nodes = match ladder::pending(&shared.remediator.client(), &shared.fleet.selector).await {
+        let nodes = match shared.fleet.carrying(ladder::LADDER_ANNOTATION).await {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(error = %e, "Cannot list the nodes on a repair ladder; trying again later.");
