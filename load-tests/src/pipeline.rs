@@ -303,6 +303,59 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     })
 }
 
+/// What one pass of raw events through an enricher and a classifier runs on, all its own: the
+/// raw and enriched topics, a fresh database, and the two services' environments (every
+/// replica started with one joins the same consumer group). The enricher's node authentication
+/// is the caller's to set.
+pub(crate) struct Stages {
+    /// The Kafka settings the topics were made with.
+    pub settings: KafkaSettings,
+    /// Where the raw events go.
+    pub raw_topic: String,
+    /// The classifier's database.
+    pub url: String,
+    /// The enricher's environment.
+    pub enricher_env: Vec<(&'static str, String)>,
+    /// The classifier's environment (`persist` as given).
+    pub classifier_env: Vec<(&'static str, String)>,
+}
+
+impl Stages {
+    /// Topics, database and environments named after `prefix`.
+    pub(crate) async fn new(
+        bootstrap: &str,
+        admin_db: &sqlx::PgPool,
+        prefix: &str,
+        persist: &str,
+    ) -> anyhow::Result<Self> {
+        let raw_topic = testkit::unique_name(&format!("{prefix}-raw"));
+        let enriched_topic = testkit::unique_name(&format!("{prefix}-enriched"));
+        let settings = KafkaSettings {
+            bootstrap: bootstrap.to_owned(),
+            options: vec![],
+            schema_registry: None,
+            topic_replication: None,
+        };
+        settings
+            .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
+            .await?;
+        let db = testkit::unique_name(prefix).replace('-', "_");
+        let url = testkit::fresh_database(admin_db, &db).await?;
+        let mut enricher_env = crate::service_env(bootstrap, &format!("{prefix}-enricher")).await?;
+        enricher_env
+            .extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
+        let mut classifier_env = crate::service_env(bootstrap, &format!("{prefix}-classifier")).await?;
+        classifier_env.extend([
+            ("GPUMEDIC_DATABASE_URL", url.clone()),
+            ("GPUMEDIC_PERSIST", persist.to_owned()),
+            ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic),
+            ("GPUMEDIC_VERDICTS_TOPIC", testkit::unique_name(&format!("{prefix}-verdicts"))),
+            ("GPUMEDIC_ACTIONS_TOPIC", testkit::unique_name(&format!("{prefix}-actions"))),
+        ]);
+        Ok(Self { settings, raw_topic, url, enricher_env, classifier_env })
+    }
+}
+
 /// One pass of `raw` through a release enricher and classifier started for it, on topics, groups
 /// and a database of its own. With `collectors`, each record proves its node as `proof` says and
 /// the enricher enforces node authentication.
@@ -314,17 +367,8 @@ async fn pass(
     collectors: Option<(&Collectors, NodeProof)>,
 ) -> anyhow::Result<Run> {
     let events = raw.len();
-    let raw_topic = testkit::unique_name("bench-pipeline-raw");
-    let enriched_topic = testkit::unique_name("bench-pipeline-enriched");
-    let settings = KafkaSettings {
-        bootstrap: bootstrap.to_owned(),
-        options: vec![],
-        schema_registry: None,
-        topic_replication: None,
-    };
-    settings
-        .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
-        .await?;
+    let Stages { settings, raw_topic, url, enricher_env: mut env, classifier_env } =
+        Stages::new(bootstrap, admin_db, "bench-pipeline", persist).await?;
     // Built before the clock starts, as the collector holds its token before it sends (and signs
     // each record on its own node).
     let directory = testkit::unique_name("bench-pipeline-node-tokens");
@@ -368,11 +412,6 @@ async fn pass(
         }
     };
 
-    let db = testkit::unique_name("bench_pipeline").replace('-', "_");
-    let url = testkit::fresh_database(admin_db, &db).await?;
-    let common = async |group: &str| crate::service_env(bootstrap, group).await;
-    let mut env = common("bench-pipeline-enricher").await?;
-    env.extend([("GPUMEDIC_RAW_TOPIC", raw_topic.clone()), ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone())]);
     match collectors {
         None => env.push(("GPUMEDIC_NODE_AUTH", "off".to_owned())),
         Some((c, _)) => env.extend([
@@ -382,15 +421,8 @@ async fn pass(
         ]),
     }
     let mut enricher = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-enricher")?, &[], &env)?;
-    let mut env = common("bench-pipeline-classifier").await?;
-    env.extend([
-        ("GPUMEDIC_DATABASE_URL", url.clone()),
-        ("GPUMEDIC_PERSIST", persist.to_owned()),
-        ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
-        ("GPUMEDIC_VERDICTS_TOPIC", testkit::unique_name("bench-pipeline-verdicts")),
-        ("GPUMEDIC_ACTIONS_TOPIC", testkit::unique_name("bench-pipeline-actions")),
-    ]);
-    let mut classifier = testkit::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &env)?;
+    let mut classifier =
+        testkit::ServiceProcess::start(&crate::release_binary("gpumedic-classifier")?, &[], &classifier_env)?;
     for s in [&mut enricher, &mut classifier] {
         s.wait_ready(Duration::from_secs(120)).await.map_err(anyhow::Error::msg)?;
     }

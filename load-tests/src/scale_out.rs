@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use gpumedic_runtime::kafka::{self, KafkaSettings};
+use gpumedic_runtime::kafka;
 use gpumedic_schemas::{HealthEvent, topics};
 use gpumedic_testkit as testkit;
 use rdkafka::producer::{BaseRecord, Producer as _};
@@ -310,34 +310,9 @@ async fn pass(
     replicas: usize,
 ) -> anyhow::Result<Measured> {
     let events = raw.len();
-    let raw_topic = testkit::unique_name("bench-scale-raw");
-    let enriched_topic = testkit::unique_name("bench-scale-enriched");
-    let settings = KafkaSettings {
-        bootstrap: bootstrap.to_owned(),
-        options: vec![],
-        schema_registry: None,
-        topic_replication: None,
-    };
-    settings
-        .ensure_topics(&kafka::stage_topics(&[&raw_topic, &enriched_topic], &[], topics::DEFAULT_PARTITIONS))
-        .await?;
-    let db = testkit::unique_name("bench_scale").replace('-', "_");
-    let url = testkit::fresh_database(admin_db, &db).await?;
-
-    let mut enricher_env = crate::service_env(bootstrap, "bench-scale-enricher").await?;
-    enricher_env.extend([
-        ("GPUMEDIC_RAW_TOPIC", raw_topic.clone()),
-        ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
-        ("GPUMEDIC_NODE_AUTH", "off".to_owned()),
-    ]);
-    let mut classifier_env = crate::service_env(bootstrap, "bench-scale-classifier").await?;
-    classifier_env.extend([
-        ("GPUMEDIC_DATABASE_URL", url.clone()),
-        ("GPUMEDIC_PERSIST", persist.to_owned()),
-        ("GPUMEDIC_ENRICHED_TOPIC", enriched_topic.clone()),
-        ("GPUMEDIC_VERDICTS_TOPIC", testkit::unique_name("bench-scale-verdicts")),
-        ("GPUMEDIC_ACTIONS_TOPIC", testkit::unique_name("bench-scale-actions")),
-    ]);
+    let crate::pipeline::Stages { raw_topic, url, mut enricher_env, classifier_env, .. } =
+        crate::pipeline::Stages::new(bootstrap, admin_db, "bench-scale", persist).await?;
+    enricher_env.push(("GPUMEDIC_NODE_AUTH", "off".to_owned()));
     let enricher_binary = crate::release_binary("gpumedic-enricher")?;
     let classifier_binary = crate::release_binary("gpumedic-classifier")?;
     // Every replica of a service with the same environment, so the same consumer group; each

@@ -935,26 +935,32 @@ async fn a_webhook_validation_is_polled_under_one_key_and_passes_fails_or_times_
     cleanup(&w.client, &[&a, &b, &c], &[&w.ns]).await;
 }
 
-#[tokio::test]
-async fn a_custom_resource_validation_passes_fails_or_times_out() {
-    let w = World::new().await;
+/// A remediator whose repairs and validations are GpuRepair custom resources in the world's
+/// namespace (the CRD installed), validations timing out after `timeout`; and the resources' API.
+async fn resource_validation(w: &World, timeout: &str) -> (ServiceProcess, Api<DynamicObject>) {
     install_crd(&w.client).await;
-    let (a, b, c) = (w.node().await, w.node().await, w.node().await);
     let template = format!(
         "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
          spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
         w.ns
     );
-    let mut r = w
+    let r = w
         .start(&[
             ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
             ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
             ("GPUMEDIC_VALIDATION", "resource".into()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "20s".into()),
+            ("GPUMEDIC_VALIDATION_TIMEOUT", timeout.into()),
         ])
         .await;
     let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
-    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    (r, Api::namespaced_with(w.client.clone(), &w.ns, &ar))
+}
+
+#[tokio::test]
+async fn a_custom_resource_validation_passes_fails_or_times_out() {
+    let w = World::new().await;
+    let (a, b, c) = (w.node().await, w.node().await, w.node().await);
+    let (mut r, repairs) = resource_validation(&w, "20s").await;
     let what = "validation resource";
     let ((va, rec_a, name_a), (vb, _, name_b), (vc, _, name_c)) = tokio::join!(
         held_for_validation(&w, &a, what),
@@ -1435,23 +1441,8 @@ async fn a_fault_on_another_gpu_during_the_burn_in_holds_it_until_that_incident_
 #[tokio::test]
 async fn after_a_failed_validation_the_next_rungs_reported_success_is_validated_at_once() {
     let w = World::new().await;
-    install_crd(&w.client).await;
     let name = w.node().await;
-    let template = format!(
-        "apiVersion: {GROUP}/v1\nkind: GpuRepair\nmetadata:\n  namespace: {}\n\
-         spec:\n  nodeName: \"{{{{node}}}}\"\n  operation: \"{{{{action}}}}\"\n",
-        w.ns
-    );
-    let mut r = w
-        .start(&[
-            ("GPUMEDIC_REPAIR_RESOURCE_TEMPLATE", w.file("template.yaml", &template)),
-            ("GPUMEDIC_REPAIR_LADDER", "reset_gpu=10m,reboot_node=10m".into()),
-            ("GPUMEDIC_VALIDATION", "resource".into()),
-            ("GPUMEDIC_VALIDATION_TIMEOUT", "10m".into()),
-        ])
-        .await;
-    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "GpuRepair"), "gpurepairs");
-    let repairs: Api<DynamicObject> = Api::namespaced_with(w.client.clone(), &w.ns, &ar);
+    let (mut r, repairs) = resource_validation(&w, "10m").await;
     let report = async |name: &str, phase: &str, message: &str| {
         let status = json!({ "status": { "phase": phase, "message": message } });
         repairs.patch_status(name, &PatchParams::default(), &Patch::Merge(status)).await.expect("status set");
