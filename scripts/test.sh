@@ -26,4 +26,16 @@ promtool_build=$!
 # a second time with another feature set (on 2 cold cores that second build costs ~20 minutes).
 cargo build --workspace --all-targets --all-features
 wait "$promtool_build" || { echo "the promtool build failed (see ~/.cache/gpumedic/promtool-build.log)" >&2; exit 1; }
-cargo test --workspace --all-features --no-fail-fast "$@"
+# The whole output is kept, and on a failure every failing test's message is printed again at the
+# end, where a CI log's tail shows it (the failures sections are scattered through the run).
+log="${CARGO_TARGET_DIR:-target}/test-run.log"
+mkdir -p "$(dirname "$log")"
+status=0
+cargo test --workspace --all-features --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
+if [ "$status" -ne 0 ]; then
+  echo
+  echo "==== the failing tests' messages again (the whole run: $log) ===="
+  awk '/^failures:$/ { inside = 1 } inside { print } /^test result: FAILED/ { inside = 0 }' "$log"
+  grep -E "^error: [0-9]+ targets? failed|^    \`-p " "$log" || true
+fi
+exit "$status"

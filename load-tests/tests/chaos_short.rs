@@ -9,7 +9,12 @@
 //! first) and every service binary built beside this test (`cargo build --workspace --bins
 //! --all-features`). It takes about seven minutes in a debug build.
 
-use std::process::Command;
+use std::collections::VecDeque;
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::{Command, Stdio};
+
+/// How many of the run's last lines a failure repeats.
+const LAST_LINES: usize = 60;
 
 #[test]
 fn the_short_chaos_run_loses_nothing_duplicates_nothing_and_leaves_every_node_right() {
@@ -26,18 +31,33 @@ fn the_short_chaos_run_loses_nothing_duplicates_nothing_and_leaves_every_node_ri
     // The debug services carry 150 events/s through the restarts on two cores; the ports are away
     // from the shared testbed's and from the scenario's default, so a developer's own chaos run
     // (port base 29000) can go on beside the suite.
-    let status = Command::new(exe)
+    let mut child = Command::new(exe)
         .args(["chaos", "--short", "--rate", "150", "--port-base", "29600", "--state-dir"])
         .arg(dir.join("state"))
         .arg("--out-dir")
         .arg(dir.join("out"))
-        .status()
+        .stdout(Stdio::piped())
+        .spawn()
         .expect("the load-tests binary starts");
+    // The run's output goes out as it comes (past the test harness's capture), and its last
+    // lines, which say what failed, go into the failure message too: a CI log shows the end of
+    // the run and the failures, and the run's own lines are far above them.
+    let mut last = VecDeque::new();
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line.expect("the run's output is text");
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
+        if last.len() == LAST_LINES {
+            last.pop_front();
+        }
+        last.push_back(line);
+    }
+    let status = child.wait().expect("the load-tests binary ends");
     assert!(
         status.success(),
-        "the short chaos run failed ({status}): its output above names the proof that failed; the \
-         services' and servers' logs are kept under {}",
-        dir.join("state").display()
+        "the short chaos run failed ({status}); the services' and servers' logs are kept under {}. The run's last \
+         lines:\n{}",
+        dir.join("state").display(),
+        Vec::from(last).join("\n")
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
