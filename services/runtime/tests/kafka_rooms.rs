@@ -210,3 +210,79 @@ async fn a_partition_paused_then_revoked_and_assigned_again_is_fetched_after_the
     publish(&producer, &topic, "k", b"second", &[]).await.expect("published");
     assert_eq!(next().await.ok().as_deref(), Some("second"), "the partition stayed paused");
 }
+
+/// What [`Gauge`] saw: records running now per key, the most running at once, and each key's
+/// offsets in the order they ran.
+#[derive(Default)]
+struct Gauged {
+    now: std::collections::HashMap<String, usize>,
+    most_keys_at_once: usize,
+    one_key_twice_at_once: bool,
+    order: std::collections::HashMap<String, Vec<i64>>,
+}
+
+/// A handler that holds each record for a moment and gauges how many run at once.
+struct Gauge(std::sync::Mutex<Gauged>);
+
+impl gpumedic_runtime::keyed::SharedHandler for Gauge {
+    async fn handle(&self, record: &Record) -> Result<(), gpumedic_runtime::kafka::HandleError> {
+        let key = String::from_utf8_lossy(record.key.as_deref().unwrap_or_default()).into_owned();
+        {
+            let mut g = self.0.lock().unwrap();
+            let running = g.now.entry(key.clone()).or_default();
+            *running += 1;
+            let twice = *running > 1;
+            g.one_key_twice_at_once |= twice;
+            let keys = g.now.values().filter(|n| **n > 0).count();
+            g.most_keys_at_once = g.most_keys_at_once.max(keys);
+            g.order.entry(key.clone()).or_default().push(record.offset);
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        *self.0.lock().unwrap().now.get_mut(&key).expect("counted") -= 1;
+        Ok(())
+    }
+}
+
+/// Against the testbed's Kafka: with `max_in_flight` slots, records of different keys fill every
+/// slot even when each key's records come in a burst (the remediator's verdicts for the GPUs of
+/// one node), each key's records run one at a time and in offset order.
+#[tokio::test]
+async fn a_burst_of_one_key_waits_without_holding_the_slots_other_keys_run_in() {
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
+    let topic = testkit::unique_name("keyed");
+    let group = testkit::unique_name("keyed");
+    // One partition: every record in one order, each key's four in a row.
+    settings.ensure_topics(&stage_topics(&[&topic], &[], 1)).await.expect("topics");
+    let producer = settings.producer("keyed-test").expect("producer");
+    let (keys, per_key, slots) = (8, 4, 4);
+    for k in 0..keys {
+        for _ in 0..per_key {
+            publish(&producer, &topic, &format!("node-{k}"), b"verdict", &[]).await.expect("published");
+        }
+    }
+    let ready = Readiness::default().register("assigned");
+    let consumer = settings.consumer("test", &group, &[&topic], ready).expect("consumer");
+    let token = CancellationToken::new();
+    let gauge = std::sync::Arc::new(Gauge(Default::default()));
+    let task = {
+        let (gauge, producer, token) = (gauge.clone(), producer.clone(), token.clone());
+        tokio::spawn(async move {
+            gpumedic_runtime::keyed::run_keyed_consumer("test", consumer, producer, &*gauge, slots, token).await
+        })
+    };
+    testkit::eventually_with("every record to be handled", Duration::from_secs(60), async || {
+        let g = gauge.0.lock().unwrap();
+        let done = g.order.values().map(Vec::len).sum::<usize>();
+        if done == keys * per_key && g.now.values().all(|n| *n == 0) { Ok(()) } else { Err(format!("{done} handled")) }
+    })
+    .await;
+    token.cancel();
+    task.await.expect("joins").expect("commits");
+    let g = gauge.0.lock().unwrap();
+    assert!(!g.one_key_twice_at_once, "a key's records ran at the same time");
+    for (key, offsets) in &g.order {
+        assert!(offsets.windows(2).all(|w| w[0] < w[1]), "{key} ran out of order: {offsets:?}");
+    }
+    assert_eq!(g.most_keys_at_once, slots, "every slot ran a key of its own");
+}
