@@ -128,7 +128,29 @@ pub(crate) fn lock_gate(remediator: &Remediator) -> std::sync::MutexGuard<'_, Ga
 
 /// Writes the breaker's ledger when it counts a quarantine the status object does not show yet
 /// (expired entries go at the next write), so every leader shares one budget.
+///
+/// The writes are grouped: the ledger is read once the write lock is held, so in a mass failure
+/// the remediations waiting for the lock find their entries written by the one before them and
+/// write nothing (one write per wave instead of one per node; each write carries the whole
+/// ledger, so at 1,000 quarantines one a node was most of the time they took).
 async fn persist_ledger(shared: &Shared) -> Result<(), TermError> {
+    if all_persisted(shared, &ledger_now(shared).1) {
+        return Ok(());
+    }
+    let _writing = shared.status_writes.lock().await;
+    let (ledger, nodes) = ledger_now(shared);
+    if all_persisted(shared, &nodes) {
+        return Ok(());
+    }
+    shared.status.patch(&control::ledger_patch(&ledger)).await?;
+    *shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = nodes;
+    Ok(())
+}
+
+/// The breaker's ledger now, with wall-clock times, and its nodes.
+fn ledger_now(
+    shared: &Shared,
+) -> (std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>>, std::collections::BTreeSet<String>) {
     let (now, wall) = (Instant::now(), chrono::Utc::now());
     let entries = lock_gate(&shared.remediator).breaker.ledger(now);
     let ledger: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>> = entries
@@ -137,14 +159,13 @@ async fn persist_ledger(shared: &Shared) -> Result<(), TermError> {
             (node, wall - chrono::Duration::from_std(now.saturating_duration_since(at)).unwrap_or_default())
         })
         .collect();
-    let nodes: std::collections::BTreeSet<String> = ledger.keys().cloned().collect();
-    if nodes.is_subset(&shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner)) {
-        return Ok(());
-    }
-    let _writing = shared.status_writes.lock().await;
-    shared.status.patch(&control::ledger_patch(&ledger)).await?;
-    *shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = nodes;
-    Ok(())
+    let nodes = ledger.keys().cloned().collect();
+    (ledger, nodes)
+}
+
+/// Whether the status object holds every one of `nodes` in its ledger.
+fn all_persisted(shared: &Shared, nodes: &std::collections::BTreeSet<String>) -> bool {
+    nodes.is_subset(&shared.persisted_ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
 }
 
 /// Writes what the breaker counts (its ledger) and a trip the gate has that the status object
