@@ -12,15 +12,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 use kube::core::PartialObjectMeta;
-use kube::runtime::WatchStreamExt as _;
-use kube::runtime::watcher::{self, Event, watcher};
+use kube::runtime::watcher::{self, Event};
 
 use crate::ladder::LADDER_ANNOTATION;
 use crate::maintenance::DEFERRED_ANNOTATION;
+use crate::watch::{follow, read, write};
 
 /// The annotations the index remembers per node, one bit each.
 const TRACKED: [&str; 2] = [LADDER_ANNOTATION, DEFERRED_ANNOTATION];
@@ -94,43 +93,23 @@ impl Fleet {
         // Metadata only: an Api of PartialObjectMeta lists and watches without specs or statuses.
         let api = Api::<PartialObjectMeta<Node>>::all(self.client.clone());
         let config = watcher::Config::default().labels(&self.selector);
-        let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
-        let mut failing = false;
-        loop {
-            tokio::select! {
-                () = token.cancelled() => return Ok(()),
-                item = stream.next() => match item {
-                    None => return Ok(()),
-                    Some(Ok(event)) => {
-                        failing = false;
-                        let synced = {
-                            let mut index = write(&self.index);
-                            index.event(event);
-                            index.synced.then_some(index.nodes.len())
-                        };
-                        if let Some(n) = synced {
-                            self.count.store(n, Ordering::Release);
-                            metrics::gauge!(crate::events::names::GPU_NODES).set(n as f64);
-                            ready.set(true);
-                        }
-                    }
-                    Some(Err(e)) if !failing => {
-                        failing = true;
-                        tracing::warn!(error = %e, "The watch of the GPU nodes failed; it retries with backoff, and the breaker keeps the last count.");
-                    }
-                    Some(Err(e)) => tracing::debug!(error = %e, "The watch of the GPU nodes failed again."),
-                },
+        let failing =
+            "The watch of the GPU nodes failed; it retries with backoff, and the breaker keeps the last count.";
+        follow(api, config, "nodes", failing, token, |event| {
+            let synced = {
+                let mut index = write(&self.index);
+                index.event(event);
+                index.synced.then_some(index.nodes.len())
+            };
+            if let Some(n) = synced {
+                self.count.store(n, Ordering::Release);
+                metrics::gauge!(crate::events::names::GPU_NODES).set(n as f64);
+                ready.set(true);
             }
-        }
+        })
+        .await;
+        Ok(())
     }
-}
-
-fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    lock.read().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    lock.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Which of [`TRACKED`] `node` carries, one bit each.

@@ -56,6 +56,7 @@ mod leader;
 mod repairs;
 mod resync;
 mod term;
+mod watch;
 
 pub use config::{Args, Config, Defaults};
 pub use fleet::Fleet;

@@ -19,15 +19,19 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use futures::StreamExt as _;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::api::resource::v1beta2::DeviceTaintRule;
 use kube::Api;
-use kube::runtime::WatchStreamExt as _;
-use kube::runtime::watcher::{self, Event, watcher};
+use kube::runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
+use crate::watch::{follow, read, write};
+
 use super::{DRIVER, Gpu, MANAGED_BY, MANAGED_BY_LABEL, NODE_ANNOTATION, gpus, owned};
+
+/// What a failing watch means here.
+const FAILING: &str =
+    "The GPU quarantine's watch failed; it retries with backoff, and until it lists again verdicts read the apiserver.";
 
 /// Tombstones kept for rules gpumedic deleted, until the watch delivers the deletion; past this
 /// many (a watch that stopped delivering) they are dropped rather than grow.
@@ -103,7 +107,7 @@ impl DraCache {
         let slice_index = self.slices.clone();
         let rule_index = self.rules.clone();
         tokio::join!(
-            follow(slices, slice_config, "resourceslices", token.clone(), move |event| {
+            follow(slices, slice_config, "resourceslices", FAILING, token.clone(), move |event| {
                 let mut index = write(&slice_index);
                 index.event(event.indexed(|s: ResourceSlice| {
                     let node = s.spec.node_name.clone();
@@ -116,7 +120,7 @@ impl DraCache {
                     }
                 }));
             }),
-            follow(rules, rule_config, "devicetaintrules", token, move |event| {
+            follow(rules, rule_config, "devicetaintrules", FAILING, token, move |event| {
                 let mut index = write(&rule_index);
                 index.event(event.indexed(|mut r: DeviceTaintRule| {
                     r.metadata.managed_fields = None;
@@ -133,38 +137,6 @@ impl DraCache {
     }
 }
 
-/// Feeds `api`'s watch events to `on_event` until `token` is cancelled.
-async fn follow<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    what: &'static str,
-    token: CancellationToken,
-    mut on_event: impl FnMut(Event<K>),
-) where
-    K: kube::Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-{
-    let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
-    let mut failing = false;
-    loop {
-        tokio::select! {
-            () = token.cancelled() => return,
-            item = stream.next() => match item {
-                None => return,
-                Some(Ok(event)) => {
-                    failing = false;
-                    on_event(event);
-                }
-                // The first failure of a run of them is worth a warning; the retries are not.
-                Some(Err(e)) if !failing => {
-                    failing = true;
-                    tracing::warn!(watch = what, error = %e, "The GPU quarantine's watch failed; it retries with backoff, and until it lists again verdicts read the apiserver.");
-                }
-                Some(Err(e)) => tracing::debug!(watch = what, error = %e, "The watch failed again."),
-            },
-        }
-    }
-}
-
 fn rule_node(rule: &DeviceTaintRule) -> Option<String> {
     rule.metadata.annotations.as_ref().and_then(|a| a.get(NODE_ANNOTATION)).cloned()
 }
@@ -173,14 +145,6 @@ fn rule_node(rule: &DeviceTaintRule) -> Option<String> {
 /// are etcd revisions. One that is not a number is never ordered (the event applies).
 fn version(rv: Option<&str>) -> Option<u64> {
     rv.and_then(|v| v.parse().ok())
-}
-
-fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    lock.read().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    lock.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An object as the index keeps it.
