@@ -15,6 +15,30 @@ use serde::Deserialize;
 /// The media type the Confluent API speaks.
 const CONTENT_TYPE: &str = "application/vnd.schemaregistry.v1+json";
 
+/// Registration attempts while the registry answers but is busy (a reported race, a server
+/// error): the pauses between them add up to about 10 s.
+pub const BUSY_ATTEMPTS: u32 = 10;
+
+/// How many attempts a registration failing with `error` gets in all: a busy registry is worth
+/// waiting for, another conflict (an incompatible schema) is tried a few times, anything else
+/// (no answer, a refusal) once.
+fn registration_attempts(error: &RegistryError) -> u32 {
+    match error {
+        RegistryError::Rejected { status: 409, message, .. } if message.contains("already exists") => BUSY_ATTEMPTS,
+        RegistryError::Rejected { status: 409, .. } => 4,
+        RegistryError::Unavailable { status: Some(_), .. } => BUSY_ATTEMPTS,
+        _ => 1,
+    }
+}
+
+/// The pause after the `attempt`th busy answer: 100 ms doubling to at most 1.6 s, with up to half
+/// again of jitter so that racing clients do not collide again in step.
+fn busy_pause(attempt: u32) -> Duration {
+    let base = 100u64 << attempt.saturating_sub(1).min(4);
+    let jitter = u64::from(uuid::Uuid::new_v4().as_u128() as u16) % (base / 2 + 1);
+    Duration::from_millis(base + jitter)
+}
+
 /// Why a registry request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -35,6 +59,8 @@ pub enum RegistryError {
     Unavailable {
         /// The request URL.
         url: String,
+        /// The HTTP status when the registry answered (5xx, 408, 429); `None` when no answer came.
+        status: Option<u16>,
         /// What failed.
         detail: String,
     },
@@ -128,10 +154,14 @@ impl RegistryClient {
     /// Registers an Avro `schema` under `subject` and returns its id. Registering a schema the
     /// subject already has returns the existing id.
     ///
-    /// A conflict (HTTP 409) is tried again, up to four attempts in all: replicas starting
-    /// together register the same schema at once, and Apicurio reports the loser of that race as
-    /// a conflict although registering again returns the id. A real incompatibility (also 409 in
-    /// the Confluent API) fails every attempt.
+    /// A registry that answers but is busy is given time. Replicas (or test binaries) starting
+    /// together register schemas at once, and Apicurio answers the losers of such races HTTP 409
+    /// "artifact already exists" (the schema may well be there) or, on a fresh registry, HTTP 500
+    /// (a lock timeout in its database). After a conflict the client asks whether the subject now
+    /// holds this schema (`POST /subjects/{subject}`, the lookup) and returns its id if so; then
+    /// it registers again after a growing, jittered pause: up to [`BUSY_ATTEMPTS`] attempts (about
+    /// 10 s) for a reported race or a server error, up to four for any other conflict (a real
+    /// incompatibility fails every attempt). A registry that does not answer at all fails at once.
     ///
     /// # Errors
     /// [`RegistryError::Rejected`] for an invalid schema or one the subject's compatibility
@@ -139,17 +169,30 @@ impl RegistryClient {
     pub async fn register(&self, subject: &str, schema: &str) -> Result<u32, RegistryError> {
         let url = format!("{}/subjects/{}/versions", self.base, encode_path_segment(subject));
         let body = serde_json::json!({ "schemaType": "AVRO", "schema": schema });
-        let mut attempt = 1;
+        let mut attempt: u32 = 1;
         loop {
             let request = self.http.post(&url).header(reqwest::header::CONTENT_TYPE, CONTENT_TYPE).json(&body);
             match self.send::<IdResponse>(&url, request).await {
-                Err(RegistryError::Rejected { status: 409, .. }) if attempt < 4 => {
-                    tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
+                Err(e) if attempt < registration_attempts(&e) => {
+                    if matches!(e, RegistryError::Rejected { status: 409, .. })
+                        && let Some(id) = self.lookup(subject, &body).await
+                    {
+                        return Ok(id);
+                    }
+                    tokio::time::sleep(busy_pause(attempt)).await;
                     attempt += 1;
                 }
                 result => return result.map(|response| response.id),
             }
         }
+    }
+
+    /// The id of `body`'s schema under `subject`, when the subject holds it; `None` when it does
+    /// not or the registry cannot say.
+    async fn lookup(&self, subject: &str, body: &serde_json::Value) -> Option<u32> {
+        let url = format!("{}/subjects/{}", self.base, encode_path_segment(subject));
+        let request = self.http.post(&url).header(reqwest::header::CONTENT_TYPE, CONTENT_TYPE).json(body);
+        self.send::<IdResponse>(&url, request).await.ok().map(|response| response.id)
     }
 
     /// The schema registered with `id`.
@@ -181,13 +224,14 @@ impl RegistryClient {
         request: reqwest::RequestBuilder,
     ) -> Result<T, RegistryError> {
         self.requests.fetch_add(1, Ordering::Relaxed);
-        let unavailable = |detail: String| RegistryError::Unavailable { url: url.to_owned(), detail };
+        let unavailable =
+            |status: Option<u16>, detail: String| RegistryError::Unavailable { url: url.to_owned(), status, detail };
         let response = request.header(reqwest::header::ACCEPT, CONTENT_TYPE).send().await.map_err(|e| {
             // Connect errors and timeouts, and anything else that left no response: transient.
-            unavailable(describe(&e))
+            unavailable(None, describe(&e))
         })?;
         let status = response.status();
-        let bytes = response.bytes().await.map_err(|e| unavailable(describe(&e)))?;
+        let bytes = response.bytes().await.map_err(|e| unavailable(None, describe(&e)))?;
         if status.is_success() {
             return serde_json::from_slice(&bytes)
                 .map_err(|e| RegistryError::InvalidResponse { url: url.to_owned(), detail: e.to_string() });
@@ -196,7 +240,7 @@ impl RegistryClient {
         let message = error.message.unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(200).collect());
         let code = status.as_u16();
         if status.is_server_error() || code == 408 || code == 429 {
-            return Err(unavailable(format!("HTTP {code}: {message}")));
+            return Err(unavailable(Some(code), format!("HTTP {code}: {message}")));
         }
         if code == 404 || matches!(error.error_code, Some(40401..=40403)) {
             return Err(RegistryError::NotFound { url: url.to_owned(), error_code: error.error_code, message });
@@ -245,5 +289,29 @@ mod tests {
     fn the_base_url_loses_its_trailing_slash() {
         let client = RegistryClient::new("http://127.0.0.1:1/apis/ccompat/v7/", Duration::from_secs(1)).unwrap();
         assert_eq!(client.base_url(), "http://127.0.0.1:1/apis/ccompat/v7");
+    }
+
+    #[test]
+    fn a_busy_registry_is_waited_for_and_a_silent_one_is_not() {
+        let rejected = |status: u16, message: &str| RegistryError::Rejected {
+            url: String::new(),
+            status,
+            error_code: None,
+            message: message.into(),
+        };
+        let unavailable = |status| RegistryError::Unavailable { url: String::new(), status, detail: String::new() };
+        let race = rejected(409, "An artifact with ID 'x-value' in group 'null' already exists.");
+        assert_eq!(registration_attempts(&race), BUSY_ATTEMPTS);
+        assert_eq!(registration_attempts(&rejected(409, "Schema being registered is incompatible")), 4);
+        assert_eq!(registration_attempts(&rejected(422, "Invalid schema")), 1);
+        assert_eq!(registration_attempts(&unavailable(Some(500))), BUSY_ATTEMPTS);
+        assert_eq!(registration_attempts(&unavailable(None)), 1);
+        let total: Duration = (1..BUSY_ATTEMPTS).map(busy_pause).sum();
+        assert!((Duration::from_secs(9)..Duration::from_secs(15)).contains(&total), "{total:?}");
+        for attempt in 1..BUSY_ATTEMPTS {
+            let base = Duration::from_millis(100 << (attempt - 1).min(4));
+            let pause = busy_pause(attempt);
+            assert!(pause >= base && pause <= base * 3 / 2, "attempt {attempt}: {pause:?}");
+        }
     }
 }
