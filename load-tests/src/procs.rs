@@ -55,6 +55,19 @@ fn read_one(pid: u32, rss: bool) -> Option<Reading> {
     Some(Reading { mib: kb / 1024.0, cpu_seconds: ticks / TICKS_PER_SECOND })
 }
 
+/// A memory field of `pid`'s `/proc/<pid>/status` in MiB (`VmHWM:`, the peak resident memory;
+/// `VmRSS:`), 0 when the process is gone.
+pub(crate) fn status_mib(pid: u32, field: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
 /// The direct children of `pid`.
 fn children(pid: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };

@@ -289,16 +289,6 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         ],
     )?;
     let pid = classifier.pid();
-    let peak = |field: &str| -> f64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with(field))
-                    .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
-            })
-            .map_or(0.0, |kib| kib / 1024.0)
-    };
     let deadline = started + Duration::from_secs(1800);
     let mut ready_seconds = None;
     let metrics = loop {
@@ -319,8 +309,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let total = started.elapsed().as_secs_f64();
-    let peak_rss = peak("VmHWM:");
-    let rss_after = peak("VmRSS:");
+    let peak_rss = crate::procs::status_mib(pid, "VmHWM:");
+    let rss_after = crate::procs::status_mib(pid, "VmRSS:");
     let rebuild_seconds = metric(&metrics, "gpumedic_classifier_rebuild_seconds_sum");
     let owned_nodes = metric(&metrics, "gpumedic_classifier_owned_nodes");
     let status = classifier.terminate(Duration::from_secs(30)).await.map_err(anyhow::Error::msg)?;
