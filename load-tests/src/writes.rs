@@ -199,7 +199,7 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
                     batch.events.push(e)?;
                 }
             }
-            for (k, r) in keeper.closed() {
+            for (k, r) in keeper.closed(gpumedic_classifier::persist::ROLLUPS_PER_BATCH) {
                 batch.rollups.push(&k, &r);
             }
             store::write_batch(&pool, &batch).await?;

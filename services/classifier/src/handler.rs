@@ -158,7 +158,7 @@ impl BatchHandler for Handler {
                 count_refused(&mut c.engine);
                 let absorbed = c.engine.take_absorbed();
                 nvlink::absorbed(&absorbed);
-                (decisions, absorbed, Kept { events: keep, rollups: c.keeper.closed() })
+                (decisions, absorbed, Kept { events: keep, rollups: c.keeper.closed(persist::ROLLUPS_PER_BATCH) })
             }
         };
         if policy == persist::Policy::Evidence {

@@ -20,7 +20,8 @@
 //! open minutes' rollups (the events are in Kafka), and a batch replayed after a crash adds its
 //! events' counts a second time.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
@@ -61,6 +62,11 @@ const MINUTE_MICROS: i64 = 60_000_000;
 /// The longest keyframe period ([`Keeper::for_rebuild_window`]), in microseconds: 6 hours.
 pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
 
+/// The most rollups one batch writes ([`Keeper::closed`]): a minute that closes after a burst can
+/// hold one per GPU and kind of the fleet (400,000 at 10,000 nodes), and written at once they made
+/// one statement of hundreds of megabytes. The rest wait for the next batches.
+pub const ROLLUPS_PER_BATCH: usize = 20_000;
+
 /// How long after its minute ends (by the newest event time seen) a rollup is written: events of
 /// a node arrive a little out of order across its sources.
 pub const ROLLUP_GRACE_MICROS: i64 = 60_000_000;
@@ -100,7 +106,78 @@ struct Track {
     /// The last event was unhealthy.
     unhealthy: bool,
     /// The last value of each counter, by field.
-    counters: Vec<(String, i64)>,
+    counters: Vec<(Arc<str>, i64)>,
+}
+
+/// Field and kind names, each held once and shared by every rollup and track that uses it: a
+/// fleet's rollups carry the same few dozen names millions of times.
+#[derive(Debug, Default)]
+struct Names(HashSet<Arc<str>>);
+
+impl Names {
+    fn get(&mut self, name: &str) -> Arc<str> {
+        if let Some(shared) = self.0.get(name) {
+            return Arc::clone(shared);
+        }
+        let shared: Arc<str> = Arc::from(name);
+        self.0.insert(Arc::clone(&shared));
+        shared
+    }
+}
+
+/// A rollup's values by field name: a short list (a kind carries a handful of numbers), searched
+/// in order, its names shared ([`Names`]). A map per rollup cost a whole tree node (about half a
+/// kilobyte) for one or two fields, and at 800,000 GPUs that was most of the classifier's memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fields<V>(Vec<(Arc<str>, V)>);
+
+impl<V> Default for Fields<V> {
+    fn default() -> Self {
+        Fields(Vec::new())
+    }
+}
+
+impl<V> Fields<V> {
+    /// The value of `field`.
+    pub fn get(&self, field: &str) -> Option<&V> {
+        self.0.iter().find(|(name, _)| &**name == field).map(|(_, v)| v)
+    }
+
+    /// The value of `field`, added as `value` when absent.
+    fn get_or_insert(&mut self, field: &str, names: &mut Names, value: V) -> &mut V {
+        match self.0.iter().position(|(name, _)| &**name == field) {
+            Some(i) => &mut self.0[i].1,
+            None => {
+                self.0.push((names.get(field), value));
+                &mut self.0.last_mut().expect("just pushed").1
+            }
+        }
+    }
+
+    /// No field.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Each field and its value, in the order they first came.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &V)> {
+        self.0.iter().map(|(name, v)| (&**name, v))
+    }
+}
+
+impl<V> std::ops::Index<&str> for Fields<V> {
+    type Output = V;
+
+    fn index(&self, field: &str) -> &V {
+        self.get(field).unwrap_or_else(|| panic!("no field {field}"))
+    }
+}
+
+/// A JSON object, as the map it replaced was.
+impl<V: serde::Serialize> serde::Serialize for Fields<V> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.iter())
+    }
 }
 
 /// The minimum, maximum and last value of one reading over a minute.
@@ -122,32 +199,28 @@ pub struct Rollup {
     /// The latest event's time.
     pub last_at: i64,
     /// Each numeric field's minimum, maximum and last value.
-    pub readings: BTreeMap<String, Reading>,
+    pub readings: Fields<Reading>,
     /// How much each counter grew (a counter that went down was reset: it counts from zero).
-    pub counters: BTreeMap<String, i64>,
+    pub counters: Fields<i64>,
 }
 
 impl Rollup {
     /// Folds one reading in, at `at`.
-    fn add(&mut self, o: &Observation, at: i64, track: &mut Track) {
+    fn add(&mut self, o: &Observation, at: i64, track: &mut Track, names: &mut Names) {
         self.events = self.events.saturating_add(1);
         let later = at >= self.last_at;
         self.last_at = self.last_at.max(at);
         for (field, value) in &o.fields {
             let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
-            // Looked up before the field's name is copied: a minute's later events find it.
-            let r = match self.readings.get_mut(field) {
-                Some(r) => r,
-                None => self.readings.entry(field.clone()).or_insert(Reading { min: v, max: v, last: v }),
-            };
+            let r = self.readings.get_or_insert(field, names, Reading { min: v, max: v, last: v });
             r.min = r.min.min(v);
             r.max = r.max.max(v);
             if later {
                 r.last = v;
             }
             if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
-                let growth = counter_step(track, field, *now);
-                *self.counters.entry(field.clone()).or_default() += growth;
+                let growth = counter_step(track, field, *now, names);
+                *self.counters.get_or_insert(field, names, 0) += growth;
             }
         }
     }
@@ -163,15 +236,15 @@ pub fn counter_growth(last: Option<i64>, now: i64) -> i64 {
     }
 }
 
-fn counter_step(track: &mut Track, field: &str, now: i64) -> i64 {
-    match track.counters.iter_mut().find(|(f, _)| f == field) {
+fn counter_step(track: &mut Track, field: &str, now: i64, names: &mut Names) -> i64 {
+    match track.counters.iter_mut().find(|(f, _)| &**f == field) {
         Some((_, last)) => {
             let growth = counter_growth(Some(*last), now);
             *last = now;
             growth
         }
         None => {
-            track.counters.push((field.to_owned(), now));
+            track.counters.push((names.get(field), now));
             0
         }
     }
@@ -181,8 +254,9 @@ fn counter_step(track: &mut Track, field: &str, now: i64) -> i64 {
 pub type RollupKey = (String, String, String, i64);
 
 /// One minute's open rollups, by node, GPU and kind: nested so that an event whose rollup exists
-/// finds it by its own names, without copying them (nearly every healthy event does).
-type Minute = HashMap<String, HashMap<String, HashMap<String, Rollup>>>;
+/// finds it by its own names, without copying them (nearly every healthy event does). Kinds are
+/// shared names ([`Names`]).
+type Minute = HashMap<String, HashMap<String, HashMap<Arc<str>, Rollup>>>;
 
 /// Decides, per event, whether it is recorded, and rolls up the rest.
 #[derive(Debug, Default)]
@@ -195,6 +269,10 @@ pub struct Keeper {
     watermark: i64,
     /// Each node, GPU and kind has an event recorded in every period this long (microseconds).
     keyframe: i64,
+    /// The names of kinds and fields, held once.
+    names: Names,
+    /// Rollups whose minute is over, not yet handed out to be written, oldest minute first.
+    ready: VecDeque<(RollupKey, Rollup)>,
 }
 
 impl Keeper {
@@ -249,28 +327,34 @@ impl Keeper {
             };
             let rollup = match kinds.get_mut(o.kind.as_str()) {
                 Some(rollup) => rollup,
-                None => kinds.entry(o.kind.clone()).or_default(),
+                None => kinds.entry(self.names.get(&o.kind)).or_default(),
             };
-            rollup.add(o, at, track);
+            rollup.add(o, at, track, &mut self.names);
         }
         keep
     }
 
-    /// The rollups whose minute ended [`ROLLUP_GRACE_MICROS`] before the newest event time seen,
-    /// taken out to be written.
-    pub fn closed(&mut self) -> Vec<(RollupKey, Rollup)> {
+    /// Up to `at_most` of the rollups whose minute ended [`ROLLUP_GRACE_MICROS`] before the
+    /// newest event time seen, oldest minute first, taken out to be written; the rest of them on
+    /// later calls.
+    pub fn closed(&mut self, at_most: usize) -> Vec<(RollupKey, Rollup)> {
         let cutoff = self.watermark.saturating_sub(ROLLUP_GRACE_MICROS + MINUTE_MICROS);
         let open = self.open.split_off(&cutoff.saturating_add(1));
-        flatten(std::mem::replace(&mut self.open, open))
+        self.ready.extend(flatten(std::mem::replace(&mut self.open, open)));
+        let n = at_most.min(self.ready.len());
+        self.ready.drain(..n).collect()
     }
 
-    /// Every rollup held, closed or not (for tests).
+    /// Every rollup held, closed or not: at shutdown, and for tests.
     pub fn drain(&mut self) -> Vec<(RollupKey, Rollup)> {
-        flatten(std::mem::take(&mut self.open))
+        let mut all: Vec<_> = self.ready.drain(..).collect();
+        all.extend(flatten(std::mem::take(&mut self.open)));
+        all
     }
 
     /// Forgets the open rollups of the nodes `keep` rejects (their partitions went to another
-    /// replica, which starts them afresh).
+    /// replica, which starts them afresh). Closed ones are still written: the other replica's
+    /// rows for the same minute merge with them.
     pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) {
         for minute in self.open.values_mut() {
             minute.retain(|node, _| keep(node));
@@ -283,7 +367,9 @@ fn flatten(open: BTreeMap<i64, Minute>) -> Vec<(RollupKey, Rollup)> {
     for (minute, nodes) in open {
         for (node, gpus) in nodes {
             for (gpu, kinds) in gpus {
-                out.extend(kinds.into_iter().map(|(kind, r)| ((node.clone(), gpu.clone(), kind, minute), r)));
+                out.extend(
+                    kinds.into_iter().map(|(kind, r)| ((node.clone(), gpu.clone(), kind.to_string(), minute), r)),
+                );
             }
         }
     }
@@ -384,6 +470,25 @@ mod tests {
     }
 
     #[test]
+    fn fields_are_a_json_object_and_share_their_names_across_rollups() {
+        let mut k = Keeper::new(Policy::Evidence);
+        k.keep(&temp("a", 1, 60, true), Bearing::default());
+        let mut other = temp("b", 2, 61, true);
+        other.gpu = Some("GPU-b".into());
+        k.keep(&other, Bearing::default());
+        let all = k.drain();
+        assert_eq!(all.len(), 2);
+        assert!(Arc::ptr_eq(&all[0].1.readings.0[0].0, &all[1].1.readings.0[0].0), "one `value` for both");
+        assert_eq!(
+            serde_json::to_string(&all[0].1.readings).unwrap(),
+            r#"{"value":{"min":60.0,"max":60.0,"last":60.0}}"#
+        );
+        assert_eq!(serde_json::to_string(&all[0].1.counters).unwrap(), "{}");
+        assert_eq!(all[1].1.readings.get("value"), Some(&Reading { min: 61.0, max: 61.0, last: 61.0 }));
+        assert_eq!(all[1].1.readings.get("other"), None);
+    }
+
+    #[test]
     fn counter_growth_from_nothing_a_step_and_a_reset() {
         assert_eq!(counter_growth(None, 7), 0);
         assert_eq!(counter_growth(Some(7), 7), 0);
@@ -418,11 +523,28 @@ mod tests {
         let mut k = Keeper::new(Policy::Evidence);
         k.keep(&temp("a", 10, 60, true), Bearing::default());
         k.keep(&temp("b", M + 10, 60, true), Bearing::default());
-        assert!(k.closed().is_empty(), "the grace has not passed");
+        assert!(k.closed(ROLLUPS_PER_BATCH).is_empty(), "the grace has not passed");
         k.keep(&temp("c", 2 * M + 10, 60, true), Bearing::default());
-        let closed = k.closed();
+        let closed = k.closed(ROLLUPS_PER_BATCH);
         assert_eq!(closed.iter().map(|(k, _)| k.3).collect::<Vec<_>>(), vec![0]);
         assert_eq!(k.drain().len(), 2);
+    }
+
+    #[test]
+    fn a_large_closed_minute_is_handed_out_a_few_rollups_at_a_time() {
+        let mut k = Keeper::new(Policy::Evidence);
+        for gpu in 0..5 {
+            let mut o = temp(&gpu.to_string(), 10, 60, true);
+            o.gpu = Some(format!("GPU-{gpu}"));
+            k.keep(&o, Bearing::default());
+        }
+        assert!(k.closed(2).is_empty(), "still open");
+        k.keep(&temp("late", 2 * M + 10, 60, true), Bearing::default());
+        let gpus = |batch: Vec<(RollupKey, Rollup)>| batch.into_iter().map(|(k, _)| k.1).collect::<Vec<_>>();
+        assert_eq!(gpus(k.closed(2)), ["GPU-0", "GPU-1"]);
+        assert_eq!(gpus(k.closed(2)), ["GPU-2", "GPU-3"]);
+        assert_eq!(gpus(k.drain()), ["GPU-4", "GPU-a"], "the closed rest, then the open minute");
+        assert!(k.closed(2).is_empty());
     }
 
     #[test]

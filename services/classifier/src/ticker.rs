@@ -73,13 +73,17 @@ async fn flush_rollups(classifier: &Mutex<Classifier>) {
     if open.is_empty() {
         return;
     }
-    let mut batch = store::Batch::default();
-    for (key, rollup) in &open {
-        batch.rollups.push(key, rollup);
+    // In statements of a batch's size: the open minutes can hold one rollup per GPU and kind.
+    for chunk in open.chunks(crate::persist::ROLLUPS_PER_BATCH) {
+        let mut batch = store::Batch::default();
+        for (key, rollup) in chunk {
+            batch.rollups.push(key, rollup);
+        }
+        if let Err(e) = store::write_batch(&c.pool, &batch).await {
+            tracing::warn!(error = %e, rollups = open.len(),
+                "Cannot write the rollups of the minutes still open at shutdown; they are lost.");
+            return;
+        }
     }
-    match store::write_batch(&c.pool, &batch).await {
-        Ok(_) => tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown."),
-        Err(e) => tracing::warn!(error = %e, rollups = open.len(),
-            "Cannot write the rollups of the minutes still open at shutdown; they are lost."),
-    }
+    tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown.");
 }

@@ -129,7 +129,7 @@ async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (
                 recorded += 1;
             }
         }
-        for (k, r) in keeper.closed() {
+        for (k, r) in keeper.closed(gpumedic_classifier::persist::ROLLUPS_PER_BATCH) {
             batch.rollups.push(&k, &r);
         }
         store::write_batch(&pool, &batch).await.expect("written");
