@@ -10,6 +10,9 @@ Reads the results `gpumedic-load-tests` writes (default target/load-tests/) and 
   same run and the 50,000/s goal.
 - soak.png from soak.json, only where it exists: RSS per service, consumer lag per service and
   classified events per second over the run.
+- fleet-scale-memory.png from fleet-scale.json (and fleet-scale-*.json, runs at other sizes
+  whose steps are merged by fleet size), where they exist: each service's and server's peak
+  memory against the number of nodes, steady and during the burst, beside the 2 GB goal.
 
 A result that is missing is skipped with a note; a result without the fields a plot needs (one
 written before they existed) fails with a message saying which scenario to run again. Each plot
@@ -42,6 +45,7 @@ WIDTH_IN = 10.0
 DPI = 100
 GOAL_LATENCY_MS = 1000.0
 GOAL_PIPELINE_PER_SEC = 50_000.0
+GOAL_FLEET_SERVICES_MIB = 2048.0
 # The soak's services in the pipeline's order (its JSON lists them alphabetically).
 PIPELINE_ORDER = ["enricher", "classifier", "remediator"]
 
@@ -325,6 +329,56 @@ def plot_soak(path: Path, out: Path, machine: str) -> bool:
     return True
 
 
+def plot_fleet_scale(results: Path, out: Path, machine: str) -> bool:
+    paths = sorted(results.glob("fleet-scale*.json"))
+    steps: dict[int, dict] = {}
+    for path in paths:
+        r = load(path)
+        if r is None:
+            continue
+        need(r, path, "steps")
+        for step in r["steps"]:
+            need(step, path, "nodes", "steady", "burst")
+            steps[int(step["nodes"])] = step
+    if len(steps) < 2:
+        if paths:
+            print(f"skip: fleet-scale memory needs two fleet sizes or more, {len(steps)} found", file=sys.stderr)
+        return False
+    nodes = np.array(sorted(steps), dtype=float)
+    ordered = [steps[int(n)] for n in nodes]
+
+    def peak(phase: str, name: str) -> np.ndarray:
+        return np.array([s[phase].get("peak_mib", {}).get(name, np.nan) for s in ordered], dtype=float)
+
+    fig, (ours, servers) = plt.subplots(1, 2, figsize=(WIDTH_IN, 5.2))
+    sizes = ", ".join(f"{int(n):,}" for n in nodes)
+    together = peak("burst", "enricher") + peak("burst", "classifier") + peak("burst", "remediator")
+    titled(fig, "Memory against fleet size",
+           subtitle(paths[-1], machine, f"nodes {sizes}; gpumedic's services at the burst's peak: "
+                    + ", ".join(f"{v:,.0f}" for v in together) + " MiB"))
+    ours.plot(nodes, together, "o-", color="k", lw=2, label="three services, burst peak")
+    for i, name in enumerate(PIPELINE_ORDER):
+        ours.plot(nodes, peak("burst", name), "o-", color=f"C{i}", lw=1.6, label=f"{name}, burst")
+        ours.plot(nodes, peak("steady", name), "o--", color=f"C{i}", lw=1.2, alpha=0.7, label=f"{name}, steady")
+    ours.axhline(GOAL_FLEET_SERVICES_MIB, color="C3", ls=":", lw=1.5, label="goal: 2 GB for all three")
+    ours.set_title("gpumedic's services (peak RSS)")
+    ours.set_ylabel("MiB")
+    ours.set_ylim(0, max(np.nanmax(together), GOAL_FLEET_SERVICES_MIB) * 1.15)
+    ours.legend(loc="upper left", fontsize=8)
+    for i, name in enumerate(["kube-apiserver", "etcd", "kafka", "postgres"]):
+        servers.plot(nodes, peak("burst", name), "o-", color=f"C{i + 4}", lw=1.6, label=name)
+    servers.set_title("The servers underneath (peak during the burst)")
+    servers.set_ylabel("MiB")
+    servers.legend(loc="upper left")
+    for ax in (ours, servers):
+        ax.set_xlabel("GPU nodes (8 GPUs each)")
+        ax.xaxis.set_major_formatter(THOUSANDS)
+        ax.yaxis.set_major_formatter(THOUSANDS)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    save(fig, out)
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path,
@@ -348,6 +402,7 @@ def main() -> int:
             plot_pipeline(args.results / "pipeline-throughput.json", args.out / "pipeline-throughput.png",
                           machine, args.window),
             plot_soak(args.results / "soak.json", args.out / "soak.png", machine),
+            plot_fleet_scale(args.results, args.out / "fleet-scale-memory.png", machine),
         ]
     except StaleResult as e:
         print(f"error: {e}", file=sys.stderr)

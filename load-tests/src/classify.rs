@@ -230,7 +230,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     })
 }
 
-/// The sum of the samples of `name` (a metric name, or a name with its labels) in Prometheus text.
+/// The sum of the samples of `name` (a metric name, or a name with its labels) in Prometheus text;
+/// 0 when there is none.
 pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| {
@@ -238,5 +239,20 @@ pub(crate) fn metric(text: &str, name: &str) -> f64 {
                 .is_some_and(|rest| rest.starts_with(' ') || (rest.starts_with('{') && !name.contains('{')))
         })
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+        .sum::<f64>()
+        // An empty float sum is -0.0, which prints as "-0": a metric nobody reported is 0.
+        + 0.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric;
+
+    #[test]
+    fn samples_are_summed_by_name_and_an_absent_metric_is_zero() {
+        let text = "# TYPE a counter\na_total{topic=\"x\"} 2\na_total{topic=\"y\"} 3\na_total_more 7\n";
+        assert_eq!(metric(text, "a_total"), 5.0);
+        assert_eq!(metric(text, "a_total{topic=\"y\"}"), 3.0);
+        assert_eq!(format!("{:.0}", metric(text, "absent_total")), "0");
+    }
 }
