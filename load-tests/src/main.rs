@@ -49,6 +49,7 @@ mod restart;
 mod scale;
 mod scale_out;
 mod soak;
+mod stages;
 mod writes;
 
 use std::time::{Duration, Instant};

@@ -164,6 +164,8 @@ pub struct FaultToCordon {
     max_ms: f64,
     /// Each fault's latency in the order sent; `null` for a node never seen cordoned.
     latencies_ms: Vec<Option<f64>>,
+    /// The latency split at the records each fault caused ([`crate::stages`]).
+    stages: Vec<crate::stages::Stage>,
 }
 
 /// One size's figures.
@@ -222,7 +224,7 @@ pub struct Result {
 }
 
 /// The processes sampled, by name.
-type Watchlist = Vec<(&'static str, Watched)>;
+pub(crate) type Watchlist = Vec<(&'static str, Watched)>;
 
 /// One reading of one process, when it was taken.
 type Sample = (Instant, &'static str, Reading);
@@ -268,7 +270,7 @@ impl Sampler {
 }
 
 /// The servers underneath, found by the ports they listen on.
-fn servers() -> anyhow::Result<Watchlist> {
+pub(crate) fn servers() -> anyhow::Result<Watchlist> {
     let kafka = procs::port_of(&testkit::kafka_bootstrap()).and_then(procs::listening_on);
     let postgres = procs::port_of(&testkit::database_url()).and_then(procs::listening_on);
     let kubeconfig = kube::config::Kubeconfig::read_from(testkit::kubeconfig_path())?;
@@ -605,14 +607,17 @@ async fn phases(
         topic_replication: None,
     };
     let faults_producer = settings.producer("bench-scale-faults")?;
+    let mut stages = crate::stages::Stages::start(bootstrap, &[&topics.enriched, &topics.verdicts, &topics.actions])?;
     let start = Instant::now();
     let producing = produce(fleet, bootstrap, &topics.raw, o.burst_rate, o.burst)?;
     tokio::time::sleep(Duration::from_secs(3).min(o.burst / 4)).await;
     let mut faulted_at: HashMap<String, Instant> = HashMap::new();
-    for name in targets {
+    for (index, name) in targets.iter().enumerate() {
         let bytes = gpumedic_schemas::encode(&crate::latency::fallen_off_the_bus(name))?;
+        let traceparent = stages.traceparent(index as u64);
         faulted_at.insert(name.clone(), Instant::now());
-        gpumedic_runtime::kafka::publish(&faults_producer, &topics.raw, name, &bytes, &[]).await?;
+        let headers = [(gpumedic_runtime::kafka::record_headers::TRACEPARENT, traceparent.as_bytes())];
+        gpumedic_runtime::kafka::publish(&faults_producer, &topics.raw, name, &bytes, &headers).await?;
         tokio::time::sleep(o.fault_interval).await;
     }
     let (_, burst_sent) = tokio::task::spawn_blocking(move || producing.join())
@@ -633,6 +638,15 @@ async fn phases(
     burst.classified = classified().await;
 
     let seen = cordoned_at.lock().expect("lock").clone();
+    let cordoned_ms: HashMap<u64, i64> = targets
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| {
+            let (c, f) = (seen.get(n)?, faulted_at.get(n)?);
+            (c >= f).then(|| (i as u64, crate::stages::instant_ms(*c)))
+        })
+        .collect();
+    let stages = stages.finish(&cordoned_ms)?;
     let latencies_ms: Vec<Option<f64>> = targets
         .iter()
         .map(|n| {
@@ -653,6 +667,7 @@ async fn phases(
         p99_ms: crate::latency::percentile(&sorted, 0.99),
         max_ms: sorted.last().copied().unwrap_or(f64::NAN),
         latencies_ms,
+        stages,
     };
     Ok((steady, burst, faults))
 }
@@ -687,6 +702,7 @@ fn print_step(step: &Step) {
         step.resyncs,
         step.resync_mean_s
     );
+    crate::stages::print(&f.stages);
 }
 
 /// The arguments of the hidden `cache-cost` scenario ([`cache_cost`]).

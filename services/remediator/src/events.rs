@@ -66,6 +66,9 @@ pub(crate) mod names {
     pub(crate) const GPU_QUARANTINES_TOTAL: &str = "gpumedic_remediator_gpu_quarantines_total";
     /// GPUs released (DeviceTaintRules deleted).
     pub(crate) const GPU_RELEASES_TOTAL: &str = "gpumedic_remediator_gpu_releases_total";
+    /// A verdict's time in the remediator, by `stage`: `delivered` (from the verdict's record
+    /// timestamp to its handling), `acted` (its handling, up to the outcome it publishes).
+    pub(crate) const VERDICT_SECONDS: &str = "gpumedic_remediator_verdict_seconds";
     /// How long drains took, by `result` (`complete`, `incomplete`).
     pub(crate) const DRAIN_SECONDS: &str = "gpumedic_remediator_drain_seconds";
     /// Drains cut off by their deadline.
@@ -186,6 +189,24 @@ impl<V: Display, S: Debug> InternalEvent for VerdictHandled<'_, V, S> {
     fn emit(self) {
         tracing::info!(node = %self.node, verdict_id = %self.verdict_id, status = ?self.status,
             detail = %self.detail, "Verdict handled.");
+    }
+}
+
+/// A verdict was handled: how long it took to reach the remediator after the classifier
+/// produced it, and how long acting on it took.
+pub(crate) struct VerdictTimed {
+    /// From the verdict record's timestamp to the start of its handling; `None` when the
+    /// record carries no timestamp or the clocks disagree (a negative time).
+    pub(crate) delivered: Option<std::time::Duration>,
+    pub(crate) acted: std::time::Duration,
+}
+
+impl InternalEvent for VerdictTimed {
+    fn emit(self) {
+        if let Some(d) = self.delivered {
+            metrics::histogram!(names::VERDICT_SECONDS, "stage" => "delivered").record(d.as_secs_f64());
+        }
+        metrics::histogram!(names::VERDICT_SECONDS, "stage" => "acted").record(self.acted.as_secs_f64());
     }
 }
 

@@ -10,7 +10,7 @@ use gpumedic_schemas::{ActionOutcome, Severity, Verdict};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Outcome};
-use crate::events::{ActionDeferred, InternalEvent as _, VerdictHandled, VerdictStale};
+use crate::events::{ActionDeferred, InternalEvent as _, VerdictHandled, VerdictStale, VerdictTimed};
 use crate::plan::{Mode, Skip};
 use crate::repairs::{end_ladder, hold_for_validation, interrupt_burn_in};
 use crate::request::Action;
@@ -138,6 +138,11 @@ impl Handler {
 
     /// One verdict: its remediation (or why not), then its outcome on the actions topic.
     async fn handle_verdict(&self, record: &Record) -> Result<(), HandleError> {
+        let started = std::time::Instant::now();
+        let delivered = record.timestamp_ms.and_then(|at| {
+            let ms = chrono::Utc::now().timestamp_millis().checked_sub(at)?;
+            u64::try_from(ms).ok().map(std::time::Duration::from_millis)
+        });
         let verdict: Verdict = kafka::decode_payload(&self.shared.codec, record).await?;
         let request = verdicts::remediation(&verdict);
         let shared = self.shared.clone();
@@ -167,6 +172,7 @@ impl Handler {
         if verdict.recovery && result.is_ok() {
             shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(&request.incident_id);
         }
+        VerdictTimed { delivered, acted: started.elapsed() }.emit();
         // A trip is durable before the verdict that caused it is acknowledged.
         persist_trip(&shared).await.map_err(HandleError::retry)?;
         let outcome: ActionOutcome = verdicts::outcome(&verdict, &result);

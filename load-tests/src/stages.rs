@@ -1,0 +1,199 @@
+//! Where a timed fault's time goes between its produce call and its cordon, from the records it
+//! causes: each fault is sent with a `traceparent` whose trace id names it, every service continues
+//! that trace on the record it produces, and Kafka stamps each record with its producer's clock at
+//! the produce call (`CreateTime`). A reader from the end of the enriched, verdict and action
+//! topics keeps, per fault, the first such time on each; with the fault's own send time and the
+//! time a watch saw the cordon, that splits the latency into:
+//!
+//! - **to enriched**: the raw record's produce linger and acknowledgement, the enricher's fetch,
+//!   batch and enrichment, up to its produce call;
+//! - **enriched to verdict**: that record's produce linger, the classifier's fetch, batch (the
+//!   Postgres look-ups before the engine and the batch before it), up to the verdict's produce;
+//! - **verdict to cordon**: the verdict's linger, the remediator's fetch, plan and apiserver
+//!   calls, and the watch event that shows the cordon.
+//!
+//! All clocks are this machine's wall clock in milliseconds, so each stage is good to about 1 ms.
+//! The reader consumes the whole enriched topic while it runs (one more consumer on the machine).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Headers as _, Message as _};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// The stages, in the order of a fault's path.
+pub const STAGES: [&str; 3] = ["to_enriched", "enriched_to_verdict", "verdict_to_cordon"];
+
+/// The reader and the run's trace-id tag.
+pub struct Stages {
+    tag: u64,
+    stop: Arc<AtomicBool>,
+    reader: std::thread::JoinHandle<anyhow::Result<HashMap<(u64, usize), i64>>>,
+    sent: HashMap<u64, i64>,
+}
+
+/// One stage's percentiles over the faults that reached it, in milliseconds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stage {
+    pub stage: &'static str,
+    pub faults: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+/// The milliseconds since the epoch now, on the clock Kafka's `CreateTime` uses.
+pub fn wall_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or_default()
+}
+
+/// `at` on the wall clock, by its distance from now.
+pub fn instant_ms(at: Instant) -> i64 {
+    let now = Instant::now();
+    let ms = if at <= now { -((now - at).as_millis() as i64) } else { (at - now).as_millis() as i64 };
+    wall_ms() + ms
+}
+
+impl Stages {
+    /// Starts reading `topics` (enriched, verdicts, in that order; more are read but not split)
+    /// from their current ends. Returns once the ends are fixed, so nothing sent after is missed.
+    pub fn start(bootstrap: &str, topics: &[&str]) -> anyhow::Result<Self> {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .set("group.id", gpumedic_testkit::unique_name("stages-reader"))
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "false")
+            .set("fetch.wait.max.ms", "10")
+            .create()?;
+        let timeout = Duration::from_secs(30);
+        let mut tpl = TopicPartitionList::new();
+        for topic in topics {
+            let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+            let t = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == *topic)
+                .ok_or_else(|| anyhow::anyhow!("topic {topic} has no metadata"))?;
+            for p in t.partitions() {
+                let (_, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
+                tpl.add_partition_offset(topic, p.id(), Offset::Offset(high))?;
+            }
+        }
+        consumer.assign(&tpl)?;
+        let tag = fastrand::u64(1..);
+        let stop = Arc::new(AtomicBool::new(false));
+        let names: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
+        let reader = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut first: HashMap<(u64, usize), i64> = HashMap::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let Some(m) = consumer.poll(Duration::from_millis(100)) else { continue };
+                    let m = m?;
+                    let Some(headers) = m.headers() else { continue };
+                    let Some(tp) = headers.iter().find(|h| h.key == "traceparent").and_then(|h| h.value) else {
+                        continue;
+                    };
+                    let Some(fault) = fault_of(tp, tag) else { continue };
+                    let Some(at) = m.timestamp().to_millis() else { continue };
+                    let topic = names.iter().position(|n| n == m.topic()).unwrap_or(usize::MAX);
+                    first.entry((fault, topic)).and_modify(|t| *t = (*t).min(at)).or_insert(at);
+                }
+                Ok(first)
+            })
+        };
+        Ok(Stages { tag, stop, reader, sent: HashMap::new() })
+    }
+
+    /// The `traceparent` header for fault `index`; records that it is sent now.
+    pub fn traceparent(&mut self, index: u64) -> String {
+        self.sent.insert(index, wall_ms());
+        format!("00-{:016x}{index:016x}-{:016x}-01", self.tag, fastrand::u64(1..))
+    }
+
+    /// Stops the reader and splits each fault's latency; `cordoned` is, per fault index, when
+    /// the cordon was seen (milliseconds on the wall clock).
+    pub fn finish(self, cordoned: &HashMap<u64, i64>) -> anyhow::Result<Vec<Stage>> {
+        self.stop.store(true, Ordering::Relaxed);
+        let first = self.reader.join().map_err(|_| anyhow::anyhow!("the stage reader panicked"))??;
+        let mut by_stage: Vec<Vec<f64>> = vec![Vec::new(); STAGES.len()];
+        for (index, sent) in &self.sent {
+            let points = [
+                Some(*sent),
+                first.get(&(*index, 0)).copied(),
+                first.get(&(*index, 1)).copied(),
+                cordoned.get(index).copied(),
+            ];
+            for (s, pair) in points.windows(2).enumerate() {
+                if let [Some(from), Some(to)] = pair {
+                    by_stage[s].push((to - from) as f64);
+                }
+            }
+        }
+        Ok(STAGES
+            .iter()
+            .zip(by_stage)
+            .map(|(stage, mut ms)| {
+                ms.sort_by(f64::total_cmp);
+                Stage {
+                    stage,
+                    faults: ms.len(),
+                    p50_ms: crate::latency::percentile(&ms, 0.50),
+                    p99_ms: crate::latency::percentile(&ms, 0.99),
+                    max_ms: ms.last().copied().unwrap_or(f64::NAN),
+                }
+            })
+            .collect())
+    }
+}
+
+/// The fault index a `traceparent` names under `tag`, if it is one of this run's.
+fn fault_of(traceparent: &[u8], tag: u64) -> Option<u64> {
+    let tp = std::str::from_utf8(traceparent).ok()?;
+    let trace = tp.split('-').nth(1)?;
+    if trace.len() != 32 || u64::from_str_radix(&trace[..16], 16).ok()? != tag {
+        return None;
+    }
+    u64::from_str_radix(&trace[16..], 16).ok()
+}
+
+/// The remediator's own split of the last stage from its `/metrics`: the mean time from a
+/// verdict's record timestamp to its handling (`delivered`), and of the handling (`acted`), in
+/// milliseconds over every verdict it handled.
+pub fn remediator_means(metrics: &str) -> [f64; 2] {
+    ["delivered", "acted"].map(|stage| {
+        let sum =
+            crate::classify::metric(metrics, &format!("gpumedic_remediator_verdict_seconds_sum{{stage=\"{stage}\"}}"));
+        let count = crate::classify::metric(
+            metrics,
+            &format!("gpumedic_remediator_verdict_seconds_count{{stage=\"{stage}\"}}"),
+        );
+        if count > 0.0 { sum / count * 1000.0 } else { f64::NAN }
+    })
+}
+
+/// One line per stage, indented under a scenario's latency line.
+pub fn print(stages: &[Stage]) {
+    for s in stages {
+        println!(
+            "    {:<20} p50 {:>6.0} ms, p99 {:>6.0} ms, max {:>6.0} ms ({} faults)",
+            s.stage, s.p50_ms, s.p99_ms, s.max_ms, s.faults
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traceparent_names_its_fault_only_under_its_runs_tag() {
+        let tp = format!("00-{:016x}{:016x}-{:016x}-01", 0xabcu64, 17u64, 5u64);
+        assert_eq!(fault_of(tp.as_bytes(), 0xabc), Some(17));
+        assert_eq!(fault_of(tp.as_bytes(), 0xabd), None);
+        assert_eq!(fault_of(b"00-short-01", 0xabc), None);
+    }
+}
