@@ -21,7 +21,9 @@ pub struct Defaults;
 impl StageDefaults for Defaults {
     const GROUP: &'static str = "gpumedic-classifier";
     const BATCH_MAX: &'static str = "5000";
-    const BATCH_LINGER: &'static str = "5ms";
+    // No wait for more: a batch is what has been fetched when the last one is done, so it grows
+    // with the load by itself, and a fault at a quiet moment is not held (docs/pipeline.md).
+    const BATCH_LINGER: &'static str = "0ms";
     const MAX_BATCH_LINGER: Duration = Duration::from_secs(10);
     const LINGER_DELAYS: &'static str = "every verdict";
 }

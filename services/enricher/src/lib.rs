@@ -55,7 +55,8 @@ pub struct Defaults;
 impl StageDefaults for Defaults {
     const GROUP: &'static str = "gpumedic-enricher";
     const BATCH_MAX: &'static str = "1000";
-    const BATCH_LINGER: &'static str = "2ms";
+    // As the classifier's: a batch is what has been fetched, so it grows with the load by itself.
+    const BATCH_LINGER: &'static str = "0ms";
     const MAX_BATCH_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
     const LINGER_DELAYS: &'static str = "every event";
 }
@@ -252,7 +253,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         cache::run_watchers(client, watch_cache, context, synced, token).await;
         Ok::<_, gpumedic_runtime::BoxError>(())
     });
-    let producer = match config.stage.kafka.producer(NAME) {
+    let producer = match config.stage.kafka.bulk_producer(NAME) {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "Cannot create the Kafka producer.");

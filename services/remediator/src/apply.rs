@@ -547,13 +547,20 @@ impl Remediator {
     ) -> Result<Outcome, ApplyError> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         let name = request.node.as_str();
-        // A plan whose conditions were written before its object patch lost a race: its
-        // condition Events are still owed, and its outcome stands if the re-plan finds nothing
+        // A plan whose object patch was written before its conditions' patch lost a race: its
+        // object's Events are still owed, and its outcome stands if the re-plan finds nothing
         // left to do.
         let mut partly_written: Option<Box<Plan>> = None;
-        for _ in 0..CONFLICT_ATTEMPTS {
+        // The first read is served from the apiserver's watch cache, which skips a read of etcd
+        // on the fault's path; it may be a moment old. A write planned from it is guarded by its
+        // resourceVersion (a stale one fails with 409 and is re-planned from a fresh read), and a
+        // decision to write nothing is taken only from a fresh read.
+        let mut cached = read_already.is_none();
+        // The fresh read after a cached one that asked for no write is not a conflict's retry.
+        for _ in 0..CONFLICT_ATTEMPTS + 1 {
             let node = match read_already.take() {
                 Some(node) => node,
+                None if cached => read_cached(&nodes, name).await?,
                 None => read(&nodes, name).await?,
             };
             let view = crate::plan::NodeView::from_node(&node);
@@ -564,6 +571,14 @@ impl Remediator {
                 admitted = a == Admission::Allowed;
                 a
             });
+            if cached && !matches!(decision, Decision::Apply(_)) {
+                if admitted {
+                    lock(&self.gate).cancel(name);
+                }
+                cached = false;
+                continue;
+            }
+            cached = false;
             let plan = match decision {
                 Decision::AlreadyDone => {
                     return Ok(match partly_written {
@@ -582,26 +597,32 @@ impl Remediator {
             self.leading(name)?;
             match write(&nodes, &node, &plan).await {
                 Ok(()) => {}
-                Err(WriteError::Conflict { conditions_written }) => {
-                    if admitted {
+                Err(WriteError::Conflict { object_written }) => {
+                    // A quarantine written stands and keeps its place in the budget.
+                    if admitted && !object_written {
                         lock(&self.gate).cancel(name);
                     }
-                    if conditions_written {
-                        let owed: Vec<Note> = plan.notes.iter().filter(|n| n.on_status).cloned().collect();
+                    if object_written {
+                        let owed: Vec<Note> = plan.notes.iter().filter(|n| !n.on_status).cloned().collect();
                         self.record(&node, &owed).await;
                         partly_written = Some(plan);
                     }
                     continue;
                 }
-                Err(WriteError::Failed(e)) => {
-                    if admitted {
+                Err(WriteError::Failed { error, object_written }) => {
+                    if admitted && !object_written {
                         lock(&self.gate).cancel(name);
                     }
-                    return Err(e);
+                    if object_written {
+                        // The retry's plan no longer holds the object's notes.
+                        let owed: Vec<Note> = plan.notes.iter().filter(|n| !n.on_status).cloned().collect();
+                        self.record(&node, &owed).await;
+                    }
+                    return Err(error);
                 }
             }
             tracing::info!(node = name, incident = %request.incident_id, intent = ?plan.intent, "Applied a remediation plan.");
-            // The re-plan after a partial write no longer holds the written conditions' notes.
+            // The re-plan after a partial write no longer holds the written object's notes.
             self.record(&node, &plan.notes).await;
             let drained = match &plan.drain {
                 Some(scope) => {
@@ -737,7 +758,7 @@ impl Remediator {
             match write(nodes, &node, &plan).await {
                 Ok(()) => return Ok(()),
                 Err(WriteError::Conflict { .. }) => continue,
-                Err(WriteError::Failed(e)) => return Err(e),
+                Err(WriteError::Failed { error, .. }) => return Err(error),
             }
         }
         Err(ApplyError::Conflict { node: name.to_owned(), attempts: CONFLICT_ATTEMPTS })
@@ -862,6 +883,17 @@ fn lock(gate: &Mutex<Gate>) -> std::sync::MutexGuard<'_, Gate> {
     gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// `name` as the apiserver's watch cache holds it (`resourceVersion=0`): no read of etcd, and
+/// possibly a moment old.
+async fn read_cached(nodes: &Api<Node>, name: &str) -> Result<Node, ApplyError> {
+    match nodes.get_with(name, &kube::api::GetParams::any()).await {
+        Ok(node) => Ok(node),
+        // A node created a moment ago may not be in the cache yet.
+        Err(kube::Error::Api(s)) if s.is_not_found() => read(nodes, name).await,
+        Err(source) => Err(ApplyError::Read { node: name.to_owned(), source }),
+    }
+}
+
 async fn read(nodes: &Api<Node>, name: &str) -> Result<Node, ApplyError> {
     nodes
         .get_opt(name)
@@ -884,38 +916,46 @@ fn incomplete_detail(report: &DrainReport) -> Option<String> {
 }
 
 enum WriteError {
-    /// The node changed since it was read; `conditions_written` says whether the status patch
-    /// went through before the object patch lost.
-    Conflict {
-        conditions_written: bool,
-    },
-    Failed(ApplyError),
+    /// The node changed since it was read; `object_written` says whether the object patch (the
+    /// cordon, taints, labels) went through before the status patch lost.
+    Conflict { object_written: bool },
+    /// The apiserver refused or could not be reached; `object_written` as for a conflict.
+    Failed { error: ApplyError, object_written: bool },
 }
 
-/// Writes `plan` onto `node` (as read): the conditions first, then the object patch, each
-/// guarded by the resourceVersion the previous step left, so two writers racing on one node
-/// (a redelivered verdict, a second replica) cannot both act: the later write fails with 409.
+/// Writes `plan` onto `node` (as read): the object patch first (the cordon and taints, which
+/// keep work off the node, so they are on it one apiserver round trip sooner), then the
+/// conditions, each guarded by the resourceVersion the previous step left, so two writers racing
+/// on one node (a redelivered verdict, a second replica) cannot both act: the later write fails
+/// with 409. Under load a node write costs several milliseconds, and the cordon is what the
+/// fault-to-cordon time measures; the condition that explains it follows at once.
 async fn write(nodes: &Api<Node>, node: &Node, plan: &Plan) -> Result<(), WriteError> {
     let name = plan.node.as_str();
     let mut version = node.metadata.resource_version.clone();
-    if !plan.conditions.is_empty() {
-        let patch = conditions_patch(plan, version.as_deref(), &now());
-        match nodes.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await {
-            Ok(updated) => version = updated.metadata.resource_version,
-            Err(kube::Error::Api(s)) if s.is_conflict() => {
-                return Err(WriteError::Conflict { conditions_written: false });
-            }
-            Err(source) => return Err(WriteError::Failed(ApplyError::Status { node: name.to_owned(), source })),
-        }
-    }
     if plan.changes_object() {
         let patch = object_patch(node, version.as_deref(), plan);
         match nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(updated) => version = updated.metadata.resource_version,
+            Err(kube::Error::Api(s)) if s.is_conflict() => {
+                return Err(WriteError::Conflict { object_written: false });
+            }
+            Err(source) => {
+                let error = ApplyError::Patch { node: name.to_owned(), source };
+                return Err(WriteError::Failed { error, object_written: false });
+            }
+        }
+    }
+    if !plan.conditions.is_empty() {
+        let patch = conditions_patch(plan, version.as_deref(), &now());
+        match nodes.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.is_conflict() => {
-                return Err(WriteError::Conflict { conditions_written: !plan.conditions.is_empty() });
+                return Err(WriteError::Conflict { object_written: plan.changes_object() });
             }
-            Err(source) => return Err(WriteError::Failed(ApplyError::Patch { node: name.to_owned(), source })),
+            Err(source) => {
+                let error = ApplyError::Status { node: name.to_owned(), source };
+                return Err(WriteError::Failed { error, object_written: plan.changes_object() });
+            }
         }
     }
     Ok(())

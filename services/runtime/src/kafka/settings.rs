@@ -122,12 +122,27 @@ impl KafkaSettings {
     }
 
     /// An idempotent producer that waits for all in-sync replicas, so an acknowledged record is
-    /// durable and a retried one is not duplicated.
+    /// durable and a retried one is not duplicated. It sends each record at once (`linger.ms`
+    /// 0): the collectors, the classifier's verdicts and the remediator's outcomes are a few
+    /// records at a time on a fault's path, where librdkafka's default of 5 ms would be added at
+    /// every hop. Records queued while a request is in flight still go out together.
     pub fn producer(&self, client_id: &str) -> Result<Producer, KafkaError> {
+        self.producer_lingering(client_id, "0")
+    }
+
+    /// As [`producer`](Self::producer), for a stage that produces whole batches of thousands of
+    /// records at a time (the enricher): it waits up to a millisecond to fill its requests,
+    /// which costs measurably less CPU per record than sending at once and a fifth of
+    /// librdkafka's default wait (docs/benchmarks.md, fault to cordon).
+    pub fn bulk_producer(&self, client_id: &str) -> Result<Producer, KafkaError> {
+        self.producer_lingering(client_id, "1")
+    }
+
+    fn producer_lingering(&self, client_id: &str, linger_ms: &str) -> Result<Producer, KafkaError> {
         let mut c = self.client_config(client_id);
         c.set("acks", "all")
             .set("enable.idempotence", "true")
-            .set("linger.ms", "5")
+            .set("linger.ms", linger_ms)
             .set("compression.type", "lz4")
             .set("message.timeout.ms", "30000")
             // Named, not left to the default: the classifier finds a partition's nodes with
