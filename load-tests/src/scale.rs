@@ -194,6 +194,8 @@ pub struct Step {
     steady: Phase,
     burst: Phase,
     fault_to_cordon: FaultToCordon,
+    /// The classifier's batches over the whole run, per stage of a batch.
+    classifier_batches: Vec<crate::stages::BatchStage>,
 }
 
 /// The enricher's cache, filled in this process.
@@ -504,6 +506,11 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                     .await;
             for (name, s) in &services {
                 if let Ok((_, text)) = testkit::http_get(s.admin_addr(), "/metrics").await
+                    && *name == "classifier"
+                {
+                    step.classifier_batches = crate::stages::classifier_batches(&text);
+                }
+                if let Ok((_, text)) = testkit::http_get(s.admin_addr(), "/metrics").await
                     && *name == "remediator"
                 {
                     step.resyncs = crate::classify::metric(&text, "gpumedic_remediator_resync_seconds_count");
@@ -703,6 +710,12 @@ fn print_step(step: &Step) {
         step.resync_mean_s
     );
     crate::stages::print(&f.stages);
+    for b in &step.classifier_batches {
+        println!(
+            "    classifier batches, {:<8} {:>7.0} batches, {:>7.1} s in all, {:>4.0} over 0.5 s",
+            b.stage, b.batches, b.seconds, b.over_half_second
+        );
+    }
 }
 
 /// The arguments of the hidden `cache-cost` scenario ([`cache_cost`]).

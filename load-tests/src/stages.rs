@@ -175,6 +175,35 @@ pub fn remediator_means(metrics: &str) -> [f64; 2] {
     })
 }
 
+/// The classifier's batches from its `/metrics`, per stage of a batch (decode, classify, publish,
+/// write): how many, their seconds in all, and how many took longer than half a second, the
+/// stalls a fault waits behind.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BatchStage {
+    pub stage: &'static str,
+    pub batches: f64,
+    pub seconds: f64,
+    pub over_half_second: f64,
+}
+
+/// [`BatchStage`] for each stage, from the classifier's `/metrics` text.
+pub fn classifier_batches(metrics: &str) -> Vec<BatchStage> {
+    let name = "gpumedic_classifier_batch_stage_seconds";
+    ["decode", "classify", "publish", "write"]
+        .into_iter()
+        .map(|stage| {
+            let batches = crate::classify::metric(metrics, &format!("{name}_count{{stage=\"{stage}\"}}"));
+            let quick = crate::classify::metric(metrics, &format!("{name}_bucket{{stage=\"{stage}\",le=\"0.5\"}}"));
+            BatchStage {
+                stage,
+                batches,
+                seconds: crate::classify::metric(metrics, &format!("{name}_sum{{stage=\"{stage}\"}}")),
+                over_half_second: batches - quick,
+            }
+        })
+        .collect()
+}
+
 /// One line per stage, indented under a scenario's latency line.
 pub fn print(stages: &[Stage]) {
     for s in stages {

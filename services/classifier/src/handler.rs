@@ -158,7 +158,11 @@ impl BatchHandler for Handler {
                 count_refused(&mut c.engine);
                 let absorbed = c.engine.take_absorbed();
                 nvlink::absorbed(&absorbed);
-                (decisions, absorbed, Kept { events: keep, rollups: c.keeper.closed(persist::ROLLUPS_PER_BATCH) })
+                (
+                    decisions,
+                    absorbed,
+                    Kept { events: keep, rollups: c.keeper.closed(persist::rollups_for_batch(records.len())) },
+                )
             }
         };
         if policy == persist::Policy::Evidence {

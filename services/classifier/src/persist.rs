@@ -67,6 +67,18 @@ pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
 /// one statement of hundreds of megabytes. The rest wait for the next batches.
 pub const ROLLUPS_PER_BATCH: usize = 20_000;
 
+/// The fewest closed rollups a batch may write ([`rollups_for_batch`]).
+pub const ROLLUPS_MIN_PER_BATCH: usize = 1_000;
+
+/// How many closed rollups a batch of `events` events writes: as many as it has events, at least
+/// [`ROLLUPS_MIN_PER_BATCH`] and at most [`ROLLUPS_PER_BATCH`]. Each event adds to one rollup at
+/// most, so the closed ones drain as fast as they are made, and no batch's write is many times
+/// its own: at 10,000 events/s the classifier's batches hold a few hundred events, and a fault in
+/// the batch after one that wrote 20,000 rollups waited for that write (docs/benchmarks.md).
+pub fn rollups_for_batch(events: usize) -> usize {
+    events.clamp(ROLLUPS_MIN_PER_BATCH, ROLLUPS_PER_BATCH)
+}
+
 /// How long after its minute ends (by the newest event time seen) a rollup is written: events of
 /// a node arrive a little out of order across its sources.
 pub const ROLLUP_GRACE_MICROS: i64 = 60_000_000;
@@ -528,6 +540,13 @@ mod tests {
         let closed = k.closed(ROLLUPS_PER_BATCH);
         assert_eq!(closed.iter().map(|(k, _)| k.3).collect::<Vec<_>>(), vec![0]);
         assert_eq!(k.drain().len(), 2);
+    }
+
+    #[test]
+    fn a_batch_writes_about_as_many_rollups_as_it_has_events() {
+        assert_eq!(rollups_for_batch(1), ROLLUPS_MIN_PER_BATCH);
+        assert_eq!(rollups_for_batch(3_000), 3_000);
+        assert_eq!(rollups_for_batch(100_000), ROLLUPS_PER_BATCH);
     }
 
     #[test]

@@ -64,6 +64,40 @@ async fn quarantine_sets_condition_taint_label_cordon_and_events() {
     cleanup(&client, &[&name], &[]).await;
 }
 
+/// The cordon and taint keep work off the node, so they are written first; the condition that
+/// explains them follows. A watch sees every version of the node in order.
+#[tokio::test]
+async fn the_cordon_is_on_the_node_before_the_condition_that_explains_it() {
+    use futures::{StreamExt as _, TryStreamExt as _};
+    use kube::api::{WatchEvent, WatchParams};
+
+    let client = admin().await;
+    let name = gpu_node(&client).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let from = get_node(&client, &name).await.metadata.resource_version.expect("a resourceVersion");
+    let params = WatchParams::default().fields(&format!("metadata.name={name}")).timeout(30);
+    let mut versions = nodes.watch(&params, &from).await.expect("watch the node").boxed();
+    let r = remediator(settings()).await;
+
+    let outcome = r.remediate(&request(&name, Action::Cordon), 10).await.expect("remediation applied");
+    assert!(matches!(outcome, Outcome::Applied { drain: None, .. }), "{outcome:?}");
+
+    let mut seen = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(10), versions.try_next())
+        .await
+        .expect("the node's versions arrive")
+        .expect("the watch goes on")
+    {
+        let WatchEvent::Modified(node) = event else { continue };
+        let explained = conditions(&node).iter().any(|(t, s, _)| t == "GpuUnhealthy" && s == "True");
+        seen.push((cordoned(&node), !gpumedic_taints(&node).is_empty(), explained));
+        if explained {
+            break;
+        }
+    }
+    assert_eq!(seen, vec![(true, true, false), (true, true, true)], "(cordoned, tainted, condition) per version");
+}
+
 #[tokio::test]
 async fn recovery_removes_only_what_gpumedic_applied() {
     let client = admin().await;
