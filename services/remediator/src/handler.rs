@@ -136,6 +136,30 @@ impl Handler {
         self.shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(incident)
     }
 
+    /// [`Handler::act`] under the node's lock ([`crate::term::NodeLocks`]), for the verdict
+    /// consumer and the resync alike. A fault of an incident this leader saw recover is not acted
+    /// on (a replay, or a resync whose read of the store predates the recovery): it must not take
+    /// the node out again. A recovery acted on is remembered before the lock is released.
+    pub(crate) async fn act_on_node(
+        &self,
+        verdict: &Verdict,
+        request: &request::Remediation,
+    ) -> Result<Outcome, ApplyError> {
+        let _node = self.shared.node_locks.lock(&request.node).await;
+        if !verdict.recovery && self.recovered(&request.incident_id) {
+            return Ok(Outcome::Skipped { reason: Skip::Recovered, would: None });
+        }
+        let outcome = self.act(verdict, request).await;
+        if verdict.recovery && outcome.is_ok() {
+            self.shared
+                .recovered
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(&request.incident_id);
+        }
+        outcome
+    }
+
     /// One verdict: its remediation (or why not), then its outcome on the actions topic.
     async fn handle_verdict(&self, record: &Record) -> Result<(), HandleError> {
         let started = std::time::Instant::now();
@@ -153,14 +177,11 @@ impl Handler {
             Ok(Outcome::Skipped { reason: Skip::Stale(age), would: None })
         } else if !managed {
             Ok(Outcome::Skipped { reason: Skip::Unmanaged, would: None })
-        } else if !verdict.recovery && self.recovered(&request.incident_id) {
-            // A replayed fault of an incident that recovered must not take the node out again.
-            Ok(Outcome::Skipped { reason: Skip::Recovered, would: None })
         } else {
             let acted = tokio::select! {
                 // Stop at once: the next leader (or this one, after a restart) takes it up again.
                 () = self.term.cancelled() => return Err(HandleError::Retry("the leadership term ended".into())),
-                r = self.act(&verdict, &request) => r,
+                r = self.act_on_node(&verdict, &request) => r,
             };
             match acted {
                 Ok(outcome) => Ok(outcome),

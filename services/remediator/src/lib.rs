@@ -187,6 +187,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         incident_database_url: config.incident_database_url.clone(),
         resync_interval: config.resync_interval,
         recovered: std::sync::Mutex::new(resync::Recovered::default()),
+        node_locks: term::NodeLocks::default(),
         hooks,
         lease_namespace: config.lease.namespace.clone(),
         consuming,

@@ -362,7 +362,7 @@ async fn resync_verdict(
         return Ok(());
     }
     let request = crate::request::Remediation { reissue: !verdict.recovery, ..verdicts::remediation(verdict) };
-    let outcome = handler.act(verdict, &request).await;
+    let outcome = handler.act_on_node(verdict, &request).await;
     persist_trip(shared).await?;
     let result = match outcome {
         Ok(o) => o,
@@ -375,6 +375,7 @@ async fn resync_verdict(
         Outcome::Applied { .. } => "applied",
         Outcome::AlreadyDone => "already_done",
         Outcome::Skipped { reason: Skip::Deferred(_), .. } => "deferred",
+        Outcome::Skipped { reason: Skip::Recovered, .. } => "recovered",
         Outcome::Skipped { .. } => "held",
     };
     metrics::counter!(names::RESYNC_ACTIONS_TOTAL, "kind" => kind, "result" => label).increment(1);

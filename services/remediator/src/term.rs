@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     pub(crate) resync_interval: Duration,
     /// The incidents this leader saw recover (see [`crate::resync::Recovered`]).
     pub(crate) recovered: std::sync::Mutex<crate::resync::Recovered>,
+    /// One lock per node, held while a verdict or the resync acts on it (see [`NodeLocks`]).
+    pub(crate) node_locks: NodeLocks,
     pub(crate) hooks: hooks::Hooks,
     pub(crate) lease_namespace: String,
     /// Turns ready once the leader's consumer has its partitions; a standby holds it ready.
@@ -54,6 +56,30 @@ pub(crate) struct Shared {
     pub(crate) status_writes: tokio::sync::Mutex<()>,
     /// The unreadable ladders already reported with an Event (node, annotation value).
     pub(crate) refused_ladders: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+}
+
+/// One lock per node: the verdict handler and the resync act on a node one at a time, so the
+/// resync's "has this incident recovered?" and its act are one step against a recovery verdict
+/// handled meanwhile. Without it a resync that read an incident open, and saw no recovery, could
+/// re-apply the fault just after the recovery verdict released the node (the classifier publishes
+/// a verdict before it writes it, so the store lags the topic), and the node would stay marked
+/// until the next resync put it right.
+///
+/// The map keeps one entry per node ever locked: bounded by the managed fleet.
+#[derive(Debug, Default)]
+pub(crate) struct NodeLocks {
+    locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl NodeLocks {
+    /// Waits for `node`'s lock; it is released when the guard drops.
+    pub(crate) async fn lock(&self, node: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            locks.entry(node.to_owned()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
 }
 
 /// A new leader's state: the pause and an open breaker from the status object, and the
@@ -280,4 +306,25 @@ pub(crate) async fn publish(shared: &Shared, outcome: &ActionOutcome, trace: Opt
         incoming_trace: trace,
     };
     kafka::publish_record(&shared.producer, envelope, &bytes).await.map_err(|e| HandleError::Retry(Box::new(e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NodeLocks;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_node_is_acted_on_by_one_holder_at_a_time_and_other_nodes_do_not_wait() {
+        let locks = NodeLocks::default();
+        let held = locks.lock("node-a").await;
+        // Another node's lock is free while node-a's is held.
+        let other = tokio::time::timeout(Duration::from_secs(5), locks.lock("node-b")).await;
+        assert!(other.is_ok(), "node-b waited for node-a's lock");
+        // node-a's second holder waits until the first lets go.
+        let second = tokio::time::timeout(Duration::from_millis(50), locks.lock("node-a")).await;
+        assert!(second.is_err(), "node-a's lock was taken twice at once");
+        drop(held);
+        let second = tokio::time::timeout(Duration::from_secs(5), locks.lock("node-a")).await;
+        assert!(second.is_ok(), "node-a's lock was not released with its guard");
+    }
 }
