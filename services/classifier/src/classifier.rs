@@ -65,6 +65,8 @@ pub struct Classifier {
     pub(crate) lemons: lemons::Settings,
     /// Which events are recorded, and the rollups of the rest.
     pub(crate) keeper: persist::Keeper,
+    /// Writes closed rollups beside the batches ([`crate::rollups`]).
+    pub(crate) rollups: crate::rollups::RollupWriter,
 }
 
 impl Classifier {

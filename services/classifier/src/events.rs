@@ -34,6 +34,8 @@ pub(crate) mod names {
     pub(crate) const RECORDED_EVENTS_TOTAL: &str = "gpumedic_classifier_recorded_events_total";
     /// Rollup rows written.
     pub(crate) const ROLLUPS_TOTAL: &str = "gpumedic_classifier_rollups_total";
+    /// Closed rollups given up at stop, their write failing (`crate::rollups`).
+    pub(crate) const ROLLUPS_LOST_TOTAL: &str = "gpumedic_classifier_rollups_lost_total";
     /// Events already recorded (redelivered).
     pub(crate) const DUPLICATE_EVENTS_TOTAL: &str = "gpumedic_classifier_duplicate_events_total";
     /// Events whose time was bounded by their record's.
@@ -143,7 +145,6 @@ impl InternalEvent for BatchStage {
 pub(crate) struct BatchRecorded {
     pub(crate) observations: u64,
     pub(crate) rows: u64,
-    pub(crate) rollups: u64,
     pub(crate) duplicates: u64,
 }
 
@@ -151,8 +152,32 @@ impl InternalEvent for BatchRecorded {
     fn emit(self) {
         metrics::counter!(names::EVENTS_TOTAL).increment(self.observations);
         metrics::counter!(names::RECORDED_EVENTS_TOTAL).increment(self.rows);
-        metrics::counter!(names::ROLLUPS_TOTAL).increment(self.rollups);
         metrics::counter!(names::DUPLICATE_EVENTS_TOTAL).increment(self.duplicates);
+    }
+}
+
+/// Closed rollups written to `telemetry_rollups` (counted; the hot path logs nothing).
+pub(crate) struct RollupsWritten {
+    pub(crate) rollups: usize,
+}
+
+impl InternalEvent for RollupsWritten {
+    fn emit(self) {
+        metrics::counter!(names::ROLLUPS_TOTAL).increment(self.rollups as u64);
+    }
+}
+
+/// Closed rollups given up: their write still failed when the classifier stopped.
+pub(crate) struct RollupsLost<'a, E: Display> {
+    pub(crate) rollups: usize,
+    pub(crate) error: &'a E,
+}
+
+impl<E: Display> InternalEvent for RollupsLost<'_, E> {
+    fn emit(self) {
+        tracing::warn!(rollups = self.rollups, error = %self.error,
+            "Cannot write closed rollups and the classifier is stopping; they are lost (the events are still in Kafka).");
+        metrics::counter!(names::ROLLUPS_LOST_TOTAL).increment(self.rollups as u64);
     }
 }
 

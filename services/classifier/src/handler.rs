@@ -132,7 +132,7 @@ impl BatchHandler for Handler {
         c.reconcile().await?;
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
-        let (decisions, absorbed, kept) = match self.retrying.take() {
+        let (decisions, absorbed, mut kept) = match self.retrying.take() {
             Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
             _ => {
                 // Only events new to Postgres are observed: one recorded there had its verdicts
@@ -172,9 +172,6 @@ impl BatchHandler for Handler {
                     dispositions[*i] = Disposition::DeadLetter(format!("cannot record the event: {e}"));
                 }
             }
-            for (k, r) in &kept.rollups {
-                batch[store::part_of(&k.0, parts)].rollups.push(k, r);
-            }
         }
         for a in &absorbed {
             batch[store::part_of(&a.node, parts)].sympathetic.push(a);
@@ -206,17 +203,20 @@ impl BatchHandler for Handler {
             // nothing twice.
             c.record_workload_faults(sightings).await?;
             stage_seconds("write", acknowledged, std::time::Instant::now());
+            // The closed rollups go to their own writer, once the batch is recorded (a batch
+            // retried after a failure hands them over once): the next batch's faults do not wait
+            // for them (crate::rollups).
+            let pool = c.pool.clone();
+            c.rollups.send(&pool, std::mem::take(&mut kept.rollups)).await?;
             Ok::<_, ClassifierError>(written)
         }
         .await;
         match outcome {
             Ok(written) => {
                 let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
-                let rollups = batch.iter().map(|b| b.rollups.len() as u64).sum::<u64>();
                 BatchRecorded {
                     observations: observations.len() as u64,
                     rows,
-                    rollups,
                     duplicates: rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)),
                 }
                 .emit();

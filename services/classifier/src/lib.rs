@@ -42,6 +42,7 @@ mod config;
 mod database;
 mod events;
 mod handler;
+mod rollups;
 mod ticker;
 
 pub use classifier::{Classifier, ClassifierError};
@@ -102,7 +103,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         let codec = config.stage.kafka.codec().await?;
         Ok::<_, ClassifierError>(Classifier {
             engine,
-            pool,
+            pool: pool.clone(),
             producer,
             verdicts_topic: config.topics.verdicts.clone(),
             codec,
@@ -115,6 +116,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             clock_skew_allowance: config.clock_skew_allowance,
             lemons: config.lemons,
             keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
+            rollups: rollups::RollupWriter::start(pool.clone(), token.clone()),
         })
     };
     let classifier = match setup.await {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 
 use crate::classifier::{Classifier, ClassifierError};
+use crate::events::InternalEvent as _;
 use crate::rules::engine::Decision;
 use crate::store;
 
@@ -64,26 +65,18 @@ pub(crate) async fn ticker(
     }
 }
 
-/// Writes the rollups of the minutes still open ([`crate::persist`]), at shutdown: they are held
-/// in memory until their minute is over, and the next run starts afresh. A failure loses them
-/// (the events are still in Kafka).
+/// Stops the rollup writer once what waits in it is written ([`crate::rollups`]), then writes
+/// the rollups of the minutes still open, at shutdown: they are held in memory until their minute
+/// is over, and the next run starts afresh. A failure loses them (the events are still in Kafka).
 async fn flush_rollups(classifier: &Mutex<Classifier>) {
     let mut c = classifier.lock().await;
+    c.rollups.close().await;
     let open = c.keeper.drain();
     if open.is_empty() {
         return;
     }
-    // In statements of a batch's size: the open minutes can hold one rollup per GPU and kind.
-    for chunk in open.chunks(crate::persist::ROLLUPS_PER_BATCH) {
-        let mut batch = store::Batch::default();
-        for (key, rollup) in chunk {
-            batch.rollups.push(key, rollup);
-        }
-        if let Err(e) = store::write_batch(&c.pool, &batch).await {
-            tracing::warn!(error = %e, rollups = open.len(),
-                "Cannot write the rollups of the minutes still open at shutdown; they are lost.");
-            return;
-        }
+    match crate::rollups::write(&c.pool, &open).await {
+        Ok(()) => tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown."),
+        Err(e) => crate::events::RollupsLost { rollups: open.len(), error: &e }.emit(),
     }
-    tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown.");
 }

@@ -97,3 +97,47 @@ async fn a_restart_under_evidence_only_history_recovers_the_incident_as_under_ev
     assert_eq!(recovery.incident_id, opened.incident_id, "the recovery closes the incident it opened");
     assert_eq!(recovery.verdict_id, all_recovery.verdict_id, "the same recovery verdict");
 }
+
+/// A minute's rollup is written by the rollup writer while the classifier runs, once event time
+/// has passed the minute and its grace: the writer beside the batches (not the write at
+/// shutdown) puts it in `telemetry_rollups`, each event counted once.
+#[tokio::test]
+async fn a_closed_minute_is_rolled_up_while_the_classifier_runs() {
+    use chrono::{DurationRound as _, TimeDelta, Utc};
+    let node = testkit::unique_name("rollup-node");
+    let bed = Bed::new("rollup-writer").await;
+    let rules = rules_dir(&xid79_rule(1));
+    let mut c = bed.start(&rules, "48h", &[("GPUMEDIC_PERSIST", "evidence".into())]).await;
+    let minute = Utc::now().duration_trunc(TimeDelta::minutes(1)).unwrap() - TimeDelta::minutes(10);
+    for s in 0..12 {
+        let e = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(minute + TimeDelta::seconds(s * 4)).build();
+        bed.send(&node, e).await;
+    }
+    // Three minutes later by event time: the first minute and its minute of grace are over.
+    let later = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(minute + TimeDelta::minutes(3)).build();
+    bed.send(&node, later).await;
+    let pool = gpumedic_runtime::postgres::connect(&bed.url, 1).await.unwrap();
+    let rolled = testkit::eventually_with("the closed minute's rollup", Duration::from_secs(60), async || {
+        let rolled: Option<i64> =
+            sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
+                .bind(&node)
+                .bind(minute)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        rolled.ok_or_else(|| "no rollup for the closed minute yet".to_owned())
+    })
+    .await;
+    assert_eq!(rolled, 12, "every event of the closed minute counted once, before any stop");
+    c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let after: Option<i64> =
+        sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
+            .bind(&node)
+            .bind(minute)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(after, Some(12), "the stop wrote the closed minute no second time");
+    pool.close().await;
+    std::fs::remove_dir_all(&rules).ok();
+}

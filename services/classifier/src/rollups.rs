@@ -1,0 +1,116 @@
+//! The rollup writer ([`RollupWriter`]): closed rollups go to PostgreSQL beside the batches, not
+//! in them.
+//!
+//! A batch's write is on every fault's path: the consumer fetches the next batch, with the next
+//! fault in it, only once the batch in hand is written. Closed rollups are most of what a batch
+//! writes at fleet scale (a minute closes one rollup per GPU and kind, and a batch writes about as
+//! many as it has events, each an upsert merging JSON), yet nothing waits for them: they are
+//! derived from healthy telemetry the engine has already taken in, the raw events stay in Kafka,
+//! and [`crate::persist`] already keeps them in memory until their minute is over, so a crash
+//! loses the open ones. So the handler hands a written batch's closed rollups to a task of their
+//! own, which writes them on its own connection while the next batch is classified.
+//!
+//! At most [`QUEUED`] batches' rollups wait; a handler finding the queue full waits for room (the
+//! rollups never fall behind without bound). A write that fails is retried, with backoff, until it
+//! succeeds or the classifier stops; at stop the queue is written out once, and what still fails
+//! then is lost and counted (`rollups_lost_total`), as the open minutes' rollups of a crash are.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::events::{BatchStage, InternalEvent as _, RollupsLost, RollupsWritten};
+use crate::persist::{Rollup, RollupKey};
+use crate::store;
+
+/// How many batches' closed rollups may wait for the writer.
+pub const QUEUED: usize = 4;
+
+/// One batch's closed rollups.
+pub type Rows = Vec<(RollupKey, Rollup)>;
+
+/// The handle the classifier keeps on its rollup writer task.
+pub struct RollupWriter {
+    tx: Option<mpsc::Sender<Rows>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RollupWriter {
+    /// Starts the writer on `pool`; `token` is the classifier's shutdown.
+    pub fn start(pool: PgPool, token: CancellationToken) -> Self {
+        let (tx, rx) = mpsc::channel(QUEUED);
+        let task = tokio::spawn(write_loop(pool, rx, token));
+        RollupWriter { tx: Some(tx), task: Some(task) }
+    }
+
+    /// Hands `rows` to the writer, waiting for room in its queue; once the writer is closed they
+    /// are written here, and an error is the caller's.
+    pub async fn send(&mut self, pool: &PgPool, rows: Rows) -> Result<(), store::StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let rows = match &self.tx {
+            Some(tx) => match tx.send(rows).await {
+                Ok(()) => return Ok(()),
+                Err(mpsc::error::SendError(rows)) => rows,
+            },
+            None => rows,
+        };
+        write(pool, &rows).await
+    }
+
+    /// Writes out what waits and stops the writer; later rollups are written by [`send`]'s caller.
+    ///
+    /// [`send`]: RollupWriter::send
+    pub async fn close(&mut self) {
+        self.tx = None;
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+        {
+            tracing::warn!(error = %e, "The rollup writer ended abnormally.");
+        }
+    }
+}
+
+/// Writes `rows` in statements of at most [`crate::persist::ROLLUPS_PER_BATCH`].
+pub(crate) async fn write(pool: &PgPool, rows: &[(RollupKey, Rollup)]) -> Result<(), store::StoreError> {
+    for chunk in rows.chunks(crate::persist::ROLLUPS_PER_BATCH) {
+        let mut batch = store::Batch::default();
+        for (key, rollup) in chunk {
+            batch.rollups.push(key, rollup);
+        }
+        store::write_batch(pool, &batch).await?;
+        RollupsWritten { rollups: chunk.len() }.emit();
+    }
+    Ok(())
+}
+
+/// The writer task: each queued batch of rollups written, retried until it is or the classifier
+/// stops; ends when the queue is closed and empty.
+async fn write_loop(pool: PgPool, mut rx: mpsc::Receiver<Rows>, token: CancellationToken) {
+    while let Some(rows) = rx.recv().await {
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match write(&pool, &rows).await {
+                Ok(()) => break,
+                Err(e) if token.is_cancelled() => {
+                    RollupsLost { rollups: rows.len(), error: &e }.emit();
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, rollups = rows.len(), backoff_ms = backoff.as_millis() as u64,
+                        "Cannot write closed rollups; retrying.");
+                    tokio::select! {
+                        () = token.cancelled() => {}
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        BatchStage { stage: "rollups", elapsed: started.elapsed() }.emit();
+    }
+}
