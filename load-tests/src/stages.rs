@@ -176,7 +176,7 @@ pub fn remediator_means(metrics: &str) -> [f64; 2] {
 }
 
 /// The classifier's batches from its `/metrics`, per stage of a batch (decode, classify, publish,
-/// write): how many, their seconds in all, and how many took longer than half a second, the
+/// write; and rollups, the rollup writer's writes beside the batches): how many, their seconds in all, and how many took longer than half a second, the
 /// stalls a fault waits behind.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BatchStage {
@@ -189,7 +189,7 @@ pub struct BatchStage {
 /// [`BatchStage`] for each stage, from the classifier's `/metrics` text.
 pub fn classifier_batches(metrics: &str) -> Vec<BatchStage> {
     let name = "gpumedic_classifier_batch_stage_seconds";
-    ["decode", "classify", "publish", "write"]
+    ["decode", "classify", "publish", "write", "rollups"]
         .into_iter()
         .map(|stage| {
             let batches = crate::classify::metric(metrics, &format!("{name}_count{{stage=\"{stage}\"}}"));

@@ -41,12 +41,11 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
 /// sympathetic events it absorbed, and what of it is recorded.
 type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>, Kept);
 
-/// What of a batch is recorded ([`persist`]): per decoded event, whether it is; and the rollups
-/// its events closed. Kept for a retry, as the engine and the keeper took the events in already.
+/// What of a batch is recorded ([`persist`]): per decoded event, whether it is. Kept for a retry,
+/// as the engine and the keeper took the events in already.
 #[derive(Debug)]
 struct Kept {
     events: Vec<bool>,
-    rollups: Vec<(persist::RollupKey, persist::Rollup)>,
 }
 
 /// The consumer's batch handler: enriched events into the engine and all of the batch into
@@ -132,7 +131,7 @@ impl BatchHandler for Handler {
         c.reconcile().await?;
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
-        let (decisions, absorbed, mut kept) = match self.retrying.take() {
+        let (decisions, absorbed, kept) = match self.retrying.take() {
             Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
             _ => {
                 // Only events new to Postgres are observed: one recorded there had its verdicts
@@ -158,11 +157,7 @@ impl BatchHandler for Handler {
                 count_refused(&mut c.engine);
                 let absorbed = c.engine.take_absorbed();
                 nvlink::absorbed(&absorbed);
-                (
-                    decisions,
-                    absorbed,
-                    Kept { events: keep, rollups: c.keeper.closed(persist::rollups_for_batch(records.len())) },
-                )
+                (decisions, absorbed, Kept { events: keep })
             }
         };
         if policy == persist::Policy::Evidence {
@@ -203,11 +198,11 @@ impl BatchHandler for Handler {
             // nothing twice.
             c.record_workload_faults(sightings).await?;
             stage_seconds("write", acknowledged, std::time::Instant::now());
-            // The closed rollups go to their own writer, once the batch is recorded (a batch
-            // retried after a failure hands them over once): the next batch's faults do not wait
-            // for them (crate::rollups).
-            let pool = c.pool.clone();
-            c.rollups.send(&pool, std::mem::take(&mut kept.rollups)).await?;
+            // Closed rollups go to their own writer once the batch is recorded, if it has room:
+            // no batch, and so no fault, waits for them (crate::rollups).
+            if policy == persist::Policy::Evidence {
+                c.rollups.offer(&c.pool, &mut c.keeper, persist::rollups_for_batch(records.len())).await?;
+            }
             Ok::<_, ClassifierError>(written)
         }
         .await;

@@ -62,19 +62,19 @@ const MINUTE_MICROS: i64 = 60_000_000;
 /// The longest keyframe period ([`Keeper::for_rebuild_window`]), in microseconds: 6 hours.
 pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
 
-/// The most rollups one batch writes ([`Keeper::closed`]): a minute that closes after a burst can
-/// hold one per GPU and kind of the fleet (400,000 at 10,000 nodes), and written at once they made
-/// one statement of hundreds of megabytes. The rest wait for the next batches.
+/// The most rollups one batch hands the rollup writer, and the most one statement writes
+/// ([`Keeper::closed`], `crate::rollups`): a minute that closes after a burst can hold one per GPU
+/// and kind of the fleet (400,000 at 10,000 nodes), and written at once they made one statement of
+/// hundreds of megabytes. The rest wait for the next batches.
 pub const ROLLUPS_PER_BATCH: usize = 20_000;
 
-/// The fewest closed rollups a batch may write ([`rollups_for_batch`]).
+/// The fewest closed rollups a batch may hand over ([`rollups_for_batch`]).
 pub const ROLLUPS_MIN_PER_BATCH: usize = 1_000;
 
-/// How many closed rollups a batch of `events` events writes: as many as it has events, at least
-/// [`ROLLUPS_MIN_PER_BATCH`] and at most [`ROLLUPS_PER_BATCH`]. Each event adds to one rollup at
-/// most, so the closed ones drain as fast as they are made, and no batch's write is many times
-/// its own: at 10,000 events/s the classifier's batches hold a few hundred events, and a fault in
-/// the batch after one that wrote 20,000 rollups waited for that write (docs/benchmarks.md).
+/// How many closed rollups a batch of `events` events hands the rollup writer: as many as it has
+/// events, at least [`ROLLUPS_MIN_PER_BATCH`] and at most [`ROLLUPS_PER_BATCH`]. Each event adds
+/// to one rollup at most, so the closed ones drain as fast as they are made, in statements about
+/// the size of the batches that made them.
 pub fn rollups_for_batch(events: usize) -> usize {
     events.clamp(ROLLUPS_MIN_PER_BATCH, ROLLUPS_PER_BATCH)
 }

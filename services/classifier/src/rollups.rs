@@ -10,8 +10,10 @@
 //! loses the open ones. So the handler hands a written batch's closed rollups to a task of their
 //! own, which writes them on its own connection while the next batch is classified.
 //!
-//! At most [`QUEUED`] batches' rollups wait; a handler finding the queue full waits for room (the
-//! rollups never fall behind without bound). A write that fails is retried, with backoff, until it
+//! At most [`QUEUED`] batches' rollups wait for the writer. A batch that finds the queue full
+//! hands over nothing: its closed rollups stay in the keeper, and a later batch hands them over
+//! (so a fault never waits for rollups, and memory stays bounded by what the keeper holds: one
+//! rollup per GPU, kind and minute). A write that fails is retried, with backoff, until it
 //! succeeds or the classifier stops; at stop the queue is written out once, and what still fails
 //! then is lost and counted (`rollups_lost_total`), as the open minutes' rollups of a crash are.
 
@@ -22,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{BatchStage, InternalEvent as _, RollupsLost, RollupsWritten};
-use crate::persist::{Rollup, RollupKey};
+use crate::persist::{Keeper, Rollup, RollupKey};
 use crate::store;
 
 /// How many batches' closed rollups may wait for the writer.
@@ -45,25 +47,30 @@ impl RollupWriter {
         RollupWriter { tx: Some(tx), task: Some(task) }
     }
 
-    /// Hands `rows` to the writer, waiting for room in its queue; once the writer is closed they
-    /// are written here, and an error is the caller's.
-    pub async fn send(&mut self, pool: &PgPool, rows: Rows) -> Result<(), store::StoreError> {
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let rows = match &self.tx {
-            Some(tx) => match tx.send(rows).await {
-                Ok(()) => return Ok(()),
-                Err(mpsc::error::SendError(rows)) => rows,
-            },
-            None => rows,
+    /// Hands the writer up to `at_most` of `keeper`'s closed rollups if its queue has room; if not,
+    /// they stay in the keeper for a later batch, so no batch ever waits for the writer. Once the
+    /// writer is closed they are written here, and an error is the caller's.
+    pub async fn offer(&mut self, pool: &PgPool, keeper: &mut Keeper, at_most: usize) -> Result<(), store::StoreError> {
+        let closed = match self.tx.as_ref().map(mpsc::Sender::try_reserve) {
+            Some(Ok(permit)) => {
+                let rows = keeper.closed(at_most);
+                if !rows.is_empty() {
+                    permit.send(rows);
+                }
+                return Ok(());
+            }
+            Some(Err(mpsc::error::TrySendError::Full(()))) => return Ok(()),
+            Some(Err(mpsc::error::TrySendError::Closed(()))) => true,
+            None => false,
         };
-        write(pool, &rows).await
+        if closed {
+            self.tx = None;
+        }
+        write(pool, &keeper.closed(at_most)).await
     }
 
-    /// Writes out what waits and stops the writer; later rollups are written by [`send`]'s caller.
-    ///
-    /// [`send`]: RollupWriter::send
+    /// Writes out what waits and stops the writer; later rollups are written by
+    /// [`RollupWriter::offer`]'s caller.
     pub async fn close(&mut self) {
         self.tx = None;
         if let Some(task) = self.task.take()
