@@ -71,6 +71,10 @@ port = $POSTGRES_PORT
 unix_socket_directories = '$data'
 max_connections = 300
 shared_buffers = 256MB
+# At 10,000 events/s the default 1 GB of WAL checkpointed every 22-28 s, and commits in the
+# checkpoints' sync phase took 120-290 ms (docs/benchmarks.md, fleet scale).
+max_wal_size = 4GB
+checkpoint_timeout = 15min
 EOF
   fi
   as_pg_user "$bin/pg_ctl" -D "$data" -l "$log" -w -t 60 start >/dev/null ||
