@@ -567,6 +567,22 @@ mod tests {
     }
 
     #[test]
+    fn a_minute_taken_as_closed_but_not_handed_out_survives_a_rebalance() {
+        // The rollup writer's queue is full: the batch takes the closed minute as closed (none
+        // handed out), then the node's partition goes to another replica.
+        let mut k = Keeper::new(Policy::Evidence);
+        let mut other = temp("x", 10, 60, true);
+        other.node = "n2".into();
+        k.keep(&other, Bearing::default());
+        k.keep(&temp("a", 10, 60, true), Bearing::default());
+        k.keep(&temp("late", 2 * M + 10, 60, true), Bearing::default());
+        assert!(k.closed(0).is_empty());
+        k.retain_nodes(|node| node == "n1");
+        let nodes: Vec<String> = k.closed(ROLLUPS_PER_BATCH).into_iter().map(|(key, _)| key.0).collect();
+        assert_eq!(nodes, ["n1", "n2"], "the closed minute of the node given away is still written");
+    }
+
+    #[test]
     fn the_keyframe_period_follows_the_rebuild_window() {
         let hour = std::time::Duration::from_secs(3600);
         let none = Bearing::default();

@@ -118,26 +118,22 @@ async fn a_closed_minute_is_rolled_up_while_the_classifier_runs() {
     bed.send(&node, later).await;
     let pool = gpumedic_runtime::postgres::connect(&bed.url, 1).await.unwrap();
     let rolled = testkit::eventually_with("the closed minute's rollup", Duration::from_secs(60), async || {
-        let rolled: Option<i64> =
-            sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
-                .bind(&node)
-                .bind(minute)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-        rolled.ok_or_else(|| "no rollup for the closed minute yet".to_owned())
+        rolled_up(&pool, &node, minute).await.ok_or_else(|| "no rollup for the closed minute yet".to_owned())
     })
     .await;
     assert_eq!(rolled, 12, "every event of the closed minute counted once, before any stop");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
-    let after: Option<i64> =
-        sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
-            .bind(&node)
-            .bind(minute)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(after, Some(12), "the stop wrote the closed minute no second time");
+    assert_eq!(rolled_up(&pool, &node, minute).await, Some(12), "the stop wrote the closed minute no second time");
     pool.close().await;
     std::fs::remove_dir_all(&rules).ok();
+}
+
+/// The events `node`'s rollups of `minute` count, if any is written.
+async fn rolled_up(pool: &sqlx::PgPool, node: &str, minute: chrono::DateTime<chrono::Utc>) -> Option<i64> {
+    sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
+        .bind(node)
+        .bind(minute)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
