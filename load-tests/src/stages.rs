@@ -176,8 +176,8 @@ pub fn remediator_means(metrics: &str) -> [f64; 2] {
 }
 
 /// The classifier's batches from its `/metrics`, per stage of a batch (decode, classify, publish,
-/// write; and rollups, the rollup writer's writes beside the batches): how many, their seconds in all, and how many took longer than half a second, the
-/// stalls a fault waits behind.
+/// write; and rollups, the rollup writer's writes beside the batches): how many, their seconds in
+/// all, and how many took longer than half a second, the stalls a fault waits behind.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BatchStage {
     pub stage: &'static str,

@@ -368,9 +368,7 @@ async fn resync_verdict(
         Ok(o) => o,
         Err(e) => return Err(e.into()),
     };
-    if verdict.recovery {
-        shared.recovered.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(&request.incident_id);
-    }
+    // A recovery acted on is already remembered (`Handler::act_on_node`).
     let label = match &result {
         Outcome::Applied { .. } => "applied",
         Outcome::AlreadyDone => "already_done",
