@@ -191,6 +191,10 @@ pub struct Step {
     /// The remediator's resyncs during the step: count and mean seconds.
     resyncs: f64,
     resync_mean_s: f64,
+    /// The remediator's mean per verdict over the step, ms: from the verdict's record timestamp
+    /// to its handling, and the handling (see [`crate::stages::remediator_means`]).
+    remediator_delivered_ms: f64,
+    remediator_acted_ms: f64,
     steady: Phase,
     burst: Phase,
     fault_to_cordon: FaultToCordon,
@@ -516,6 +520,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                     step.resyncs = crate::classify::metric(&text, "gpumedic_remediator_resync_seconds_count");
                     step.resync_mean_s =
                         crate::classify::metric(&text, "gpumedic_remediator_resync_seconds_sum") / step.resyncs;
+                    [step.remediator_delivered_ms, step.remediator_acted_ms] = crate::stages::remediator_means(&text);
                 }
             }
             for (_, s) in &mut services {
@@ -710,6 +715,11 @@ fn print_step(step: &Step) {
         step.resync_mean_s
     );
     crate::stages::print(&f.stages);
+    println!(
+        "    the remediator, mean per verdict over the step: {:.1} ms from the verdict's timestamp to its handling, \
+         {:.1} ms handling it",
+        step.remediator_delivered_ms, step.remediator_acted_ms
+    );
     for b in &step.classifier_batches {
         println!(
             "    classifier batches, {:<8} {:>7.0} batches, {:>7.1} s in all, {:>4.0} over 0.5 s",

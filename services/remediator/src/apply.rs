@@ -24,6 +24,7 @@ use crate::events::{
     Drained, GpuQuarantineEscalated, GpuQuarantined, GpusReleased, InternalEvent as _, LadderStarted,
     WriteRefusedNotLeading,
 };
+use crate::fleet::NodeCache;
 use crate::ladder::{Ladder, StepSpec};
 use crate::lease::Validity;
 use crate::plan::{
@@ -181,6 +182,10 @@ pub struct Remediator {
     /// clone; until [`Remediator::watch_dra`] runs and they have listed, every read goes to the
     /// apiserver.
     dra: DraCache,
+    /// The fleet watch's copies of the managed nodes: a verdict's first read of its node. Until
+    /// [`Remediator::with_node_cache`] gives it one that has listed, that read goes to the
+    /// apiserver's watch cache.
+    nodes: NodeCache,
     /// The Events waiting to be written, and the writes' slots.
     events: Arc<EventWriter>,
 }
@@ -200,8 +205,16 @@ impl Remediator {
             paused: Arc::new(AtomicBool::new(false)),
             validity: Arc::new(Validity::unconditional()),
             dra: DraCache::default(),
+            nodes: NodeCache::default(),
             events: Arc::default(),
         })
+    }
+
+    /// This remediator, reading a verdict's node first from `nodes` (the fleet watch's copies).
+    #[must_use]
+    pub fn with_node_cache(mut self, nodes: NodeCache) -> Self {
+        self.nodes = nodes;
+        self
     }
 
     /// Keeps the GPU quarantine's watch caches current until `token` is cancelled, so a GPU
@@ -551,16 +564,20 @@ impl Remediator {
         // object's Events are still owed, and its outcome stands if the re-plan finds nothing
         // left to do.
         let mut partly_written: Option<Box<Plan>> = None;
-        // The first read is served from the apiserver's watch cache, which skips a read of etcd
-        // on the fault's path; it may be a moment old. A write planned from it is guarded by its
-        // resourceVersion (a stale one fails with 409 and is re-planned from a fresh read), and a
-        // decision to write nothing is taken only from a fresh read.
+        // The first read is the fleet watch's copy (else the apiserver's watch cache), which
+        // takes an apiserver round trip (or a read of etcd) off the fault's path; it may be a
+        // moment old. A write planned from it is guarded by its resourceVersion (a stale one
+        // fails with 409 and is re-planned from a fresh read), and a decision to write nothing is
+        // taken only from a fresh read.
         let mut cached = read_already.is_none();
         // The fresh read after a cached one that asked for no write is not a conflict's retry.
         for _ in 0..CONFLICT_ATTEMPTS + 1 {
             let node = match read_already.take() {
                 Some(node) => node,
-                None if cached => read_cached(&nodes, name).await?,
+                None if cached => match self.nodes.get(name) {
+                    Some(node) => node,
+                    None => read_cached(&nodes, name).await?,
+                },
                 None => read(&nodes, name).await?,
             };
             let view = crate::plan::NodeView::from_node(&node);
@@ -595,7 +612,7 @@ impl Remediator {
             let mut plan = plan;
             label_gpu(&view, request, &mut plan);
             self.leading(name)?;
-            match write(&nodes, &node, &plan).await {
+            match write(&nodes, &node, &plan, &self.nodes).await {
                 Ok(()) => {}
                 Err(WriteError::Conflict { object_written }) => {
                     // A quarantine written stands and keeps its place in the budget.
@@ -755,7 +772,7 @@ impl Remediator {
         for _ in 0..CONFLICT_ATTEMPTS {
             let node = read(nodes, name).await?;
             let Some(plan) = advance(&crate::plan::NodeView::from_node(&node), to) else { return Ok(()) };
-            match write(nodes, &node, &plan).await {
+            match write(nodes, &node, &plan, &self.nodes).await {
                 Ok(()) => return Ok(()),
                 Err(WriteError::Conflict { .. }) => continue,
                 Err(WriteError::Failed { error, .. }) => return Err(error),
@@ -929,13 +946,16 @@ enum WriteError {
 /// on one node (a redelivered verdict, a second replica) cannot both act: the later write fails
 /// with 409. Under load a node write costs several milliseconds, and the cordon is what the
 /// fault-to-cordon time measures; the condition that explains it follows at once.
-async fn write(nodes: &Api<Node>, node: &Node, plan: &Plan) -> Result<(), WriteError> {
+async fn write(nodes: &Api<Node>, node: &Node, plan: &Plan, cache: &NodeCache) -> Result<(), WriteError> {
     let name = plan.node.as_str();
     let mut version = node.metadata.resource_version.clone();
     if plan.changes_object() {
         let patch = object_patch(node, version.as_deref(), plan);
         match nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(updated) => version = updated.metadata.resource_version,
+            Ok(updated) => {
+                cache.offer(&updated);
+                version = updated.metadata.resource_version;
+            }
             Err(kube::Error::Api(s)) if s.is_conflict() => {
                 return Err(WriteError::Conflict { object_written: false });
             }
@@ -948,7 +968,7 @@ async fn write(nodes: &Api<Node>, node: &Node, plan: &Plan) -> Result<(), WriteE
     if !plan.conditions.is_empty() {
         let patch = conditions_patch(plan, version.as_deref(), &now());
         match nodes.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch)).await {
-            Ok(_) => {}
+            Ok(updated) => cache.offer(&updated),
             Err(kube::Error::Api(s)) if s.is_conflict() => {
                 return Err(WriteError::Conflict { object_written: plan.changes_object() });
             }

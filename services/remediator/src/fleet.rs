@@ -1,20 +1,24 @@
 //! The managed fleet: the GPU nodes gpumedic acts on, their count (the breaker's denominator),
-//! and which of them carry a repair ladder or a deferred action.
+//! which of them carry a repair ladder or a deferred action, and each one's state as the planner
+//! reads it.
 //!
-//! One metadata watch of the managed Nodes keeps all of it, holding only each node's name and
-//! which of gpumedic's annotations it carries. Before it, the fleet count (every 30 s), the
-//! deferred actions (every 30 s) and the repair ladders (every 10 s) each listed the fleet: at
-//! 100,000 nodes a names-only list costs the apiserver about 3 CPU seconds, so the three polls
-//! kept about half an apiserver core busy. The polls now read the watch's index and read whole
-//! only the nodes it says carry their annotation.
+//! One watch of the managed Nodes keeps all of it, holding of each node only what the planner
+//! and the node writes read ([`trim`]: names, labels, annotations, taints, the cordon and the
+//! conditions; not the images, addresses or managed fields). Before it, the fleet count (every
+//! 30 s), the deferred actions (every 30 s) and the repair ladders (every 10 s) each listed the
+//! fleet: at 100,000 nodes a names-only list costs the apiserver about 3 CPU seconds, so the
+//! three polls kept about half an apiserver core busy. The polls now read the watch's index and
+//! read whole only the nodes it says carry their annotation. A verdict's first read of its node
+//! is the index's copy too ([`NodeCache::get`]), which takes an apiserver round trip off every
+//! fault's path: the write planned from it is guarded by its resourceVersion, as with any read
+//! that may be a moment old.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
 use kube::api::{Api, ListParams};
-use kube::core::PartialObjectMeta;
 use kube::runtime::watcher::{self, Event};
 
 use crate::ladder::LADDER_ANNOTATION;
@@ -30,20 +34,104 @@ const TRACKED: [&str; 2] = [LADDER_ANNOTATION, DEFERRED_ANNOTATION];
 pub struct Fleet {
     pub(crate) client: kube::Client,
     pub(crate) selector: String,
-    index: Arc<RwLock<Index>>,
+    index: NodeCache,
     pub(crate) count: Arc<AtomicUsize>,
+}
+
+/// The watch's copies of the managed nodes, trimmed ([`trim`]); cheap to clone (one shared
+/// state). A cache whose watch never listed answers nothing, so every read goes to the apiserver.
+#[derive(Debug, Clone, Default)]
+pub struct NodeCache {
+    index: Arc<RwLock<Index>>,
+    /// Reads it could not answer (not listed yet, or a node it has not delivered).
+    misses: Arc<AtomicU64>,
+}
+
+impl NodeCache {
+    /// `name`'s copy, once the watch has listed; `None` (and a miss counted) otherwise. It may be
+    /// a moment behind the apiserver: write from it only guarded by its resourceVersion.
+    pub fn get(&self, name: &str) -> Option<Node> {
+        let found = {
+            let index = read(&self.index);
+            index.synced.then(|| index.nodes.get(name).map(|n| Node::clone(n))).flatten()
+        };
+        if found.is_none() {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
+    /// Takes `node` as written by this process (a patch's answer), when it is newer than the
+    /// copy held: the watch delivers the same version a moment later, and a verdict for the node
+    /// in between plans from what is really there instead of failing its write on a stale copy.
+    pub fn offer(&self, node: &Node) {
+        let Some(name) = node.metadata.name.as_deref() else { return };
+        let mut index = write(&self.index);
+        let newer = match index.nodes.get(name) {
+            Some(held) => version(node) > version(held),
+            // Not a managed node, or not listed yet: the watch decides what the index holds.
+            None => false,
+        };
+        if newer {
+            index.nodes.insert(name.to_owned(), Arc::new(trim(node.clone())));
+        }
+    }
+
+    /// A cache that has listed `nodes`, as the fleet watch's first list leaves it (for tests and
+    /// tools that drive a [`crate::apply::Remediator`] without a watch).
+    pub fn listed(nodes: impl IntoIterator<Item = Node>) -> Self {
+        let cache = Self::default();
+        {
+            let mut index = write(&cache.index);
+            index.event(Event::Init);
+            for node in nodes {
+                index.event(Event::InitApply(trim(node)));
+            }
+            index.event(Event::InitDone);
+        }
+        cache
+    }
+
+    /// How many reads it could not answer since the start.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+}
+
+/// A node's resourceVersion as a number, to order two copies of one node (the apiserver's
+/// versions are etcd revisions; an unreadable one orders first).
+fn version(node: &Node) -> Option<u64> {
+    node.metadata.resource_version.as_deref().and_then(|v| v.parse().ok())
+}
+
+/// What the index keeps of a node: its name, uid and resourceVersion, labels and annotations, its
+/// taints and cordon, and its conditions; the rest (managed fields, images, addresses, capacity,
+/// system info) is dropped, which is most of a real node's size.
+pub(crate) fn trim(node: Node) -> Node {
+    let mut metadata = node.metadata;
+    metadata.managed_fields = None;
+    Node {
+        metadata,
+        spec: node.spec.map(|s| NodeSpec { taints: s.taints, unschedulable: s.unschedulable, ..NodeSpec::default() }),
+        status: node.status.map(|s| NodeStatus { conditions: s.conditions, ..NodeStatus::default() }),
+    }
 }
 
 impl Fleet {
     /// The fleet of the nodes matching `selector`; empty until [`Fleet::watch`] has listed.
     pub(crate) fn new(client: kube::Client, selector: String) -> Self {
-        Self { client, selector, index: Arc::default(), count: Arc::new(AtomicUsize::new(0)) }
+        Self { client, selector, index: NodeCache::default(), count: Arc::new(AtomicUsize::new(0)) }
+    }
+
+    /// The watch's copies of the managed nodes, for the node writes.
+    pub(crate) fn cache(&self) -> NodeCache {
+        self.index.clone()
     }
 
     /// Whether `node` is managed. A node the watch has not delivered (one that joined a moment
     /// ago, or any before the first list) is looked up by name, so it is not refused.
     pub(crate) async fn manages(&self, node: &str) -> Result<bool, kube::Error> {
-        if read(&self.index).nodes.contains_key(node) {
+        if read(&self.index.index).nodes.contains_key(node) {
             return Ok(true);
         }
         let params = ListParams::default().labels(&self.selector).fields(&format!("metadata.name={node}"));
@@ -57,11 +145,11 @@ impl Fleet {
     pub(crate) async fn carrying(&self, annotation: &str) -> Result<Vec<Node>, kube::Error> {
         let bit = TRACKED.iter().position(|a| *a == annotation).map(|i| 1u8 << i);
         let names = {
-            let index = read(&self.index);
+            let index = read(&self.index.index);
             match bit {
-                Some(bit) if index.synced => {
-                    Some(index.nodes.iter().filter(|(_, flags)| *flags & bit != 0).map(|(n, _)| n.clone()).collect())
-                }
+                Some(bit) if index.synced => Some(
+                    index.nodes.iter().filter(|(_, node)| flags(node) & bit != 0).map(|(n, _)| n.clone()).collect(),
+                ),
                 _ => None,
             }
         };
@@ -82,6 +170,22 @@ impl Fleet {
         Ok(nodes)
     }
 
+    /// `f` of every managed node, in name order: the watch's copies once it has listed (a moment
+    /// behind the apiserver at most, each a version the node really had), else listed from the
+    /// apiserver. The resync reads the fleet this way: at 100,000 nodes a whole list costs the
+    /// apiserver about 6 CPU seconds, every resync interval.
+    pub(crate) async fn map_nodes<T>(&self, mut f: impl FnMut(&Node) -> T) -> Result<Vec<T>, kube::Error> {
+        {
+            let index = read(&self.index.index);
+            if index.synced {
+                let mut nodes: Vec<(&String, &Arc<Node>)> = index.nodes.iter().collect();
+                nodes.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                return Ok(nodes.into_iter().map(|(_, n)| f(n)).collect());
+            }
+        }
+        crate::maintenance::map_nodes(&self.client, &self.selector, f).await
+    }
+
     /// Keeps the index and the count current until `token` is cancelled; `ready` once the first
     /// list is complete. The watch retries with backoff on its own; while it cannot reach the
     /// apiserver the breaker keeps the last count.
@@ -90,15 +194,14 @@ impl Fleet {
         ready: gpumedic_runtime::admin::ReadyFlag,
         token: tokio_util::sync::CancellationToken,
     ) -> Result<(), kube::Error> {
-        // Metadata only: an Api of PartialObjectMeta lists and watches without specs or statuses.
-        let api = Api::<PartialObjectMeta<Node>>::all(self.client.clone());
+        let api = Api::<Node>::all(self.client.clone());
         let config = watcher::Config::default().labels(&self.selector);
         let failing =
             "The watch of the GPU nodes failed; it retries with backoff, and the breaker keeps the last count.";
         follow(api, config, "nodes", failing, token, |event| {
             let synced = {
-                let mut index = write(&self.index);
-                index.event(event);
+                let mut index = write(&self.index.index);
+                index.event(event.modify(|n| *n = trim(std::mem::take(n))));
                 index.synced.then_some(index.nodes.len())
             };
             if let Some(n) = synced {
@@ -113,27 +216,27 @@ impl Fleet {
 }
 
 /// Which of [`TRACKED`] `node` carries, one bit each.
-fn flags(node: &PartialObjectMeta<Node>) -> u8 {
+fn flags(node: &Node) -> u8 {
     let Some(annotations) = node.metadata.annotations.as_ref() else { return 0 };
     TRACKED.iter().enumerate().filter(|(_, a)| annotations.contains_key(**a)).fold(0, |f, (i, _)| f | 1 << i)
 }
 
-/// The managed nodes by name, with the annotations they carry.
+/// The managed nodes by name, trimmed.
 #[derive(Debug, Default)]
 struct Index {
     /// Whether a list has completed.
     synced: bool,
-    nodes: HashMap<String, u8>,
+    nodes: HashMap<String, Arc<Node>>,
     /// The nodes of a relist in progress, swapped in when it completes.
-    relist: Option<HashMap<String, u8>>,
+    relist: Option<HashMap<String, Arc<Node>>>,
 }
 
 impl Index {
-    fn event(&mut self, event: Event<PartialObjectMeta<Node>>) {
+    fn event(&mut self, event: Event<Node>) {
         match event {
             Event::Apply(n) => {
                 if let Some(name) = n.metadata.name.clone() {
-                    self.nodes.insert(name, flags(&n));
+                    self.nodes.insert(name, Arc::new(n));
                 }
             }
             Event::Delete(n) => {
@@ -144,7 +247,7 @@ impl Index {
             Event::Init => self.relist = Some(HashMap::new()),
             Event::InitApply(n) => {
                 if let Some(name) = n.metadata.name.clone() {
-                    self.relist.get_or_insert_with(HashMap::new).insert(name, flags(&n));
+                    self.relist.get_or_insert_with(HashMap::new).insert(name, Arc::new(n));
                 }
             }
             Event::InitDone => {
@@ -159,11 +262,15 @@ impl Index {
 mod tests {
     use super::*;
 
-    fn node(name: &str, annotations: &[&str]) -> PartialObjectMeta<Node> {
-        let mut meta = PartialObjectMeta::<Node>::default();
-        meta.metadata.name = Some(name.to_owned());
-        meta.metadata.annotations = Some(annotations.iter().map(|a| ((*a).to_owned(), "{}".to_owned())).collect());
-        meta
+    fn node(name: &str, annotations: &[&str]) -> Node {
+        let mut node = Node::default();
+        node.metadata.name = Some(name.to_owned());
+        node.metadata.annotations = Some(annotations.iter().map(|a| ((*a).to_owned(), "{}".to_owned())).collect());
+        node
+    }
+
+    fn flagged(index: &Index) -> HashMap<String, u8> {
+        index.nodes.iter().map(|(name, node)| (name.clone(), flags(node))).collect()
     }
 
     #[test]
@@ -175,16 +282,76 @@ mod tests {
         assert!(!index.synced && index.nodes.is_empty(), "nothing counts before the list completes");
         index.event(Event::InitDone);
         assert!(index.synced);
-        assert_eq!(index.nodes, HashMap::from([("a".into(), 1), ("b".into(), 0)]));
+        assert_eq!(flagged(&index), HashMap::from([("a".into(), 1), ("b".into(), 0)]));
         index.event(Event::Apply(node("b", &[DEFERRED_ANNOTATION, LADDER_ANNOTATION, "other"])));
         index.event(Event::Apply(node("a", &[])));
-        assert_eq!(index.nodes, HashMap::from([("a".into(), 0), ("b".into(), 3)]));
+        assert_eq!(flagged(&index), HashMap::from([("a".into(), 0), ("b".into(), 3)]));
         index.event(Event::Delete(node("a", &[])));
         // A relist answers with the old contents until it completes, then replaces them.
         index.event(Event::Init);
         index.event(Event::InitApply(node("c", &[DEFERRED_ANNOTATION])));
-        assert_eq!(index.nodes, HashMap::from([("b".into(), 3)]));
+        assert_eq!(flagged(&index), HashMap::from([("b".into(), 3)]));
         index.event(Event::InitDone);
-        assert_eq!(index.nodes, HashMap::from([("c".into(), 2)]));
+        assert_eq!(flagged(&index), HashMap::from([("c".into(), 2)]));
+    }
+
+    fn versioned(name: &str, version: &str, cordoned: bool) -> Node {
+        let mut n = node(name, &[]);
+        n.metadata.resource_version = Some(version.to_owned());
+        n.spec = Some(NodeSpec { unschedulable: Some(cordoned), ..NodeSpec::default() });
+        n
+    }
+
+    #[test]
+    fn the_cache_answers_once_listed_and_takes_only_newer_copies_of_nodes_it_holds() {
+        let cache = NodeCache::default();
+        {
+            let mut index = write(&cache.index);
+            index.event(Event::Init);
+            index.event(Event::InitApply(versioned("a", "10", false)));
+        }
+        assert!(cache.get("a").is_none(), "nothing is answered before the list completes");
+        write(&cache.index).event(Event::InitDone);
+        assert_eq!(cache.get("a").and_then(|n| n.metadata.resource_version), Some("10".into()));
+        assert!(cache.get("b").is_none());
+        assert_eq!(cache.misses(), 2);
+        // A patch's answer, newer than the watch's copy, is taken; an older one is not.
+        cache.offer(&versioned("a", "12", true));
+        assert_eq!(cache.get("a").and_then(|n| n.spec).and_then(|s| s.unschedulable), Some(true));
+        cache.offer(&versioned("a", "11", false));
+        assert_eq!(cache.get("a").and_then(|n| n.metadata.resource_version), Some("12".into()));
+        // A node the watch has not delivered is the watch's to add.
+        cache.offer(&versioned("b", "13", false));
+        assert!(cache.get("b").is_none());
+    }
+
+    #[test]
+    fn a_trimmed_node_keeps_what_the_planner_and_the_writes_read() {
+        use k8s_openapi::api::core::v1::{ContainerImage, NodeCondition, Taint};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+        let mut n = versioned("a", "7", true);
+        n.metadata.uid = Some("uid-a".into());
+        n.metadata.labels = Some([("gpu".to_owned(), "true".to_owned())].into());
+        n.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+        n.spec.as_mut().unwrap().taints =
+            Some(vec![Taint { key: "k".into(), effect: "NoSchedule".into(), ..Taint::default() }]);
+        n.spec.as_mut().unwrap().pod_cidr = Some("10.0.0.0/24".into());
+        n.status = Some(NodeStatus {
+            conditions: Some(vec![NodeCondition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                ..NodeCondition::default()
+            }]),
+            images: Some(vec![ContainerImage { names: Some(vec!["big".into()]), size_bytes: Some(1) }]),
+            ..NodeStatus::default()
+        });
+        let view = crate::plan::NodeView::from_node(&n);
+        let t = trim(n);
+        assert_eq!(crate::plan::NodeView::from_node(&t), view);
+        assert_eq!(t.metadata.uid.as_deref(), Some("uid-a"));
+        assert_eq!(t.metadata.resource_version.as_deref(), Some("7"));
+        assert!(t.metadata.managed_fields.is_none());
+        assert!(t.spec.as_ref().unwrap().pod_cidr.is_none());
+        assert!(t.status.as_ref().unwrap().images.is_none());
     }
 }

@@ -59,7 +59,7 @@ mod term;
 mod watch;
 
 pub use config::{Args, Config, Defaults};
-pub use fleet::Fleet;
+pub use fleet::{Fleet, NodeCache};
 pub use handler::Handler;
 
 use std::sync::Arc;
@@ -160,6 +160,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         lease = %format!("{}/{}", config.lease.namespace, config.lease.name), "Remediator ready.");
     let client = remediator.client();
     let fleet = Fleet::new(client.clone(), config.gpu_node_selector.clone());
+    let remediator = remediator.with_node_cache(fleet.cache());
     service.shutdown.spawn("gpu-node-watch", fleet.clone().watch(kube_ready, token.clone()));
     if config.settings.gpu_quarantine.enabled {
         // Standbys keep the caches too, so a new leader's first GPU verdicts read memory.

@@ -305,9 +305,10 @@ async fn resync_once(
 ) -> Result<(), TermError> {
     // The nodes first, then the store: a record on a node at listing time was written after its
     // verdict, which the classifier published before it wrote the incident, so the store read
-    // after the listing knows every incident a record holds.
-    let snapshots =
-        maintenance::map_nodes(&shared.remediator.client(), &shared.fleet.selector, NodeSnapshot::of).await?;
+    // after the listing knows every incident a record holds. The fleet watch's copies serve as
+    // the listing: each is a version its node had, no later than now. What the resync then does
+    // is planned from the node as it is (a write from a stale copy is refused and re-planned).
+    let snapshots = shared.fleet.map_nodes(NodeSnapshot::of).await?;
     let names: Vec<String> = snapshots.iter().map(|n| n.name.clone()).collect();
     let held: Vec<Uuid> =
         snapshots.iter().flat_map(|n| n.held.iter()).filter_map(|id| Uuid::parse_str(id).ok()).collect();

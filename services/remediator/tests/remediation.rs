@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use gpumedic_remediator::NodeCache;
 use gpumedic_remediator::apply::{Outcome, Settings, count_nodes};
 use gpumedic_remediator::drain::{DrainMode, SkipReason};
 use gpumedic_remediator::plan::{APPLIED_ANNOTATION, Applied, Policy, Skip, TAINT_KEY};
@@ -96,6 +97,36 @@ async fn the_cordon_is_on_the_node_before_the_condition_that_explains_it() {
         }
     }
     assert_eq!(seen, vec![(true, true, false), (true, true, true)], "(cordoned, tainted, condition) per version");
+}
+
+/// A verdict's first read of its node is the fleet watch's copy, with no apiserver round trip.
+/// That copy may be behind the node: the write planned from it is refused (409) and re-planned
+/// from a fresh read, so a taint someone added meanwhile survives. The patch's answer then
+/// replaces the copy, so the next verdict for the node plans from what is there.
+#[tokio::test]
+async fn a_verdict_plans_from_the_fleet_watchs_copy_and_a_stale_copy_never_overwrites_the_node() {
+    let client = admin().await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let (current, behind) = (gpu_node(&client).await, gpu_node(&client).await);
+    let stale = get_node(&client, &behind).await;
+    let maintenance = json!({ "spec": { "taints": [{ "key": "example.com/maintenance", "effect": "NoSchedule" }] } });
+    nodes.patch(&behind, &PatchParams::default(), &Patch::Merge(&maintenance)).await.expect("someone taints the node");
+    let cache = NodeCache::listed([get_node(&client, &current).await, stale]);
+    let r = remediator(settings()).await.with_node_cache(cache.clone());
+
+    for name in [&current, &behind] {
+        let outcome = r.remediate(&request(name, Action::Cordon), 10).await.expect("remediation applied");
+        assert!(matches!(outcome, Outcome::Applied { drain: None, .. }), "{name}: {outcome:?}");
+        let node = get_node(&client, name).await;
+        assert!(cordoned(&node), "{name} is cordoned");
+        assert_eq!(gpumedic_taints(&node).len(), 1, "{name}: {:?}", taints(&node));
+        let cached = cache.get(name).expect("the cache holds the node");
+        assert_eq!(cached.metadata.resource_version, node.metadata.resource_version, "the patch's answer is taken");
+    }
+    assert_eq!(cache.misses(), 0, "both first reads came from the cache");
+    let keys: Vec<String> = taints(&get_node(&client, &behind).await).into_iter().map(|(k, _, _)| k).collect();
+    assert!(keys.iter().any(|k| k == "example.com/maintenance"), "the other taint survives: {keys:?}");
+    cleanup(&client, &[&current, &behind], &[]).await;
 }
 
 #[tokio::test]
