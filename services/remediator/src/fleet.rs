@@ -3,8 +3,8 @@
 //! reads it.
 //!
 //! One watch of the managed Nodes keeps all of it, holding of each node only what the planner
-//! and the node writes read ([`trim`]: names, labels, annotations, taints, the cordon and the
-//! conditions; not the images, addresses or managed fields). Before it, the fleet count (every
+//! and the node writes read ([`trim`]: names, gpumedic's own labels and annotations, taints, the
+//! cordon and the conditions; not the other labels, images, addresses or managed fields). Before it, the fleet count (every
 //! 30 s), the deferred actions (every 30 s) and the repair ladders (every 10 s) each listed the
 //! fleet: at 100,000 nodes a names-only list costs the apiserver about 3 CPU seconds, so the
 //! three polls kept about half an apiserver core busy. The polls now read the watch's index and
@@ -104,12 +104,24 @@ fn version(node: &Node) -> Option<u64> {
     node.metadata.resource_version.as_deref().and_then(|v| v.parse().ok())
 }
 
-/// What the index keeps of a node: its name, uid and resourceVersion, labels and annotations, its
-/// taints and cordon, and its conditions; the rest (managed fields, images, addresses, capacity,
-/// system info) is dropped, which is most of a real node's size.
+/// The prefix of every label and annotation gpumedic writes or reads on a node (its state, the
+/// opt-out, the ownership record, a deferral, a repair ladder, the unhealthy GPU).
+const OWN_PREFIX: &str = "gpumedic.io/";
+
+/// What the index keeps of a node: its name, uid and resourceVersion, gpumedic's own labels and
+/// annotations ([`OWN_PREFIX`]), its taints and cordon, and its conditions. The rest (other
+/// labels and annotations, managed fields, images, addresses, capacity, system info) is dropped,
+/// which is most of a real node's size: a GPU node carries dozens of feature-discovery labels.
+/// Whatever the planner, the node writes or the resync read of a node must be kept here (the
+/// taints and conditions whole: a taint patch carries the whole list).
 pub(crate) fn trim(node: Node) -> Node {
+    let own = |m: Option<std::collections::BTreeMap<String, String>>| {
+        m.map(|m| m.into_iter().filter(|(k, _)| k.starts_with(OWN_PREFIX)).collect())
+    };
     let mut metadata = node.metadata;
     metadata.managed_fields = None;
+    metadata.labels = own(metadata.labels.take());
+    metadata.annotations = own(metadata.annotations.take());
     Node {
         metadata,
         spec: node.spec.map(|s| NodeSpec { taints: s.taints, unschedulable: s.unschedulable, ..NodeSpec::default() }),
@@ -331,7 +343,23 @@ mod tests {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
         let mut n = versioned("a", "7", true);
         n.metadata.uid = Some("uid-a".into());
-        n.metadata.labels = Some([("gpu".to_owned(), "true".to_owned())].into());
+        let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        n.metadata.labels = Some(
+            [
+                pair("nvidia.com/gpu.product", "H100"),
+                pair(crate::plan::STATE_LABEL, "quarantined"),
+                pair(crate::plan::OPT_OUT_LABEL, "true"),
+            ]
+            .into(),
+        );
+        n.metadata.annotations = Some(
+            [
+                pair("node.alpha.kubernetes.io/ttl", "0"),
+                pair(crate::plan::APPLIED_ANNOTATION, "{}"),
+                pair(LADDER_ANNOTATION, "{}"),
+            ]
+            .into(),
+        );
         n.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
         n.spec.as_mut().unwrap().taints =
             Some(vec![Taint { key: "k".into(), effect: "NoSchedule".into(), ..Taint::default() }]);
@@ -345,9 +373,13 @@ mod tests {
             images: Some(vec![ContainerImage { names: Some(vec!["big".into()]), size_bytes: Some(1) }]),
             ..NodeStatus::default()
         });
-        let view = crate::plan::NodeView::from_node(&n);
+        let mut view = crate::plan::NodeView::from_node(&n);
         let t = trim(n);
+        // The planner's view, less the labels and annotations that are not gpumedic's.
+        view.labels.remove("nvidia.com/gpu.product");
+        view.annotations.remove("node.alpha.kubernetes.io/ttl");
         assert_eq!(crate::plan::NodeView::from_node(&t), view);
+        assert_eq!(view.labels.len() + view.annotations.len(), 4, "gpumedic's own are kept: {view:?}");
         assert_eq!(t.metadata.uid.as_deref(), Some("uid-a"));
         assert_eq!(t.metadata.resource_version.as_deref(), Some("7"));
         assert!(t.metadata.managed_fields.is_none());
