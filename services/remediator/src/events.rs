@@ -77,6 +77,9 @@ pub(crate) mod names {
     pub(crate) const WEBHOOK_REQUESTS_TOTAL: &str = "gpumedic_remediator_webhook_requests_total";
     /// Managed GPU nodes.
     pub(crate) const GPU_NODES: &str = "gpumedic_remediator_gpu_nodes";
+    /// Reads of a node the fleet watch's copies could not answer (not listed yet, or a node it
+    /// has not delivered), each one an apiserver read instead.
+    pub(crate) const NODE_CACHE_MISSES_TOTAL: &str = "gpumedic_remediator_node_cache_misses_total";
 }
 
 fn flag(on: bool) -> f64 {

@@ -57,6 +57,7 @@ impl NodeCache {
         };
         if found.is_none() {
             self.misses.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(crate::events::names::NODE_CACHE_MISSES_TOTAL).increment(1);
         }
         found
     }
@@ -98,10 +99,19 @@ impl NodeCache {
     }
 }
 
-/// A node's resourceVersion as a number, to order two copies of one node (the apiserver's
-/// versions are etcd revisions; an unreadable one orders first).
+/// A node's resourceVersion as a number ([`crate::watch::version`]; an unreadable one orders
+/// first).
 fn version(node: &Node) -> Option<u64> {
-    node.metadata.resource_version.as_deref().and_then(|v| v.parse().ok())
+    crate::watch::version(node.metadata.resource_version.as_deref())
+}
+
+/// Whether `node` may replace `held`: not when `held` is known to be newer (a patch's answer
+/// offered before the watch delivered the event of an earlier change).
+fn not_older(node: &Node, held: Option<&Arc<Node>>) -> bool {
+    match (held.and_then(|h| version(h)), version(node)) {
+        (Some(held), Some(new)) => new >= held,
+        _ => true,
+    }
 }
 
 /// The prefix of every label and annotation gpumedic writes or reads on a node (its state, the
@@ -247,7 +257,9 @@ impl Index {
     fn event(&mut self, event: Event<Node>) {
         match event {
             Event::Apply(n) => {
-                if let Some(name) = n.metadata.name.clone() {
+                if let Some(name) = n.metadata.name.clone()
+                    && not_older(&n, self.nodes.get(&name))
+                {
                     self.nodes.insert(name, Arc::new(n));
                 }
             }
@@ -263,7 +275,16 @@ impl Index {
                 }
             }
             Event::InitDone => {
-                self.nodes = self.relist.take().unwrap_or_default();
+                let mut relisted = self.relist.take().unwrap_or_default();
+                // A copy offered while the relist ran may be newer than the one listed.
+                for (name, listed) in &mut relisted {
+                    if let Some(held) = self.nodes.get(name)
+                        && !not_older(listed, Some(held))
+                    {
+                        *listed = held.clone();
+                    }
+                }
+                self.nodes = relisted;
                 self.synced = true;
             }
         }
@@ -335,6 +356,23 @@ mod tests {
         // A node the watch has not delivered is the watch's to add.
         cache.offer(&versioned("b", "13", false));
         assert!(cache.get("b").is_none());
+        // The watch's event of an earlier change, arriving after the patch's answer, does not
+        // take the copy back; its event of the patch itself, or of a later change, does.
+        write(&cache.index).event(Event::Apply(versioned("a", "11", false)));
+        assert_eq!(cache.get("a").and_then(|n| n.metadata.resource_version), Some("12".into()));
+        write(&cache.index).event(Event::Apply(versioned("a", "14", false)));
+        assert_eq!(cache.get("a").and_then(|n| n.metadata.resource_version), Some("14".into()));
+        // Nor does a relist that listed the node before its last change.
+        cache.offer(&versioned("a", "16", true));
+        {
+            let mut index = write(&cache.index);
+            index.event(Event::Init);
+            index.event(Event::InitApply(versioned("a", "15", false)));
+            index.event(Event::InitApply(versioned("c", "15", false)));
+            index.event(Event::InitDone);
+        }
+        assert_eq!(cache.get("a").and_then(|n| n.metadata.resource_version), Some("16".into()));
+        assert_eq!(cache.get("c").and_then(|n| n.metadata.resource_version), Some("15".into()));
     }
 
     #[test]

@@ -56,3 +56,9 @@ pub(crate) fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
 pub(crate) fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+/// A resourceVersion as a number, to order two copies of one object (a watch event, a write's
+/// answer): the apiserver's are etcd revisions. One that is not a number is never ordered.
+pub(crate) fn version(rv: Option<&str>) -> Option<u64> {
+    rv.and_then(|v| v.parse().ok())
+}

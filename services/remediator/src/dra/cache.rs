@@ -25,7 +25,7 @@ use kube::Api;
 use kube::runtime::watcher::{self, Event};
 use tokio_util::sync::CancellationToken;
 
-use crate::watch::{follow, read, write};
+use crate::watch::{follow, read, version, write};
 
 use super::{DRIVER, Gpu, MANAGED_BY, MANAGED_BY_LABEL, NODE_ANNOTATION, gpus, owned};
 
@@ -139,12 +139,6 @@ impl DraCache {
 
 fn rule_node(rule: &DeviceTaintRule) -> Option<String> {
     rule.metadata.annotations.as_ref().and_then(|a| a.get(NODE_ANNOTATION)).cloned()
-}
-
-/// A resourceVersion as a number, to order a watch event against a write: the apiserver's
-/// are etcd revisions. One that is not a number is never ordered (the event applies).
-fn version(rv: Option<&str>) -> Option<u64> {
-    rv.and_then(|v| v.parse().ok())
 }
 
 /// An object as the index keeps it.
