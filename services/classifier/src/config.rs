@@ -68,7 +68,8 @@ pub struct Args {
     tick: String,
     /// A batch is written as this many statements at once, split by node, each on its own
     /// connection: Postgres runs one backend per statement, so one statement uses one core of
-    /// the database (docs/profiles.md). At most --database-pool.
+    /// the database (docs/profiles.md). At most --database-pool. A batch of at most 1,000 records
+    /// is one statement (one commit).
     #[arg(long, env = "GPUMEDIC_WRITE_PARALLELISM", default_value_t = 2)]
     write_parallelism: usize,
     /// Which health events are recorded in Postgres: `evidence` (what incident history and a

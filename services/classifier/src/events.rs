@@ -141,6 +141,52 @@ impl InternalEvent for BatchStage {
     }
 }
 
+/// A batch that took longer than [`SlowBatch::THRESHOLD`] (or whose oldest record had waited that
+/// long in Kafka), with where its time went: logged at
+/// most once per [`SlowBatch::EVERY`], with the number of slow batches not logged since, so a
+/// stall on the fault path can be told apart (waiting for the lock, a Postgres look-up, the
+/// publish, the write) without a profiler.
+pub(crate) struct SlowBatch<'a> {
+    pub(crate) records: usize,
+    pub(crate) total: Duration,
+    /// How long its oldest record had waited in Kafka when the batch began.
+    pub(crate) waited: Duration,
+    /// Each step's name and time, in order.
+    pub(crate) steps: &'a [(&'static str, Duration)],
+}
+
+impl SlowBatch<'_> {
+    /// A batch slower than this is logged: ten times a healthy batch under load.
+    pub(crate) const THRESHOLD: Duration = Duration::from_millis(250);
+    /// At most one slow batch is logged per this interval.
+    pub(crate) const EVERY: Duration = Duration::from_secs(10);
+}
+
+impl InternalEvent for SlowBatch<'_> {
+    fn emit(self) {
+        use std::sync::Mutex;
+        static LAST: Mutex<(Option<std::time::Instant>, u64)> = Mutex::new((None, 0));
+        let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        if last.0.is_some_and(|at| now.duration_since(at) < Self::EVERY) {
+            last.1 += 1;
+            return;
+        }
+        let unlogged = std::mem::take(&mut last.1);
+        last.0 = Some(now);
+        drop(last);
+        let steps: Vec<String> = self.steps.iter().map(|(name, d)| format!("{name}={}ms", d.as_millis())).collect();
+        tracing::warn!(
+            records = self.records,
+            total_ms = self.total.as_millis() as u64,
+            waited_ms = self.waited.as_millis() as u64,
+            steps = %steps.join(" "),
+            slow_batches_not_logged = unlogged,
+            "A batch took long; its steps follow."
+        );
+    }
+}
+
 /// A batch's observations are classified and recorded (counted; the hot path logs nothing).
 pub(crate) struct BatchRecorded {
     pub(crate) observations: u64,

@@ -10,7 +10,7 @@ use gpumedic_schemas::{ActionOutcome, EnrichedHealthEvent};
 use tokio::sync::Mutex;
 
 use crate::classifier::{Classifier, ClassifierError};
-use crate::events::{BatchRecorded, BatchStage, ClockSkewClamped, InputRefused, InternalEvent as _};
+use crate::events::{BatchRecorded, BatchStage, ClockSkewClamped, InputRefused, InternalEvent as _, SlowBatch};
 use crate::rules::engine::{Absorbed, Decision, Engine};
 use crate::{nvlink, observe, persist, store, workload};
 
@@ -18,6 +18,39 @@ use crate::{nvlink, observe, persist, store, workload};
 /// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
 fn stage_seconds(stage: &'static str, from: std::time::Instant, to: std::time::Instant) {
     BatchStage { stage, elapsed: to.duration_since(from) }.emit();
+}
+
+/// A batch's steps, timed in order, for [`SlowBatch`].
+struct Steps {
+    started: std::time::Instant,
+    last: std::time::Instant,
+    steps: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Steps {
+    fn new(started: std::time::Instant) -> Self {
+        Steps { started, last: started, steps: Vec::with_capacity(12) }
+    }
+
+    /// Ends the step `name` now.
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.steps.push((name, now.duration_since(self.last)));
+        self.last = now;
+    }
+
+    /// Logs the batch if it was slow, or if its oldest record had waited long in Kafka before
+    /// the batch began (a stall before the handler: the consumer, or the batch before).
+    fn finish(self, records: &[Record]) {
+        let total = self.last.duration_since(self.started);
+        let began_ms = chrono::Utc::now().timestamp_millis() - i64::try_from(total.as_millis()).unwrap_or(i64::MAX);
+        let waited = records.iter().filter_map(|r| r.timestamp_ms).min().map_or(std::time::Duration::ZERO, |t| {
+            std::time::Duration::from_millis(began_ms.saturating_sub(t).max(0).unsigned_abs())
+        });
+        if total >= SlowBatch::THRESHOLD || waited >= SlowBatch::THRESHOLD {
+            SlowBatch { records: records.len(), total, waited, steps: &self.steps }.emit();
+        }
+    }
 }
 
 /// Identifies a batch by its first and last record and its length: the consumer loop offers a
@@ -70,12 +103,16 @@ impl BatchHandler for Handler {
     #[tracing::instrument(name = "classify_batch", skip_all, fields(records = records.len()))]
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
+        let mut steps = Steps::new(started);
         let mut dispositions = vec![Disposition::Done; records.len()];
         let (codec, parts, workload_faults, skew, policy) = {
             let c = self.classifier.lock().await;
             (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance, c.keeper.policy())
         };
-        // One batch per concurrent write; a node's rows all go to the same one.
+        // One batch per concurrent write; a node's rows all go to the same one. A small batch is
+        // one statement: each part is a commit, and a commit's WAL flush, not the rows, is most
+        // of a small write (store::ONE_STATEMENT_UP_TO).
+        let parts = if records.len() <= store::ONE_STATEMENT_UP_TO { 1 } else { parts };
         let mut batch = store::Batch::parts(parts, records.len());
         let mut observations = Vec::with_capacity(records.len());
         // Under `--persist evidence`, the decoded events wait for the engine's word on which to
@@ -126,9 +163,12 @@ impl BatchHandler for Handler {
             }
         }
         let key = batch_key(records);
+        steps.mark("decode");
         let c = &mut *self.classifier.lock().await;
+        steps.mark("lock");
         // Before any record of a newly assigned partition: that node's state comes first.
         c.reconcile().await?;
+        steps.mark("reconcile");
         let decoded = std::time::Instant::now();
         stage_seconds("decode", started, decoded);
         let (decisions, absorbed, kept) = match self.retrying.take() {
@@ -144,6 +184,7 @@ impl BatchHandler for Handler {
                 // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
                 let mut roots = nvlink::Roots::new(c.engine.rules());
                 roots.load(&c.pool, fresh.iter().map(|(_, (_, _, o))| o)).await.map_err(ClassifierError::from)?;
+                steps.mark("look_up");
                 let mut decisions = Vec::new();
                 // Which observations are recorded: every one already recorded (the insert skips
                 // it), and of the fresh ones what the persistence policy keeps.
@@ -173,6 +214,7 @@ impl BatchHandler for Handler {
         }
         let classified = std::time::Instant::now();
         stage_seconds("classify", decoded, classified);
+        steps.mark("classify");
         let outcome = async {
             // Judged here, not with the engine: a failed look-up retries the batch from the
             // engine's decisions, which are kept.
@@ -181,11 +223,13 @@ impl BatchHandler for Handler {
             let inventories: Vec<_> =
                 observations.iter().filter(|(_, _, o)| o.kind == "gpu_inventory").map(|(i, _, o)| (o, *i)).collect();
             judged.extend(c.close_replaced_lemons(&inventories).await?);
+            steps.mark("judge");
             let traced: Vec<(Decision, Option<&[u8]>)> =
                 judged.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
             let published = c.publish(&traced).await?;
             let acknowledged = std::time::Instant::now();
             stage_seconds("publish", classified, acknowledged);
+            steps.mark("publish");
             let mut by_part: Vec<Vec<store::Published>> = vec![Vec::new(); parts];
             for (d, v, t) in published {
                 by_part[store::part_of(&v.node, parts)].push((d, v, t));
@@ -194,14 +238,17 @@ impl BatchHandler for Handler {
                 b.decisions = store::DecisionRows::new(published);
             }
             let written = store::write_parts(&c.pool, &batch).await?;
+            steps.mark("write");
             // After the events are recorded: a failure here retries the batch, which writes
             // nothing twice.
             c.record_workload_faults(sightings).await?;
             stage_seconds("write", acknowledged, std::time::Instant::now());
+            steps.mark("workload");
             // Closed rollups go to their own writer once the batch is recorded, if it has room:
             // no batch, and so no fault, waits for them (crate::rollups).
             if policy == persist::Policy::Evidence {
                 c.rollups.offer(&c.pool, &mut c.keeper, persist::rollups_for_batch(records.len())).await?;
+                steps.mark("rollups");
             }
             Ok::<_, ClassifierError>(written)
         }
@@ -215,6 +262,7 @@ impl BatchHandler for Handler {
                     duplicates: rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)),
                 }
                 .emit();
+                steps.finish(records);
                 Ok(dispositions)
             }
             Err(e) => {

@@ -382,6 +382,13 @@ impl Batch {
     }
 }
 
+/// A batch of at most this many records is written as one statement whatever
+/// `--write-parallelism` says: the parts run on several backends at once, which pays for large
+/// batches (one core of the database per statement), while each part is a commit of its own, and
+/// below a few thousand rows the commit's WAL flush costs more than the rows. On a fault's path
+/// (the batches of a few records each at a fleet's steady rate) that is one flush instead of two.
+pub const ONE_STATEMENT_UP_TO: usize = 1000;
+
 /// Which of `parts` concurrent writes the rows about `node` go to. A node's events, incidents and
 /// verdicts are always in the same part, so one statement still writes each node's rows in
 /// order and folds each incident's updates (FNV-1a: stable across builds and restarts).
