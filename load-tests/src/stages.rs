@@ -13,11 +13,12 @@
 //!   calls, and the watch event that shows the cordon.
 //!
 //! All clocks are this machine's wall clock in milliseconds, so each stage is good to about 1 ms.
-//! The reader consumes the whole enriched topic while it runs (one more consumer on the machine).
+//! The topics are read once the faults are timed, from the ends they had when the run began to
+//! the ends they have then: the timestamps are the producers', so reading late changes nothing,
+//! and no extra consumer loads the broker while the faults are timed (a reader that followed the
+//! whole enriched topic live cost the broker about as many requests as the classifier did).
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -27,11 +28,13 @@ use rdkafka::{Offset, TopicPartitionList};
 /// The stages, in the order of a fault's path.
 pub const STAGES: [&str; 3] = ["to_enriched", "enriched_to_verdict", "verdict_to_cordon"];
 
-/// The reader and the run's trace-id tag.
+/// Where the topics began, and the run's trace-id tag.
 pub struct Stages {
     tag: u64,
-    stop: Arc<AtomicBool>,
-    reader: std::thread::JoinHandle<anyhow::Result<HashMap<(u64, usize), i64>>>,
+    bootstrap: String,
+    names: Vec<String>,
+    /// Each partition of the topics at the end it had when the run began.
+    from: TopicPartitionList,
     sent: HashMap<u64, i64>,
 }
 
@@ -58,54 +61,62 @@ pub fn instant_ms(at: Instant) -> i64 {
 }
 
 impl Stages {
-    /// Starts reading `topics` (enriched, verdicts, in that order; more are read but not split)
-    /// from their current ends. Returns once the ends are fixed, so nothing sent after is missed.
+    /// Notes the current ends of `topics` (enriched, verdicts, in that order; more may be given,
+    /// they are not split), from which [`finish`](Self::finish) reads.
     pub fn start(bootstrap: &str, topics: &[&str]) -> anyhow::Result<Self> {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", bootstrap)
-            .set("group.id", gpumedic_testkit::unique_name("stages-reader"))
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "false")
-            .set("fetch.wait.max.ms", "10")
-            .create()?;
-        let timeout = Duration::from_secs(30);
-        let mut tpl = TopicPartitionList::new();
+        let consumer = reader(bootstrap)?;
+        let mut from = TopicPartitionList::new();
         for topic in topics {
-            let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-            let t = metadata
-                .topics()
-                .iter()
-                .find(|t| t.name() == *topic)
-                .ok_or_else(|| anyhow::anyhow!("topic {topic} has no metadata"))?;
-            for p in t.partitions() {
-                let (_, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
-                tpl.add_partition_offset(topic, p.id(), Offset::Offset(high))?;
+            for (partition, _, high) in watermarks(&consumer, topic)? {
+                from.add_partition_offset(topic, partition, Offset::Offset(high))?;
             }
         }
-        consumer.assign(&tpl)?;
-        let tag = fastrand::u64(1..);
-        let stop = Arc::new(AtomicBool::new(false));
-        let names: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
-        let reader = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut first: HashMap<(u64, usize), i64> = HashMap::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let Some(m) = consumer.poll(Duration::from_millis(100)) else { continue };
-                    let m = m?;
-                    let Some(headers) = m.headers() else { continue };
-                    let Some(tp) = headers.iter().find(|h| h.key == "traceparent").and_then(|h| h.value) else {
-                        continue;
-                    };
-                    let Some(fault) = fault_of(tp, tag) else { continue };
-                    let Some(at) = m.timestamp().to_millis() else { continue };
-                    let topic = names.iter().position(|n| n == m.topic()).unwrap_or(usize::MAX);
-                    first.entry((fault, topic)).and_modify(|t| *t = (*t).min(at)).or_insert(at);
+        Ok(Stages {
+            tag: fastrand::u64(1..),
+            bootstrap: bootstrap.to_owned(),
+            names: topics.iter().map(|t| (*t).to_owned()).collect(),
+            from,
+            sent: HashMap::new(),
+        })
+    }
+
+    /// Per fault and topic, the earliest `CreateTime` of a record carrying the fault's trace:
+    /// every partition read from where it began to the end it has now.
+    fn first_times(&self) -> anyhow::Result<HashMap<(u64, usize), i64>> {
+        let consumer = reader(&self.bootstrap)?;
+        let mut left: HashMap<(String, i32), i64> = HashMap::new();
+        for topic in &self.names {
+            for (partition, _, high) in watermarks(&consumer, topic)? {
+                let start = match self.from.find_partition(topic, partition).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => o,
+                    _ => 0,
+                };
+                if high > start {
+                    left.insert((topic.clone(), partition), high);
                 }
-                Ok(first)
-            })
-        };
-        Ok(Stages { tag, stop, reader, sent: HashMap::new() })
+            }
+        }
+        consumer.assign(&self.from)?;
+        let mut first: HashMap<(u64, usize), i64> = HashMap::new();
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !left.is_empty() {
+            anyhow::ensure!(Instant::now() < deadline, "reading the stage topics stalled with {left:?} unread");
+            let Some(m) = consumer.poll(Duration::from_millis(500)) else { continue };
+            let m = m?;
+            let key = (m.topic().to_owned(), m.partition());
+            if left.get(&key).is_some_and(|high| m.offset() + 1 >= *high) {
+                left.remove(&key);
+            }
+            let Some(headers) = m.headers() else { continue };
+            let Some(tp) = headers.iter().find(|h| h.key == "traceparent").and_then(|h| h.value) else {
+                continue;
+            };
+            let Some(fault) = fault_of(tp, self.tag) else { continue };
+            let Some(at) = m.timestamp().to_millis() else { continue };
+            let topic = self.names.iter().position(|n| n == m.topic()).unwrap_or(usize::MAX);
+            first.entry((fault, topic)).and_modify(|t| *t = (*t).min(at)).or_insert(at);
+        }
+        Ok(first)
     }
 
     /// The `traceparent` header for fault `index`; records that it is sent now.
@@ -114,11 +125,10 @@ impl Stages {
         format!("00-{:016x}{index:016x}-{:016x}-01", self.tag, fastrand::u64(1..))
     }
 
-    /// Stops the reader and splits each fault's latency; `cordoned` is, per fault index, when
-    /// the cordon was seen (milliseconds on the wall clock).
+    /// Reads the topics and splits each fault's latency; `cordoned` is, per fault index, when
+    /// the cordon was seen (milliseconds on the wall clock). Blocks while it reads.
     pub fn finish(self, cordoned: &HashMap<u64, i64>) -> anyhow::Result<Vec<Stage>> {
-        self.stop.store(true, Ordering::Relaxed);
-        let first = self.reader.join().map_err(|_| anyhow::anyhow!("the stage reader panicked"))??;
+        let first = self.first_times()?;
         let mut by_stage: Vec<Vec<f64>> = vec![Vec::new(); STAGES.len()];
         for (index, sent) in &self.sent {
             let points = [
@@ -148,6 +158,34 @@ impl Stages {
             })
             .collect())
     }
+}
+
+/// A consumer outside any group, for reading partitions it is assigned.
+fn reader(bootstrap: &str) -> anyhow::Result<BaseConsumer> {
+    Ok(rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", gpumedic_testkit::unique_name("stages-reader"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()?)
+}
+
+/// Each partition of `topic` with its low and high watermarks.
+fn watermarks(consumer: &BaseConsumer, topic: &str) -> anyhow::Result<Vec<(i32, i64, i64)>> {
+    let timeout = Duration::from_secs(30);
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let t = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(|| anyhow::anyhow!("topic {topic} has no metadata"))?;
+    t.partitions()
+        .iter()
+        .map(|p| {
+            let (low, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
+            Ok((p.id(), low, high))
+        })
+        .collect()
 }
 
 /// The fault index a `traceparent` names under `tag`, if it is one of this run's.
