@@ -308,45 +308,17 @@ async fn kube_client(path: &std::path::Path) -> anyhow::Result<kube::Client> {
 
 /// Every record of `topic` (all partitions, from the start to the current end).
 fn read_topic(bootstrap: &str, topic: &str) -> anyhow::Result<Vec<Vec<u8>>> {
-    // librdkafka assigns partitions only with a group; the consumer never joins it (no
-    // subscription) and is never dropped (see [`GroupLag`]), so no close can hold the run.
-    let consumer: &'static BaseConsumer = Box::leak(Box::new(
-        rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", bootstrap)
-            .set("group.id", testkit::unique_name("chaos-reader"))
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "false")
-            .create()?,
-    ));
-    let timeout = Duration::from_secs(30);
-    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else { return Ok(vec![]) };
-    let mut tpl = TopicPartitionList::new();
-    let mut ends = BTreeMap::new();
-    for p in t.partitions() {
-        let (low, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
-        if high > low {
-            tpl.add_partition_offset(topic, p.id(), Offset::Offset(low))?;
-            ends.insert(p.id(), high);
-        }
-    }
-    if ends.is_empty() {
-        return Ok(vec![]);
-    }
-    consumer.assign(&tpl)?;
+    let consumer = crate::topic_reader(bootstrap)?;
+    let ranges: Vec<_> = crate::watermarks(consumer, topic)?
+        .into_iter()
+        .map(|(p, low, high)| (topic.to_owned(), p, low, high))
+        .collect();
     let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !ends.is_empty() {
-        anyhow::ensure!(Instant::now() < deadline, "reading {topic} stalled with partitions {ends:?} unfinished");
-        let Some(m) = consumer.poll(Duration::from_secs(1)) else { continue };
-        let m = m?;
+    crate::read_ranges(consumer, &ranges, |m| {
         if let Some(p) = m.payload() {
             out.push(p.to_vec());
         }
-        if ends.get(&m.partition()).is_some_and(|end| m.offset() + 1 >= *end) {
-            ends.remove(&m.partition());
-        }
-    }
+    })?;
     Ok(out)
 }
 

@@ -245,6 +245,70 @@ pub(crate) fn scratch_producer(bootstrap: &str) -> anyhow::Result<ThreadedProduc
         .context("producer")
 }
 
+/// A consumer for reading partitions it is assigned. librdkafka assigns partitions only with a
+/// group; the consumer never joins it (no subscription) and is never dropped, so no close can
+/// hold the run.
+pub(crate) fn topic_reader(bootstrap: &str) -> anyhow::Result<&'static rdkafka::consumer::BaseConsumer> {
+    let consumer: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", testkit::unique_name("load-tests-reader"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()?;
+    Ok(Box::leak(Box::new(consumer)))
+}
+
+/// Each partition of `topic` with its low and high watermarks; none for a topic with no metadata.
+pub(crate) fn watermarks(
+    consumer: &rdkafka::consumer::BaseConsumer,
+    topic: &str,
+) -> anyhow::Result<Vec<(i32, i64, i64)>> {
+    let timeout = Duration::from_secs(30);
+    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
+    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else { return Ok(vec![]) };
+    t.partitions()
+        .iter()
+        .map(|p| {
+            let (low, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
+            Ok((p.id(), low, high))
+        })
+        .collect()
+}
+
+/// Reads every record of `ranges` (topic, partition, first offset, end offset: the next after the
+/// last) with `consumer`, handing each to `each`; fails when it stalls for five minutes.
+pub(crate) fn read_ranges(
+    consumer: &rdkafka::consumer::BaseConsumer,
+    ranges: &[(String, i32, i64, i64)],
+    mut each: impl FnMut(&rdkafka::message::BorrowedMessage<'_>),
+) -> anyhow::Result<()> {
+    use rdkafka::Message as _;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    let mut ends = std::collections::BTreeMap::new();
+    for (topic, partition, from, end) in ranges {
+        if end > from {
+            tpl.add_partition_offset(topic, *partition, rdkafka::Offset::Offset(*from))?;
+            ends.insert((topic.clone(), *partition), *end);
+        }
+    }
+    if ends.is_empty() {
+        return Ok(());
+    }
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !ends.is_empty() {
+        anyhow::ensure!(Instant::now() < deadline, "reading stalled with partitions {ends:?} unfinished");
+        let Some(m) = consumer.poll(Duration::from_secs(1)) else { continue };
+        let m = m?;
+        each(&m);
+        let key = (m.topic().to_owned(), m.partition());
+        if ends.get(&key).is_some_and(|end| m.offset() + 1 >= *end) {
+            ends.remove(&key);
+        }
+    }
+    Ok(())
+}
+
 /// Reads `records` records of `topic` in a new consumer group with the services' consumer, doing
 /// nothing with them: the raw consume rate the scenarios print their figures beside.
 pub(crate) async fn raw_consume_rate(settings: &KafkaSettings, topic: &str, records: usize) -> anyhow::Result<f64> {

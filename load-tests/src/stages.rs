@@ -19,11 +19,9 @@
 //! whole enriched topic live cost the broker about as many requests as the classifier did).
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
-use rdkafka::{Offset, TopicPartitionList};
 
 /// The stages, in the order of a fault's path.
 pub const STAGES: [&str; 3] = ["to_enriched", "enriched_to_verdict", "verdict_to_cordon"];
@@ -33,8 +31,8 @@ pub struct Stages {
     tag: u64,
     bootstrap: String,
     names: Vec<String>,
-    /// Each partition of the topics at the end it had when the run began.
-    from: TopicPartitionList,
+    /// Each partition of the topics (topic, partition) at the end it had when the run began.
+    from: Vec<(String, i32, i64)>,
     sent: HashMap<u64, i64>,
 }
 
@@ -64,12 +62,12 @@ impl Stages {
     /// Notes the current ends of `topics` (enriched, verdicts, in that order; more may be given,
     /// they are not split), from which [`finish`](Self::finish) reads.
     pub fn start(bootstrap: &str, topics: &[&str]) -> anyhow::Result<Self> {
-        let consumer = reader(bootstrap)?;
-        let mut from = TopicPartitionList::new();
+        let consumer = crate::topic_reader(bootstrap)?;
+        let mut from = Vec::new();
         for topic in topics {
-            for (partition, _, high) in watermarks(&consumer, topic)? {
-                from.add_partition_offset(topic, partition, Offset::Offset(high))?;
-            }
+            let partitions = crate::watermarks(consumer, topic)?;
+            anyhow::ensure!(!partitions.is_empty(), "topic {topic} has no metadata");
+            from.extend(partitions.into_iter().map(|(p, _, high)| ((*topic).to_owned(), p, high)));
         }
         Ok(Stages {
             tag: fastrand::u64(1..),
@@ -83,39 +81,24 @@ impl Stages {
     /// Per fault and topic, the earliest `CreateTime` of a record carrying the fault's trace:
     /// every partition read from where it began to the end it has now.
     fn first_times(&self) -> anyhow::Result<HashMap<(u64, usize), i64>> {
-        let consumer = reader(&self.bootstrap)?;
-        let mut left: HashMap<(String, i32), i64> = HashMap::new();
+        let consumer = crate::topic_reader(&self.bootstrap)?;
+        let mut ranges = Vec::new();
         for topic in &self.names {
-            for (partition, _, high) in watermarks(&consumer, topic)? {
-                let start = match self.from.find_partition(topic, partition).map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => o,
-                    _ => 0,
-                };
-                if high > start {
-                    left.insert((topic.clone(), partition), high);
-                }
+            for (partition, _, high) in crate::watermarks(consumer, topic)? {
+                let start = self.from.iter().find(|(t, p, _)| t == topic && *p == partition).map_or(0, |f| f.2);
+                ranges.push((topic.clone(), partition, start, high));
             }
         }
-        consumer.assign(&self.from)?;
         let mut first: HashMap<(u64, usize), i64> = HashMap::new();
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while !left.is_empty() {
-            anyhow::ensure!(Instant::now() < deadline, "reading the stage topics stalled with {left:?} unread");
-            let Some(m) = consumer.poll(Duration::from_millis(500)) else { continue };
-            let m = m?;
-            let key = (m.topic().to_owned(), m.partition());
-            if left.get(&key).is_some_and(|high| m.offset() + 1 >= *high) {
-                left.remove(&key);
-            }
-            let Some(headers) = m.headers() else { continue };
-            let Some(tp) = headers.iter().find(|h| h.key == "traceparent").and_then(|h| h.value) else {
-                continue;
+        crate::read_ranges(consumer, &ranges, |m| {
+            let Some(tp) = m.headers().and_then(|h| h.iter().find(|h| h.key == "traceparent")).and_then(|h| h.value)
+            else {
+                return;
             };
-            let Some(fault) = fault_of(tp, self.tag) else { continue };
-            let Some(at) = m.timestamp().to_millis() else { continue };
+            let (Some(fault), Some(at)) = (fault_of(tp, self.tag), m.timestamp().to_millis()) else { return };
             let topic = self.names.iter().position(|n| n == m.topic()).unwrap_or(usize::MAX);
             first.entry((fault, topic)).and_modify(|t| *t = (*t).min(at)).or_insert(at);
-        }
+        })?;
         Ok(first)
     }
 
@@ -158,34 +141,6 @@ impl Stages {
             })
             .collect())
     }
-}
-
-/// A consumer outside any group, for reading partitions it is assigned.
-fn reader(bootstrap: &str) -> anyhow::Result<BaseConsumer> {
-    Ok(rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("group.id", gpumedic_testkit::unique_name("stages-reader"))
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .create()?)
-}
-
-/// Each partition of `topic` with its low and high watermarks.
-fn watermarks(consumer: &BaseConsumer, topic: &str) -> anyhow::Result<Vec<(i32, i64, i64)>> {
-    let timeout = Duration::from_secs(30);
-    let metadata = consumer.fetch_metadata(Some(topic), timeout)?;
-    let t = metadata
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic)
-        .ok_or_else(|| anyhow::anyhow!("topic {topic} has no metadata"))?;
-    t.partitions()
-        .iter()
-        .map(|p| {
-            let (low, high) = consumer.fetch_watermarks(topic, p.id(), timeout)?;
-            Ok((p.id(), low, high))
-        })
-        .collect()
 }
 
 /// The fault index a `traceparent` names under `tag`, if it is one of this run's.

@@ -23,29 +23,32 @@ fn stage_seconds(stage: &'static str, from: std::time::Instant, to: std::time::I
 /// A batch's steps, timed in order, for [`SlowBatch`].
 struct Steps {
     started: std::time::Instant,
+    /// When the batch began, on the clock of the records' timestamps.
+    began_ms: i64,
     last: std::time::Instant,
     steps: Vec<(&'static str, std::time::Duration)>,
 }
 
 impl Steps {
     fn new(started: std::time::Instant) -> Self {
-        Steps { started, last: started, steps: Vec::with_capacity(12) }
+        let began_ms = chrono::Utc::now().timestamp_millis();
+        Steps { started, began_ms, last: started, steps: Vec::with_capacity(12) }
     }
 
-    /// Ends the step `name` now.
-    fn mark(&mut self, name: &'static str) {
+    /// Ends the step `name` now, and returns now.
+    fn mark(&mut self, name: &'static str) -> std::time::Instant {
         let now = std::time::Instant::now();
         self.steps.push((name, now.duration_since(self.last)));
         self.last = now;
+        now
     }
 
     /// Logs the batch if it was slow, or if its oldest record had waited long in Kafka before
     /// the batch began (a stall before the handler: the consumer, or the batch before).
     fn finish(self, records: &[Record]) {
         let total = self.last.duration_since(self.started);
-        let began_ms = chrono::Utc::now().timestamp_millis() - i64::try_from(total.as_millis()).unwrap_or(i64::MAX);
         let waited = records.iter().filter_map(|r| r.timestamp_ms).min().map_or(std::time::Duration::ZERO, |t| {
-            std::time::Duration::from_millis(began_ms.saturating_sub(t).max(0).unsigned_abs())
+            std::time::Duration::from_millis(self.began_ms.saturating_sub(t).max(0).unsigned_abs())
         });
         if total >= SlowBatch::THRESHOLD || waited >= SlowBatch::THRESHOLD {
             SlowBatch { records: records.len(), total, waited, steps: &self.steps }.emit();
@@ -168,8 +171,7 @@ impl BatchHandler for Handler {
         steps.mark("lock");
         // Before any record of a newly assigned partition: that node's state comes first.
         c.reconcile().await?;
-        steps.mark("reconcile");
-        let decoded = std::time::Instant::now();
+        let decoded = steps.mark("reconcile");
         stage_seconds("decode", started, decoded);
         let (decisions, absorbed, kept) = match self.retrying.take() {
             Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
@@ -212,9 +214,8 @@ impl BatchHandler for Handler {
         for a in &absorbed {
             batch[store::part_of(&a.node, parts)].sympathetic.push(a);
         }
-        let classified = std::time::Instant::now();
+        let classified = steps.mark("classify");
         stage_seconds("classify", decoded, classified);
-        steps.mark("classify");
         let outcome = async {
             // Judged here, not with the engine: a failed look-up retries the batch from the
             // engine's decisions, which are kept.
@@ -227,9 +228,8 @@ impl BatchHandler for Handler {
             let traced: Vec<(Decision, Option<&[u8]>)> =
                 judged.iter().map(|(d, i)| (d.clone(), records[*i].header(record_headers::TRACEPARENT))).collect();
             let published = c.publish(&traced).await?;
-            let acknowledged = std::time::Instant::now();
+            let acknowledged = steps.mark("publish");
             stage_seconds("publish", classified, acknowledged);
-            steps.mark("publish");
             let mut by_part: Vec<Vec<store::Published>> = vec![Vec::new(); parts];
             for (d, v, t) in published {
                 by_part[store::part_of(&v.node, parts)].push((d, v, t));
@@ -242,8 +242,7 @@ impl BatchHandler for Handler {
             // After the events are recorded: a failure here retries the batch, which writes
             // nothing twice.
             c.record_workload_faults(sightings).await?;
-            stage_seconds("write", acknowledged, std::time::Instant::now());
-            steps.mark("workload");
+            stage_seconds("write", acknowledged, steps.mark("workload"));
             // Closed rollups go to their own writer once the batch is recorded, if it has room:
             // no batch, and so no fault, waits for them (crate::rollups).
             if policy == persist::Policy::Evidence {
