@@ -65,6 +65,7 @@ impl MetricLabel for ClassifierError {
             Self::Migrate(_) => "migration",
             Self::Kafka(_) => "kafka",
             Self::Ownership(_) => "ownership",
+            Self::NotWritten(_) => "not_written",
         }
     }
 }

@@ -44,6 +44,7 @@ mod events;
 mod handler;
 mod rollups;
 mod ticker;
+mod writer;
 
 pub use classifier::{Classifier, ClassifierError};
 pub use config::{Args, Config, Defaults, Topics};
@@ -117,6 +118,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             lemons: config.lemons,
             keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
             rollups: rollups::RollupWriter::start(pool.clone(), token.clone()),
+            writes: writer::Writes::default(),
         })
     };
     let classifier = match setup.await {

@@ -36,6 +36,9 @@ pub(crate) async fn ticker(
         if decisions.is_empty() {
             continue;
         }
+        // Its reads of the hardware history and its updates of incidents come after every batch
+        // write on its way (crate::writer): an incident a batch opened is in Postgres first.
+        c.writes.landed(false).await;
         // The engine already moved on, so retry from the decisions we hold until both writes
         // succeed (ids are deterministic: a repeat publish is deduplicated downstream).
         loop {

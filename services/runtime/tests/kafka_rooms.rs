@@ -131,6 +131,98 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
     assert_eq!(total, 50);
 }
 
+/// Accepts each batch at once and makes it durable only when settled, oldest first, like a
+/// handler writing in the background; the second settle fails, giving up what was accepted.
+struct Deferred {
+    offered: Seen,
+    durable: Seen,
+    accepted: std::collections::VecDeque<Vec<(i32, i64)>>,
+    settles: usize,
+    most_accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl BatchHandler for Deferred {
+    async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
+        let batch: Vec<(i32, i64)> = records.iter().map(|r| (r.partition, r.offset)).collect();
+        self.offered.lock().unwrap().push(batch.clone());
+        self.accepted.push_back(batch);
+        self.most_accepted.fetch_max(self.accepted.len(), std::sync::atomic::Ordering::SeqCst);
+        Ok(vec![Disposition::Done; records.len()])
+    }
+
+    async fn settle(&mut self) -> Result<(), BoxError> {
+        self.settles += 1;
+        if self.settles == 2 {
+            self.accepted.clear();
+            return Err("the write failed".into());
+        }
+        if let Some(batch) = self.accepted.pop_front() {
+            self.durable.lock().unwrap().push(batch);
+        }
+        Ok(())
+    }
+}
+
+/// Against the testbed's Kafka: with a handler that settles later, the loop handles the next
+/// batch while one is unsettled (never more than one besides the batch in hand), and when a settle
+/// fails it offers the given-up batches again in order; every record ends durable exactly once,
+/// and the offsets committed are the ends of the partitions.
+#[tokio::test]
+async fn batches_settled_later_are_offered_again_in_order_when_settling_fails() {
+    use rdkafka::TopicPartitionList;
+    let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
+    let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
+    let topic = testkit::unique_name("settle");
+    let group = testkit::unique_name("settle");
+    settings.ensure_topics(&stage_topics(&[&topic], &[], 1)).await.expect("topics");
+    let producer = settings.producer("settle-test").expect("producer");
+    for i in 0..50 {
+        publish(&producer, &topic, &format!("k{i}"), b"good", &[]).await.expect("published");
+    }
+    let (offered, durable): (Seen, Seen) = Default::default();
+    let most_accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = Deferred {
+        offered: offered.clone(),
+        durable: durable.clone(),
+        accepted: Default::default(),
+        settles: 0,
+        most_accepted: most_accepted.clone(),
+    };
+    let ready = Readiness::default().register("assigned");
+    let consumer = settings.consumer("test", &group, &[&topic], ready).expect("consumer");
+    let token = CancellationToken::new();
+    let batch = BatchSettings::new(8, Duration::from_millis(200));
+    let task = tokio::spawn(run_batch_consumer("test", consumer, producer.clone(), handler, batch, token.clone()));
+    testkit::eventually_with("every record to be durable", Duration::from_secs(60), async || {
+        let durable = durable.lock().unwrap();
+        if durable.iter().map(Vec::len).sum::<usize>() >= 50 { Ok(()) } else { Err(format!("{durable:?}")) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    token.cancel();
+    task.await.expect("joins").expect("commits");
+
+    let offered = offered.lock().unwrap().clone();
+    let durable = durable.lock().unwrap().clone();
+    let all: Vec<(i32, i64)> = durable.iter().flatten().copied().collect();
+    assert_eq!(all, (0..50).map(|o| (0, o)).collect::<Vec<_>>(), "each record durable once, in order: {durable:?}");
+    assert_eq!(most_accepted.load(std::sync::atomic::Ordering::SeqCst), 2, "one batch handled while one settles");
+    // The second settle gave up the second and third batches: both came again, in order.
+    assert!(offered.len() >= 5, "{offered:?}");
+    assert_eq!(offered[3], offered[1], "the batch whose settle failed comes again first: {offered:?}");
+    assert_eq!(offered[4], offered[2], "then the batch handled after it: {offered:?}");
+
+    let check: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &settings.bootstrap)
+        .set("group.id", &group)
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(&topic, 0);
+    let committed = check.committed_offsets(tpl, Duration::from_secs(10)).expect("committed offsets");
+    assert_eq!(committed.find_partition(&topic, 0).map(|e| e.offset()), Some(rdkafka::Offset::Offset(50)));
+}
+
 /// Against the testbed's Kafka: a group started at the end reads only what was written after,
 /// including a record written before any member has its partitions; a missing topic is left out.
 #[tokio::test]

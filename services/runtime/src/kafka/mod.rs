@@ -39,7 +39,7 @@ pub use batch::{
 };
 pub use consume::{DEFAULT_POISON_ATTEMPTS, run_consumer};
 pub(crate) use consume::{commit_stored, observe_latency, register_consumer_metrics, report_poison};
-pub use context::{Assignment, ServiceContext};
+pub use context::{Assignment, REVOKE_WAIT, ServiceContext, WriteGuard};
 pub(crate) use dead_letter::dead_letter_until_done;
 pub use dead_letter::{dead_letter, dlq_headers};
 pub use hold::{Hold, POLL_GRACE};
