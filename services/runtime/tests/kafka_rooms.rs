@@ -133,7 +133,7 @@ async fn batch_consumer_retries_whole_batches_and_commits_after_them() {
 
 /// Accepts each batch at once and makes it durable only when settled, oldest first, like a
 /// handler writing in the background; the second settle fails, giving up what was accepted.
-struct Deferred {
+struct Deferred<const N: usize> {
     offered: Seen,
     durable: Seen,
     accepted: std::collections::VecDeque<Vec<(i32, i64)>>,
@@ -141,7 +141,9 @@ struct Deferred {
     most_accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
-impl BatchHandler for Deferred {
+impl<const N: usize> BatchHandler for Deferred<N> {
+    const UNSETTLED: usize = N;
+
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let batch: Vec<(i32, i64)> = records.iter().map(|r| (r.partition, r.offset)).collect();
         self.offered.lock().unwrap().push(batch.clone());
@@ -164,11 +166,16 @@ impl BatchHandler for Deferred {
 }
 
 /// Against the testbed's Kafka: with a handler that settles later, the loop handles the next
-/// batch while one is unsettled (never more than one besides the batch in hand), and when a settle
-/// fails it offers the given-up batches again in order; every record ends durable exactly once,
-/// and the offsets committed are the ends of the partitions.
+/// batch while up to its limit are unsettled (never more), and when a settle fails it offers the
+/// given-up batches again in order; every record ends durable exactly once, and the offsets
+/// committed are the ends of the partitions.
 #[tokio::test]
 async fn batches_settled_later_are_offered_again_in_order_when_settling_fails() {
+    settled_later::<1>().await;
+    settled_later::<3>().await;
+}
+
+async fn settled_later<const N: usize>() {
     use rdkafka::TopicPartitionList;
     let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
     let settings = KafkaSettings { bootstrap, options: vec![], schema_registry: None, topic_replication: None };
@@ -181,7 +188,7 @@ async fn batches_settled_later_are_offered_again_in_order_when_settling_fails() 
     }
     let (offered, durable): (Seen, Seen) = Default::default();
     let most_accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let handler = Deferred {
+    let handler = Deferred::<N> {
         offered: offered.clone(),
         durable: durable.clone(),
         accepted: Default::default(),
@@ -206,11 +213,11 @@ async fn batches_settled_later_are_offered_again_in_order_when_settling_fails() 
     let durable = durable.lock().unwrap().clone();
     let all: Vec<(i32, i64)> = durable.iter().flatten().copied().collect();
     assert_eq!(all, (0..50).map(|o| (0, o)).collect::<Vec<_>>(), "each record durable once, in order: {durable:?}");
-    assert_eq!(most_accepted.load(std::sync::atomic::Ordering::SeqCst), 2, "one batch handled while one settles");
-    // The second settle gave up the second and third batches: both came again, in order.
-    assert!(offered.len() >= 5, "{offered:?}");
-    assert_eq!(offered[3], offered[1], "the batch whose settle failed comes again first: {offered:?}");
-    assert_eq!(offered[4], offered[2], "then the batch handled after it: {offered:?}");
+    assert_eq!(most_accepted.load(std::sync::atomic::Ordering::SeqCst), N + 1, "N unsettled and one in hand");
+    // The second settle gave up the second batch and the N handled after it: each came again,
+    // in order, the one whose settle failed first.
+    assert!(offered.len() >= 2 * N + 3, "{offered:?}");
+    assert_eq!(offered[N + 2..2 * N + 3], offered[1..N + 2], "offered again in order: {offered:?}");
 
     let check: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &settings.bootstrap)

@@ -1,5 +1,6 @@
 //! The batch-at-a-time loop ([`run_batch_consumer`]) for stages that write in bulk.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
@@ -32,10 +33,16 @@ pub enum Disposition {
 /// read and handled while the last one is written: `handle_batch` then only accepts the batch,
 /// and [`settle`](BatchHandler::settle) waits for it. The loop settles the batches in the order
 /// they were accepted, one per call, and stores a batch's offsets, and dead-letters what it
-/// refused, only once it is settled; it keeps at most one batch unsettled while it handles the
-/// next, and settles it at once when no record is waiting. A handler that makes the effects
-/// durable in `handle_batch` keeps the default `settle`, which has nothing to wait for.
+/// refused, only once it is settled; it keeps at most
+/// [`UNSETTLED`](BatchHandler::UNSETTLED) batches unsettled while it handles the next, and
+/// settles them at once when no record is waiting. A handler that makes the effects durable in
+/// `handle_batch` keeps the default `settle`, which has nothing to wait for.
 pub trait BatchHandler: Send {
+    /// How many batches may be unsettled while the next is handled: how far the effects may run
+    /// behind the handling (a write stalled that long holds the next batches' offsets, not their
+    /// handling).
+    const UNSETTLED: usize = 1;
+
     /// Makes the effects of `records` durable (or starts to, for [`settle`](BatchHandler::settle)
     /// to finish) and returns one [`Disposition`] per record, in order; or fails the whole batch,
     /// in which case the same batch is offered again after a backoff and no offset is stored. An
@@ -247,13 +254,34 @@ impl<H: BatchHandler> Loop<'_, H> {
         self.finish(Handled { records, dispositions, started }).await
     }
 
-    /// Settles the batch left unsettled, offering it again if settling fails; `false` when
-    /// cancelled.
-    async fn settle(&mut self, batch: Handled) -> bool {
+    /// Settles the oldest of `unsettled`; if settling fails, every batch of `unsettled` was
+    /// given up and each is offered again, in order. `false` when cancelled.
+    async fn settle_oldest(&mut self, unsettled: &mut VecDeque<Handled>) -> bool {
+        let Some(oldest) = unsettled.pop_front() else { return true };
         match self.hold.run(self.handler.settle()).await {
-            Ok(()) => self.finish(batch).await,
-            Err(e) => self.resolve(batch.records, Some(e), batch.started).await,
+            Ok(()) => self.finish(oldest).await,
+            Err(e) => {
+                if !self.resolve(oldest.records, Some(e), oldest.started).await {
+                    return false;
+                }
+                while let Some(b) = unsettled.pop_front() {
+                    if !self.resolve(b.records, None, b.started).await {
+                        return false;
+                    }
+                }
+                true
+            }
         }
+    }
+
+    /// Settles every batch of `unsettled`, oldest first; `false` when cancelled.
+    async fn settle_all(&mut self, unsettled: &mut VecDeque<Handled>) -> bool {
+        while !unsettled.is_empty() {
+            if !self.settle_oldest(unsettled).await {
+                return false;
+            }
+        }
+        true
     }
 
     /// A settled batch: its refused records dead-lettered, its counts added and each
@@ -310,8 +338,8 @@ impl<H: BatchHandler> Loop<'_, H> {
 /// consumption order, so each partition's order is kept; hand them to `handler`; once the
 /// handler has settled them ([`BatchHandler::settle`]), dead-letter the records it refused and
 /// wait for Kafka to acknowledge them; and only then store each partition's highest offset. While
-/// one batch settles the next is gathered and handled, if records are waiting; otherwise the
-/// batch is settled before the loop waits for more. A batch that fails with a transient error is
+/// up to [`BatchHandler::UNSETTLED`] batches settle the next is gathered and handled, if records
+/// are waiting; otherwise they are settled before the loop waits for more. A batch that fails with a transient error is
 /// retried whole with backoff and nothing is stored; one that fails with a permanent error
 /// ([`fault::is_permanent`]) `batch.limits.poison_attempts` times is handled one record at a
 /// time, and a record failing alone that way is dead-lettered with the error. While a handler is
@@ -330,17 +358,15 @@ pub async fn run_batch_consumer<H: BatchHandler>(
     let max_bytes = batch.limits.max_bytes;
     let attempts = batch.limits.poison_attempts.max(1);
     let mut l = Loop { service, consumer: &consumer, dlq, handler, attempts, hold: Hold::new(&consumer), token };
-    // The batch handled and accepted whose effects may still be on their way.
-    let mut unsettled: Option<Handled> = None;
+    // The batches handled and accepted whose effects may still be on their way, oldest first.
+    let mut unsettled: VecDeque<Handled> = VecDeque::with_capacity(H::UNSETTLED + 1);
     'batches: loop {
-        // With a batch unsettled, the next is read now only if a record is waiting; otherwise
-        // the batch is settled first, so its offsets are not held while the topic is quiet.
+        // With batches unsettled, the next is read now only if a record is waiting; otherwise
+        // they are settled first, so their offsets are not held while the topic is quiet.
         let first = match l.hold.ready() {
             Some(r) => r,
             None => {
-                if let Some(prev) = unsettled.take()
-                    && !l.settle(prev).await
-                {
+                if !l.settle_all(&mut unsettled).await {
                     break 'batches;
                 }
                 let Some(r) = l.hold.next(&l.token).await else { break };
@@ -373,40 +399,25 @@ pub async fn run_batch_consumer<H: BatchHandler>(
             records.push(next);
         }
         let started = std::time::Instant::now();
-        // The first attempt overlaps the unsettled batch's effects.
-        let handled = l.hold.run(l.handler.handle_batch(&records)).await;
-        let done = match (handled, unsettled.take()) {
-            (Ok(dispositions), None) => {
-                unsettled = Some(Handled { records, dispositions, started });
-                true
+        // The first attempt overlaps the unsettled batches' effects.
+        let done = match l.hold.run(l.handler.handle_batch(&records)).await {
+            Ok(dispositions) => {
+                unsettled.push_back(Handled { records, dispositions, started });
+                // Settling the oldest past the limit; a failure gives up this batch too.
+                unsettled.len() <= H::UNSETTLED.max(1) || l.settle_oldest(&mut unsettled).await
             }
-            (Ok(dispositions), Some(prev)) => match l.hold.run(l.handler.settle()).await {
-                Ok(()) => {
-                    unsettled = Some(Handled { records, dispositions, started });
-                    l.finish(prev).await
-                }
-                // Both batches were given up: each is offered again, in order.
-                Err(e) => {
-                    l.resolve(prev.records, Some(e), prev.started).await && l.resolve(records, None, started).await
-                }
-            },
-            (Err(e), prev) => {
-                let settled = match prev {
-                    Some(prev) => l.settle(prev).await,
-                    None => true,
-                };
-                settled && l.resolve(records, Some(e), started).await
-            }
+            Err(e) => l.settle_all(&mut unsettled).await && l.resolve(records, Some(e), started).await,
         };
         if !done {
             break 'batches;
         }
         l.hold.resume();
     }
-    if let Some(prev) = unsettled.take() {
-        // A batch whose settling fails now is left unstored: it comes again after restart.
-        if let Ok(()) = l.hold.run(l.handler.settle()).await {
-            l.finish(prev).await;
+    while let Some(oldest) = unsettled.pop_front() {
+        // A batch whose settling fails now is left unstored, and those after it: they come
+        // again after restart.
+        if l.hold.run(l.handler.settle()).await.is_err() || !l.finish(oldest).await {
+            break;
         }
     }
     commit_stored(&consumer)
