@@ -112,12 +112,16 @@ pub struct Handler {
     /// in (and would ignore them a second time), so they must not be lost with a failed publish
     /// or write.
     retrying: Vec<Retry>,
+    /// Whether a batch's write may still be on its way when it returns (`--overlap-writes`);
+    /// otherwise each batch is written before `handle_batch` returns.
+    overlap: bool,
 }
 
 impl Handler {
-    /// A handler over `classifier`, recording outcomes read from `actions_topic`.
-    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String) -> Self {
-        Handler { classifier, actions_topic, retrying: Vec::new() }
+    /// A handler over `classifier`, recording outcomes read from `actions_topic`; with
+    /// `overlap`, writing each batch while the next ones are handled.
+    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String, overlap: bool) -> Self {
+        Handler { classifier, actions_topic, retrying: Vec::new(), overlap }
     }
 
     /// The kept decisions of the batch `key`, if it is being retried; batches given up before it
@@ -200,7 +204,8 @@ impl BatchHandler for Handler {
         let key = batch_key(records);
         steps.mark("decode");
         let classifier = self.classifier.clone();
-        let c = &mut *classifier.lock().await;
+        let mut guard = classifier.lock().await;
+        let c = &mut *guard;
         steps.mark("lock");
         // Before any record of a newly assigned partition: that node's state comes first.
         c.reconcile().await?;
@@ -209,10 +214,23 @@ impl BatchHandler for Handler {
         let (decisions, absorbed, kept) = match self.retry_of(key.as_ref()) {
             Some((_, decisions, absorbed, kept)) => (decisions, absorbed, kept),
             None => {
-                // The look-ups read incident history: every earlier batch that writes some must
-                // have landed. One that failed is written again first (the loop offers it before
-                // this batch, which the engine has not seen yet).
-                if !c.writes.landed(true).await {
+                // The look-ups read incidents of these nodes, GPUs and domains: every earlier
+                // batch that writes some must have landed. One that failed is written again first
+                // (the loop offers it before this batch, which the engine has not seen yet).
+                // A large batch means the classifier is behind: its look-ups would contend with
+                // the writes for the same database and cores (measured at 10,000 nodes: each
+                // record's write cost a third more), so it waits for them all and only its
+                // decoding overlaps them.
+                let landed = if records.len() > store::ONE_STATEMENT_UP_TO {
+                    c.writes.landed_all().await
+                } else {
+                    let mut reads = writer::Parts::default();
+                    for (_, _, o) in &observations {
+                        reads.add(&o.node, o.gpu.as_deref(), o.nvlink_domain.as_deref());
+                    }
+                    c.writes.landed(&reads).await
+                };
+                if !landed {
                     return Err(Box::new(Labeled::new(ClassifierError::NotWritten(
                         "the write of an earlier batch failed; it is written first".into(),
                     ))));
@@ -284,11 +302,11 @@ impl BatchHandler for Handler {
             if policy == persist::Policy::Evidence {
                 c.rollups.offer(&c.pool, &mut c.keeper, persist::rollups_for_batch(records.len())).await?;
             }
-            Ok::<_, ClassifierError>(judged.len())
+            Ok::<_, ClassifierError>(())
         }
         .await;
-        let judged = match outcome {
-            Ok(judged) => judged,
+        match outcome {
+            Ok(()) => {}
             Err(e) => {
                 // Ahead of any batch given up after it, which the loop offers after it.
                 if let Some(key) = key {
@@ -297,10 +315,14 @@ impl BatchHandler for Handler {
                 // Counted by what failed (handler_retries_total{kind}).
                 return Err(Box::new(Labeled::new(e)));
             }
-        };
-        // Later batches' look-ups, and the ticker, wait for a write of incident history.
-        let history =
-            judged > 0 || !absorbed.is_empty() || !sightings.is_empty() || batch.iter().any(|b| !b.actions.is_empty());
+        }
+        // Later batches' look-ups of these parts wait for this write.
+        let mut history = writer::Parts::default();
+        for b in &batch {
+            for (node, gpu, domain) in b.decisions.parts() {
+                history.add(node, gpu, domain);
+            }
+        }
         let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
         let job = writer::Job {
             pool: c.pool.clone(),
@@ -319,6 +341,12 @@ impl BatchHandler for Handler {
             oldest_ms,
         };
         c.writes.start(job, history, then);
+        if !self.overlap {
+            // Written before the next batch is read: a failure keeps the batch's decisions for
+            // its retry, as settle does.
+            drop(guard);
+            self.settle().await?;
+        }
         Ok(dispositions)
     }
 

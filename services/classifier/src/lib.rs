@@ -156,7 +156,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         service.shutdown.spawn("rules-watch", watch);
     }
     let Config { stage, topics: t, batch, .. } = config;
-    let handler = Handler::new(classifier, t.actions.clone());
+    let handler = Handler::new(classifier, t.actions.clone(), config.overlap_writes);
     let stage = Stage::new(stage, [t.enriched, t.actions], [t.verdicts]).tracking(assignment);
     service.spawn_stage(stage, batch, handler);
     service.run().await

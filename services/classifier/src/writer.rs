@@ -10,10 +10,12 @@
 //!
 //! - **Order.** Each write waits for the one before it to land, so a node's incident is inserted
 //!   before a later batch updates it; a write whose predecessor failed writes nothing.
-//! - **History read after it lands.** A batch that writes incident history (decisions, sympathetic
-//!   evidence, action outcomes, workload sightings) is waited for before the next batch's
-//!   look-ups (NVLink roots, lemon history), and by the ticker before it decides: their reads see
-//!   every earlier decision. A batch of healthy telemetry, most batches, is not waited for.
+//! - **History read after it lands.** A batch that writes incidents is waited for before a later
+//!   batch's look-ups of incidents (NVLink roots by domain, lemon history by node and GPU) when
+//!   they concern one of its nodes, GPUs or domains ([`Parts`]), and by the ticker before it
+//!   decides: their reads see every earlier decision about what they read. Other batches (healthy
+//!   telemetry, faults on other nodes: nearly all) are not waited for. Workload faults are
+//!   decided inside the writes, in order, and no look-up reads sympathetic evidence or outcomes.
 //! - **Failure.** A failed write gives up its batch and every later one still on its way: the
 //!   handler keeps what each needs to be written again (its decisions, as the engine has already
 //!   taken its events in), the loop offers them again in order, and each is then written before
@@ -23,7 +25,7 @@
 //! - **Crash.** Offsets are stored only after the write, so a crash redelivers the batch, and the
 //!   write is idempotent, as before.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use gpumedic_runtime::kafka::WriteGuard;
@@ -53,10 +55,42 @@ pub(crate) struct Job {
     pub(crate) guard: WriteGuard,
 }
 
+/// Nodes, GPUs and NVLink domains: those a batch's incidents concern, or those a batch's
+/// look-ups read.
+#[derive(Debug, Default)]
+pub(crate) struct Parts {
+    nodes: HashSet<String>,
+    gpus: HashSet<String>,
+    domains: HashSet<String>,
+}
+
+impl Parts {
+    /// Adds a node, with its GPU and NVLink domain when known.
+    pub(crate) fn add(&mut self, node: &str, gpu: Option<&str>, domain: Option<&str>) {
+        if !self.nodes.contains(node) {
+            self.nodes.insert(node.to_owned());
+        }
+        if let Some(g) = gpu.filter(|g| !self.gpus.contains(*g)) {
+            self.gpus.insert(g.to_owned());
+        }
+        if let Some(d) = domain.filter(|d| !self.domains.contains(*d)) {
+            self.domains.insert(d.to_owned());
+        }
+    }
+
+    /// Whether the two share a node, a GPU or a domain.
+    pub(crate) fn meets(&self, other: &Parts) -> bool {
+        let (small, large) = if self.nodes.len() <= other.nodes.len() { (self, other) } else { (other, self) };
+        small.nodes.iter().any(|n| large.nodes.contains(n))
+            || small.gpus.iter().any(|g| large.gpus.contains(g))
+            || small.domains.iter().any(|d| large.domains.contains(d))
+    }
+}
+
 /// A write on its way, with what its batch needs afterwards: `T`.
 pub(crate) struct Writing<T> {
-    /// Whether the batch writes incident history later batches read.
-    pub(crate) history: bool,
+    /// What the batch's incidents concern (none: it writes no incident).
+    pub(crate) history: Parts,
     /// `Some(true)` once landed, `Some(false)` once failed.
     landed: watch::Receiver<Option<bool>>,
     task: tokio::task::JoinHandle<Result<Wrote, ClassifierError>>,
@@ -88,21 +122,41 @@ impl<T> Default for Writes<T> {
 
 impl<T> Writes<T> {
     /// Starts `job` once every earlier write has landed.
-    pub(crate) fn start(&mut self, job: Job, history: bool, then: T) {
+    pub(crate) fn start(&mut self, job: Job, history: Parts, then: T) {
         let previous = self.queue.back().map(|w| w.landed.clone());
         let (tx, landed) = watch::channel(None);
         let task = tokio::spawn(write(previous, job, tx));
         self.queue.push_back(Writing { history, landed, task, then });
     }
 
-    /// Waits until every write on its way (or, with `history_only`, every one writing incident
-    /// history) is done; whether each landed.
-    pub(crate) async fn landed(&self, history_only: bool) -> bool {
+    /// Waits until every write on its way whose incidents concern one of `reads` is done;
+    /// whether each landed.
+    pub(crate) async fn landed(&self, reads: &Parts) -> bool {
         let mut all = true;
-        for w in self.queue.iter().filter(|w| w.history || !history_only) {
+        for w in self.queue.iter().filter(|w| w.history.meets(reads)) {
             all &= landed(w.landed.clone()).await;
         }
         all
+    }
+
+    /// Waits until every write on its way is done; whether each landed.
+    pub(crate) async fn landed_all(&self) -> bool {
+        let mut all = true;
+        for w in &self.queue {
+            all &= landed(w.landed.clone()).await;
+        }
+        all
+    }
+
+    /// What waits until every write on its way now is done, apart from the queue (so the
+    /// classifier's lock need not be held meanwhile).
+    pub(crate) fn landing(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let all: Vec<_> = self.queue.iter().map(|w| w.landed.clone()).collect();
+        async move {
+            for rx in all {
+                landed(rx).await;
+            }
+        }
     }
 
     /// The oldest write on its way.
@@ -152,4 +206,25 @@ async fn write(
     tx.send_replace(Some(result.is_ok()));
     drop(guard);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Parts;
+
+    #[test]
+    fn parts_meet_on_a_shared_node_gpu_or_domain_and_not_otherwise() {
+        let mut written = Parts::default();
+        written.add("node-a", Some("GPU-1"), Some("domain-x"));
+        let read = |node: &str, gpu: Option<&str>, domain: Option<&str>| {
+            let mut p = Parts::default();
+            p.add(node, gpu, domain);
+            p
+        };
+        assert!(written.meets(&read("node-a", None, None)), "same node");
+        assert!(written.meets(&read("node-b", Some("GPU-1"), None)), "the GPU moved to another node");
+        assert!(written.meets(&read("node-c", Some("GPU-9"), Some("domain-x"))), "a peer of the NVLink domain");
+        assert!(!written.meets(&read("node-d", Some("GPU-2"), Some("domain-y"))), "nothing shared");
+        assert!(!Parts::default().meets(&read("node-a", Some("GPU-1"), Some("domain-x"))), "a write of no incident");
+    }
 }

@@ -133,6 +133,9 @@ impl Validate for BatchLimitArgs {
     }
 }
 
+/// How long the loop waits for the next record before it settles the batches unsettled.
+pub const QUIET: Duration = Duration::from_millis(100);
+
 /// The bytes a record takes in a batch.
 pub(super) fn record_bytes(r: &Record) -> usize {
     r.key.as_ref().map_or(0, Vec::len)
@@ -361,17 +364,27 @@ pub async fn run_batch_consumer<H: BatchHandler>(
     // The batches handled and accepted whose effects may still be on their way, oldest first.
     let mut unsettled: VecDeque<Handled> = VecDeque::with_capacity(H::UNSETTLED + 1);
     'batches: loop {
-        // With batches unsettled, the next is read now only if a record is waiting; otherwise
-        // they are settled first, so their offsets are not held while the topic is quiet.
+        // With batches unsettled, the next is read if a record comes within QUIET; otherwise
+        // they are settled first, so their offsets are not held while the topic is quiet. (A
+        // consumer's queue is empty for moments between fetches even under load: settling at
+        // the first such moment would wait for every write on its way, again and again.)
         let first = match l.hold.ready() {
             Some(r) => r,
-            None => {
-                if !l.settle_all(&mut unsettled).await {
-                    break 'batches;
-                }
+            None if unsettled.is_empty() => {
                 let Some(r) = l.hold.next(&l.token).await else { break };
                 r
             }
+            None => match tokio::time::timeout(QUIET, l.hold.next(&l.token)).await {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(_) => {
+                    if !l.settle_all(&mut unsettled).await {
+                        break 'batches;
+                    }
+                    let Some(r) = l.hold.next(&l.token).await else { break };
+                    r
+                }
+            },
         };
         let mut records: Vec<Record> = Vec::with_capacity(max);
         let mut bytes = record_bytes(&first);

@@ -35,7 +35,8 @@ pub mod settings;
 
 pub use admin::{TopicSpec, dead_letter_topic, replication_for, stage_topics, topic_exists, wait_for_topics};
 pub use batch::{
-    BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, run_batch_consumer,
+    BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, QUIET,
+    run_batch_consumer,
 };
 pub use consume::{DEFAULT_POISON_ATTEMPTS, run_consumer};
 pub(crate) use consume::{commit_stored, observe_latency, register_consumer_metrics, report_poison};
