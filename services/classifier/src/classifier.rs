@@ -32,9 +32,6 @@ pub enum ClassifierError {
     /// Which nodes this replica owns cannot be told (topic metadata unavailable).
     #[error("cannot tell which nodes this replica owns: {0}")]
     Ownership(String),
-    /// A batch was not written, for a reason other than its own statements ([`crate::writer`]).
-    #[error("the batch was not written: {0}")]
-    NotWritten(String),
 }
 
 /// Which partitions' nodes the engine holds.
@@ -70,8 +67,6 @@ pub struct Classifier {
     pub(crate) keeper: persist::Keeper,
     /// Writes closed rollups beside the batches ([`crate::rollups`]).
     pub(crate) rollups: crate::rollups::RollupWriter,
-    /// The batches' writes on their way ([`crate::writer`]).
-    pub(crate) writes: crate::writer::Writes<crate::handler::Then>,
 }
 
 impl Classifier {
@@ -175,15 +170,38 @@ impl Classifier {
         Ok(out.into_iter().zip(trace_ids).map(|((d, v), t)| (d, v, t)).collect())
     }
 
-    /// What records workload faults, for a batch's write task ([`crate::writer`]).
-    pub(crate) fn workload_writer(&self) -> WorkloadWriter {
-        WorkloadWriter {
-            pool: self.pool.clone(),
-            producer: self.producer.clone(),
-            verdicts_topic: self.verdicts_topic.clone(),
-            codec: self.codec.clone(),
-            settings: self.workload_faults,
+    /// Records the batch's workload-fault sightings, one workload at a time, and publishes each
+    /// fault they complete before committing it (see [`workload`]).
+    pub(crate) async fn record_workload_faults(
+        &self,
+        sightings: Vec<workload::Sighting>,
+    ) -> Result<(), ClassifierError> {
+        for (name, sightings) in workload::by_workload(sightings) {
+            let mut tx = self.pool.begin().await?;
+            if let Some(fault) = workload::decide(&mut tx, &name, &sightings, &self.workload_faults).await? {
+                let v = workload::verdict(&fault, chrono::Utc::now());
+                let bytes = self.codec.encode(&v).expect("workload verdicts always encode");
+                let id = v.verdict_id.to_string();
+                let envelope = Envelope {
+                    topic: &self.verdicts_topic,
+                    key: &v.node,
+                    id: &id,
+                    content_type: Verdict::CONTENT_TYPE,
+                    incoming_trace: None,
+                };
+                kafka::publish_record(&self.producer, envelope, &bytes).await?;
+                WorkloadFault {
+                    workload: &fault.workload,
+                    nodes: fault.nodes.len(),
+                    gpus: fault.gpus,
+                    xids: &fault.xids,
+                    verdict_id: &v.verdict_id,
+                }
+                .emit();
+            }
+            tx.commit().await?;
         }
+        Ok(())
     }
 
     /// `decisions` (each with what it is tied to: the record behind it, for its trace) with the
@@ -247,49 +265,5 @@ async fn partition_count(producer: &Producer, topic: &str) -> Result<i32, Classi
     match i32::try_from(count) {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(ClassifierError::Ownership("the enriched topic has no partitions yet".into())),
-    }
-}
-
-/// Records workload faults from a batch's sightings, apart from the classifier's lock, so a
-/// batch's write task can ([`crate::writer`]).
-#[derive(Clone)]
-pub(crate) struct WorkloadWriter {
-    pool: sqlx::PgPool,
-    producer: Producer,
-    verdicts_topic: String,
-    codec: Arc<Codec>,
-    settings: workload::Settings,
-}
-
-impl WorkloadWriter {
-    /// Records the batch's workload-fault sightings, one workload at a time, and publishes each
-    /// fault they complete before committing it (see [`workload`]).
-    pub(crate) async fn record(&self, sightings: Vec<workload::Sighting>) -> Result<(), ClassifierError> {
-        for (name, sightings) in workload::by_workload(sightings) {
-            let mut tx = self.pool.begin().await?;
-            if let Some(fault) = workload::decide(&mut tx, &name, &sightings, &self.settings).await? {
-                let v = workload::verdict(&fault, chrono::Utc::now());
-                let bytes = self.codec.encode(&v).expect("workload verdicts always encode");
-                let id = v.verdict_id.to_string();
-                let envelope = Envelope {
-                    topic: &self.verdicts_topic,
-                    key: &v.node,
-                    id: &id,
-                    content_type: Verdict::CONTENT_TYPE,
-                    incoming_trace: None,
-                };
-                kafka::publish_record(&self.producer, envelope, &bytes).await?;
-                WorkloadFault {
-                    workload: &fault.workload,
-                    nodes: fault.nodes.len(),
-                    gpus: fault.gpus,
-                    xids: &fault.xids,
-                    verdict_id: &v.verdict_id,
-                }
-                .emit();
-            }
-            tx.commit().await?;
-        }
-        Ok(())
     }
 }

@@ -72,11 +72,6 @@ pub struct Args {
     /// is one statement (one commit).
     #[arg(long, env = "GPUMEDIC_WRITE_PARALLELISM", default_value_t = 2)]
     write_parallelism: usize,
-    /// Write a batch while the next ones are read and classified (up to 8 batches behind),
-    /// instead of before the next is read. Off by default: at 10,000 nodes in a burst, on a
-    /// 2-core machine, it made the fault path slower, not faster (docs/benchmarks.md).
-    #[arg(long, env = "GPUMEDIC_OVERLAP_WRITES")]
-    overlap_writes: bool,
     /// Which health events are recorded in Postgres: `evidence` (what incident history and a
     /// rebuild need, plus per-minute rollups of the healthy telemetry; docs/incident-history.md)
     /// or `all` (every event).
@@ -158,8 +153,6 @@ pub struct Config {
     pub api_auth: auth::Settings,
     /// Statements a batch is written as, at once.
     pub write_parallelism: usize,
-    /// Whether a batch is written while the next ones are classified ([`crate::writer`]).
-    pub overlap_writes: bool,
     /// Which health events are recorded.
     pub persist: crate::persist::Policy,
     /// The rules.
@@ -297,7 +290,6 @@ impl Validate for Args {
                 api_database_pool: self.api_database_pool,
                 api_auth: api_auth.expect("checked"),
                 write_parallelism: self.write_parallelism,
-                overlap_writes: self.overlap_writes,
                 persist: persist.expect("checked"),
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),

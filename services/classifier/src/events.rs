@@ -65,7 +65,6 @@ impl MetricLabel for ClassifierError {
             Self::Migrate(_) => "migration",
             Self::Kafka(_) => "kafka",
             Self::Ownership(_) => "ownership",
-            Self::NotWritten(_) => "not_written",
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 use crate::classifier::{Classifier, ClassifierError};
 use crate::events::{BatchRecorded, BatchStage, ClockSkewClamped, InputRefused, InternalEvent as _, SlowBatch};
 use crate::rules::engine::{Absorbed, Decision, Engine};
-use crate::{nvlink, observe, persist, store, workload, writer};
+use crate::{nvlink, observe, persist, store, workload};
 
 /// Where a batch's time goes: `decode` (Avro and the JSON kept in Postgres), `classify` (the
 /// engine), `publish` (until every verdict is acknowledged), `write` (the Postgres round trip).
@@ -43,21 +43,15 @@ impl Steps {
         now
     }
 
-    /// Adds a step timed elsewhere (the write, on its own task).
-    fn add(&mut self, name: &'static str, took: std::time::Duration) {
-        self.steps.push((name, took));
-    }
-
-    /// Logs the batch if it was slow (from its start until its write landed), or if its oldest
-    /// record had waited long in Kafka before the batch began (a stall before the handler: the
-    /// consumer, or the batch before).
-    fn finish(self, records: usize, oldest_ms: Option<i64>) {
-        let total = self.started.elapsed();
-        let waited = oldest_ms.map_or(std::time::Duration::ZERO, |t| {
+    /// Logs the batch if it was slow, or if its oldest record had waited long in Kafka before
+    /// the batch began (a stall before the handler: the consumer, or the batch before).
+    fn finish(self, records: &[Record]) {
+        let total = self.last.duration_since(self.started);
+        let waited = records.iter().filter_map(|r| r.timestamp_ms).min().map_or(std::time::Duration::ZERO, |t| {
             std::time::Duration::from_millis(self.began_ms.saturating_sub(t).max(0).unsigned_abs())
         });
         if total >= SlowBatch::THRESHOLD || waited >= SlowBatch::THRESHOLD {
-            SlowBatch { records, total, waited, steps: &self.steps }.emit();
+            SlowBatch { records: records.len(), total, waited, steps: &self.steps }.emit();
         }
     }
 }
@@ -83,17 +77,6 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
 /// sympathetic events it absorbed, and what of it is recorded.
 type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>, Kept);
 
-/// What a batch whose write is on its way needs once the write is done: its retry, should the
-/// write fail, and its counts and steps once it lands.
-pub(crate) struct Then {
-    retry: Option<Retry>,
-    observations: u64,
-    rows: u64,
-    steps: Steps,
-    records: usize,
-    oldest_ms: Option<i64>,
-}
-
 /// What of a batch is recorded ([`persist`]): per decoded event, whether it is. Kept for a retry,
 /// as the engine and the keeper took the events in already.
 #[derive(Debug)]
@@ -101,43 +84,25 @@ struct Kept {
     events: Vec<bool>,
 }
 
-/// The consumer's batch handler: enriched events into the engine, their verdicts published, and
-/// all of the batch into Postgres at once, on a write task of its own while the next batch is
-/// handled ([`crate::writer`]); action outcomes into the record.
+/// The consumer's batch handler: enriched events into the engine and all of the batch into
+/// Postgres at once; action outcomes into the record.
 pub struct Handler {
     classifier: Arc<Mutex<Classifier>>,
     actions_topic: String,
-    /// Decisions of the batches being retried, oldest first, with the index of the record behind
-    /// each, and the sympathetic events they absorbed: the engine has already taken their events
-    /// in (and would ignore them a second time), so they must not be lost with a failed publish
-    /// or write.
-    retrying: Vec<Retry>,
-    /// Whether a batch's write may still be on its way when it returns (`--overlap-writes`);
-    /// otherwise each batch is written before `handle_batch` returns.
-    overlap: bool,
+    /// Decisions of the batch being retried, with the index of the record behind each, and the
+    /// sympathetic events it absorbed: the engine has already taken its events in (and would
+    /// ignore them a second time), so they must not be lost with a failed publish or write.
+    retrying: Option<Retry>,
 }
 
 impl Handler {
-    /// A handler over `classifier`, recording outcomes read from `actions_topic`; with
-    /// `overlap`, writing each batch while the next ones are handled.
-    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String, overlap: bool) -> Self {
-        Handler { classifier, actions_topic, retrying: Vec::new(), overlap }
-    }
-
-    /// The kept decisions of the batch `key`, if it is being retried; batches given up before it
-    /// are not offered again once it is.
-    fn retry_of(&mut self, key: Option<&BatchKey>) -> Option<Retry> {
-        let at = self.retrying.iter().position(|r| Some(&r.0) == key)?;
-        self.retrying.drain(..=at).next_back()
+    /// A handler over `classifier`, recording outcomes read from `actions_topic`.
+    pub fn new(classifier: Arc<Mutex<Classifier>>, actions_topic: String) -> Self {
+        Handler { classifier, actions_topic, retrying: None }
     }
 }
 
 impl BatchHandler for Handler {
-    /// Writes on their way while the next batch is handled: enough to ride out a Postgres commit
-    /// of several hundred milliseconds at 10,000 events/s (batches of about 100 records) without
-    /// the next faults waiting for it; each holds only its batch's rows.
-    const UNSETTLED: usize = 8;
-
     #[tracing::instrument(name = "classify_batch", skip_all, fields(records = records.len()))]
     async fn handle_batch(&mut self, records: &[Record]) -> Result<Vec<Disposition>, BoxError> {
         let started = std::time::Instant::now();
@@ -147,7 +112,6 @@ impl BatchHandler for Handler {
             let c = self.classifier.lock().await;
             (c.codec.clone(), c.write_parallelism, c.workload_faults, c.clock_skew_allowance, c.keeper.policy())
         };
-        let oldest_ms = records.iter().filter_map(|r| r.timestamp_ms).min();
         // One batch per concurrent write; a node's rows all go to the same one. A small batch is
         // one statement: each part is a commit, and a commit's WAL flush, not the rows, is most
         // of a small write (store::ONE_STATEMENT_UP_TO).
@@ -203,39 +167,15 @@ impl BatchHandler for Handler {
         }
         let key = batch_key(records);
         steps.mark("decode");
-        let classifier = self.classifier.clone();
-        let mut guard = classifier.lock().await;
-        let c = &mut *guard;
+        let c = &mut *self.classifier.lock().await;
         steps.mark("lock");
         // Before any record of a newly assigned partition: that node's state comes first.
         c.reconcile().await?;
         let decoded = steps.mark("reconcile");
         stage_seconds("decode", started, decoded);
-        let (decisions, absorbed, kept) = match self.retry_of(key.as_ref()) {
-            Some((_, decisions, absorbed, kept)) => (decisions, absorbed, kept),
-            None => {
-                // The look-ups read incidents of these nodes, GPUs and domains: every earlier
-                // batch that writes some must have landed. One that failed is written again first
-                // (the loop offers it before this batch, which the engine has not seen yet).
-                // A large batch means the classifier is behind: its look-ups would contend with
-                // the writes for the same database and cores (measured at 10,000 nodes: each
-                // record's write cost a third more), so it waits for them all and only its
-                // decoding overlaps them.
-                let landed = if records.len() > store::ONE_STATEMENT_UP_TO {
-                    c.writes.landed_all().await
-                } else {
-                    let mut reads = writer::Parts::default();
-                    for (_, _, o) in &observations {
-                        reads.add(&o.node, o.gpu.as_deref(), o.nvlink_domain.as_deref());
-                    }
-                    c.writes.landed(&reads).await
-                };
-                if !landed {
-                    return Err(Box::new(Labeled::new(ClassifierError::NotWritten(
-                        "the write of an earlier batch failed; it is written first".into(),
-                    ))));
-                }
-                steps.mark("wait");
+        let (decisions, absorbed, kept) = match self.retrying.take() {
+            Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
+            _ => {
                 // Only events new to Postgres are observed: one recorded there had its verdicts
                 // published before it was written, however long ago (the engine's own memory of
                 // ids is short). The insert skips them too; they count as duplicates below.
@@ -297,97 +237,38 @@ impl BatchHandler for Handler {
             for (b, published) in batch.iter_mut().zip(&by_part) {
                 b.decisions = store::DecisionRows::new(published);
             }
-            // Closed rollups go to their own writer, if it has room: no batch, and so no fault,
-            // waits for them (crate::rollups).
+            let written = store::write_parts(&c.pool, &batch).await?;
+            steps.mark("write");
+            // After the events are recorded: a failure here retries the batch, which writes
+            // nothing twice.
+            c.record_workload_faults(sightings).await?;
+            stage_seconds("write", acknowledged, steps.mark("workload"));
+            // Closed rollups go to their own writer once the batch is recorded, if it has room:
+            // no batch, and so no fault, waits for them (crate::rollups).
             if policy == persist::Policy::Evidence {
                 c.rollups.offer(&c.pool, &mut c.keeper, persist::rollups_for_batch(records.len())).await?;
+                steps.mark("rollups");
             }
-            Ok::<_, ClassifierError>(())
+            Ok::<_, ClassifierError>(written)
         }
         .await;
         match outcome {
-            Ok(()) => {}
-            Err(e) => {
-                // Ahead of any batch given up after it, which the loop offers after it.
-                if let Some(key) = key {
-                    self.retrying.insert(0, (key, decisions, absorbed, kept));
-                }
-                // Counted by what failed (handler_retries_total{kind}).
-                return Err(Box::new(Labeled::new(e)));
-            }
-        }
-        // Later batches' look-ups of these parts wait for this write.
-        let mut history = writer::Parts::default();
-        for b in &batch {
-            for (node, gpu, domain) in b.decisions.parts() {
-                history.add(node, gpu, domain);
-            }
-        }
-        let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
-        let job = writer::Job {
-            pool: c.pool.clone(),
-            parts: batch,
-            sightings,
-            workload: c.workload_writer(),
-            guard: c.assignment.write_started(),
-        };
-        steps.mark("queue");
-        let then = Then {
-            retry: key.map(|key| (key, decisions, absorbed, kept)),
-            observations: observations.len() as u64,
-            rows,
-            steps,
-            records: records.len(),
-            oldest_ms,
-        };
-        c.writes.start(job, history, then);
-        if !self.overlap {
-            // Written before the next batch is read: a failure keeps the batch's decisions for
-            // its retry, as settle does.
-            drop(guard);
-            self.settle().await?;
-        }
-        Ok(dispositions)
-    }
-
-    /// Waits for the oldest batch's write. A failed write gives up that batch and every later one
-    /// on its way: their decisions are kept for the loop's offers again, in order.
-    async fn settle(&mut self) -> Result<(), BoxError> {
-        let Some(oldest) = self.classifier.lock().await.writes.oldest() else { return Ok(()) };
-        let waited = std::time::Instant::now();
-        let (result, then) = oldest.done().await;
-        let Then { retry, observations, rows, mut steps, records, oldest_ms } = then;
-        match result {
-            Ok(wrote) => {
-                // Held: from the queue until the loop came to settle it (its write was on its way,
-                // or waiting for an earlier one); settle: what the loop then still waited.
-                let held = waited.duration_since(steps.last);
-                steps.add("write", wrote.write);
-                steps.add("workload", wrote.workload);
-                steps.add("held", held);
-                steps.add("settle", waited.elapsed());
-                BatchStage { stage: "write", elapsed: wrote.write + wrote.workload }.emit();
+            Ok(written) => {
+                let rows = batch.iter().map(|b| b.events.len() as u64).sum::<u64>();
                 BatchRecorded {
-                    observations,
+                    observations: observations.len() as u64,
                     rows,
-                    duplicates: rows.saturating_sub(u64::try_from(wrote.written.new_events).unwrap_or(0)),
+                    duplicates: rows.saturating_sub(u64::try_from(written.new_events).unwrap_or(0)),
                 }
                 .emit();
-                steps.finish(records, oldest_ms);
-                Ok(())
+                steps.finish(records);
+                Ok(dispositions)
             }
             Err(e) => {
-                // In the order the loop offers them again: this batch, the later ones on their way
-                // (each fails at once: the write before it did), then one that failed before its
-                // write was queued.
-                let later = self.classifier.lock().await.writes.all();
-                let mut given_up: Vec<Retry> = retry.into_iter().collect();
-                for w in later {
-                    let (_, then) = w.done().await;
-                    given_up.extend(then.retry);
+                if let Some(key) = key {
+                    self.retrying = Some((key, decisions, absorbed, kept));
                 }
-                given_up.append(&mut self.retrying);
-                self.retrying = given_up;
+                // Counted by what failed (handler_retries_total{kind}).
                 Err(Box::new(Labeled::new(e)))
             }
         }

@@ -44,7 +44,6 @@ mod events;
 mod handler;
 mod rollups;
 mod ticker;
-mod writer;
 
 pub use classifier::{Classifier, ClassifierError};
 pub use config::{Args, Config, Defaults, Topics};
@@ -118,7 +117,6 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             lemons: config.lemons,
             keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
             rollups: rollups::RollupWriter::start(pool.clone(), token.clone()),
-            writes: writer::Writes::default(),
         })
     };
     let classifier = match setup.await {
@@ -156,7 +154,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         service.shutdown.spawn("rules-watch", watch);
     }
     let Config { stage, topics: t, batch, .. } = config;
-    let handler = Handler::new(classifier, t.actions.clone(), config.overlap_writes);
+    let handler = Handler::new(classifier, t.actions.clone());
     let stage = Stage::new(stage, [t.enriched, t.actions], [t.verdicts]).tracking(assignment);
     service.spawn_stage(stage, batch, handler);
     service.run().await

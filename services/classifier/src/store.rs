@@ -228,15 +228,6 @@ pub struct DecisionRows {
 }
 
 impl DecisionRows {
-    /// The node, GPU and NVLink domain of each incident the rows write.
-    pub(crate) fn parts(&self) -> impl Iterator<Item = (&str, Option<&str>, Option<&str>)> {
-        self.incident_nodes
-            .iter()
-            .zip(&self.incident_gpus)
-            .zip(&self.incident_nvlink_domain)
-            .map(|((n, g), d)| (n.as_str(), g.as_deref(), d.as_deref()))
-    }
-
     /// The rows for `decisions`, in the order they were made.
     pub fn new(decisions: &[Published]) -> Self {
         let mut rows = DecisionRows::default();

@@ -36,13 +36,6 @@ pub(crate) async fn ticker(
         if decisions.is_empty() {
             continue;
         }
-        // Its reads of the hardware history and its updates of incidents come after every batch
-        // write on its way (crate::writer): an incident a batch opened is in Postgres first. The
-        // lock is not held meanwhile, so batches go on being classified.
-        let landing = c.writes.landing();
-        drop(c);
-        landing.await;
-        let c = classifier.lock().await;
         // The engine already moved on, so retry from the decisions we hold until both writes
         // succeed (ids are deterministic: a repeat publish is deduplicated downstream).
         loop {

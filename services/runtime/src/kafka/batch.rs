@@ -1,6 +1,5 @@
 //! The batch-at-a-time loop ([`run_batch_consumer`]) for stages that write in bulk.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
@@ -28,39 +27,15 @@ pub enum Disposition {
 /// Processes records a batch at a time, for stages whose effects are cheaper in bulk (one
 /// database round trip for many records). Must be idempotent: after a crash, or when the batch
 /// failed, the same records come again.
-///
-/// A handler may make a batch's effects durable in the background, so that the next batch is
-/// read and handled while the last one is written: `handle_batch` then only accepts the batch,
-/// and [`settle`](BatchHandler::settle) waits for it. The loop settles the batches in the order
-/// they were accepted, one per call, and stores a batch's offsets, and dead-letters what it
-/// refused, only once it is settled; it keeps at most
-/// [`UNSETTLED`](BatchHandler::UNSETTLED) batches unsettled while it handles the next, and
-/// settles them at once when no record is waiting. A handler that makes the effects durable in
-/// `handle_batch` keeps the default `settle`, which has nothing to wait for.
 pub trait BatchHandler: Send {
-    /// How many batches may be unsettled while the next is handled: how far the effects may run
-    /// behind the handling (a write stalled that long holds the next batches' offsets, not their
-    /// handling).
-    const UNSETTLED: usize = 1;
-
-    /// Makes the effects of `records` durable (or starts to, for [`settle`](BatchHandler::settle)
-    /// to finish) and returns one [`Disposition`] per record, in order; or fails the whole batch,
-    /// in which case the same batch is offered again after a backoff and no offset is stored. An
-    /// error about the records themselves (wrapped in [`fault::RecordFault`], or one
-    /// [`fault::is_permanent`] knows, such as a value Postgres refuses) is retried a bounded
-    /// number of times, then the records are offered one at a time and the one at fault is
-    /// dead-lettered with the error; any other error is taken for an outage and retried without
-    /// limit.
+    /// Makes the effects of `records` durable and returns one [`Disposition`] per record, in
+    /// order; or fails the whole batch, in which case the same batch is offered again after a
+    /// backoff and no offset is stored. An error about the records themselves (wrapped in
+    /// [`fault::RecordFault`], or one [`fault::is_permanent`] knows, such as a value Postgres
+    /// refuses) is retried a bounded number of times, then the records are offered one at a time
+    /// and the one at fault is dead-lettered with the error; any other error is taken for an
+    /// outage and retried without limit.
     fn handle_batch(&mut self, records: &[Record]) -> impl Future<Output = Result<Vec<Disposition>, BoxError>> + Send;
-
-    /// Waits until the effects of the oldest batch accepted and not yet settled are durable. An
-    /// error gives up every batch accepted and not yet settled: the loop offers each of them
-    /// again, in order (each settled before the next is offered), and the handler makes its
-    /// effects durable again; the error counts as the oldest batch's failure, with the same
-    /// bounded retries for an error about its records as [`handle_batch`](BatchHandler::handle_batch).
-    fn settle(&mut self) -> impl Future<Output = Result<(), BoxError>> + Send {
-        async { Ok(()) }
-    }
 }
 
 /// How [`run_batch_consumer`] cuts batches.
@@ -133,9 +108,6 @@ impl Validate for BatchLimitArgs {
     }
 }
 
-/// How long the loop waits for the next record before it settles the batches unsettled.
-pub const QUIET: Duration = Duration::from_millis(100);
-
 /// The bytes a record takes in a batch.
 pub(super) fn record_bytes(r: &Record) -> usize {
     r.key.as_ref().map_or(0, Vec::len)
@@ -143,29 +115,24 @@ pub(super) fn record_bytes(r: &Record) -> usize {
         + r.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
 }
 
-/// Offers `records` to `handler` until it succeeds (handled and settled): `Some(Ok)` with its
-/// dispositions, or `Some(Err(reason))` once it failed `attempts` times with a permanent error;
-/// transient errors are retried with backoff without limit (polling with paused partitions).
-/// `failed` is an error the batch already met (its overlapped attempt), counted as the first.
-/// `None` when `token` was cancelled during a backoff.
+/// Offers `records` to `handler` until it succeeds: `Some(Ok)` with its dispositions, or
+/// `Some(Err(reason))` once it failed `attempts` times with a permanent error; transient errors
+/// are retried with backoff without limit (polling with paused partitions). `None` when `token`
+/// was cancelled during a backoff.
 async fn settle_batch<H: BatchHandler>(
     service: &'static str,
     handler: &mut H,
     records: &[Record],
     attempts: u32,
-    mut failed: Option<BoxError>,
     hold: &mut Hold<'_>,
     token: &CancellationToken,
 ) -> Option<Result<Vec<Disposition>, String>> {
     let mut backoff = Duration::from_millis(100);
     let mut permanent = 0u32;
     loop {
-        let e = match failed.take() {
-            Some(e) => e,
-            None => match hold.run(handled_and_settled(handler, records)).await {
-                Ok(d) => return Some(Ok(d)),
-                Err(e) => e,
-            },
+        let e = match hold.run(handler.handle_batch(records)).await {
+            Ok(d) => return Some(Ok(d)),
+            Err(e) => e,
         };
         let kind = fault::metric_label(e.as_ref());
         let attempt = if fault::is_permanent(e.as_ref()) {
@@ -187,51 +154,60 @@ async fn settle_batch<H: BatchHandler>(
     }
 }
 
-/// One attempt at `records`, not overlapped with anything: handled, then settled.
-async fn handled_and_settled<H: BatchHandler>(
-    handler: &mut H,
-    records: &[Record],
-) -> Result<Vec<Disposition>, BoxError> {
-    let d = handler.handle_batch(records).await?;
-    handler.settle().await?;
-    Ok(d)
-}
-
-/// A batch handled and accepted, its offsets not yet stored.
-struct Handled {
-    records: Vec<Record>,
-    dispositions: Vec<Disposition>,
-    started: std::time::Instant,
-}
-
-/// The loop's state, shared by its steps.
-struct Loop<'c, H> {
+/// The at-least-once loop, a batch at a time: gather up to `batch.max` records and
+/// `batch.limits.max_bytes` bytes (or what arrives within `batch.linger` of the first), in
+/// consumption order, so each partition's order is kept; hand them to `handler`; dead-letter the
+/// records it refused and wait for Kafka to acknowledge them; and only then store each
+/// partition's highest offset. A batch that fails with a transient error is retried whole with
+/// backoff and nothing is stored; one that fails with a permanent error
+/// ([`fault::is_permanent`]) `batch.limits.poison_attempts` times is handled one record at a
+/// time, and a record failing alone that way is dead-lettered with the error. While a handler is
+/// slow or retrying, the partitions are paused and the consumer keeps polling, so the group
+/// keeps it. On cancellation the batch in hand is finished (unless it is waiting to be retried)
+/// and the stored offsets are committed, as [`run_consumer`] does.
+pub async fn run_batch_consumer<H: BatchHandler>(
     service: &'static str,
-    consumer: &'c Consumer,
+    consumer: Consumer,
     dlq: Producer,
-    handler: H,
-    attempts: u32,
-    hold: Hold<'c>,
+    mut handler: H,
+    batch: BatchSettings,
     token: CancellationToken,
-}
-
-impl<H: BatchHandler> Loop<'_, H> {
-    /// Offers `records` again until they are settled, one at a time once the batch fails the same
-    /// way too often, then finishes them; `false` when cancelled.
-    async fn resolve(&mut self, records: Vec<Record>, failed: Option<BoxError>, started: std::time::Instant) -> bool {
-        let (service, attempts) = (self.service, self.attempts);
-        let dispositions = match settle_batch(
-            service,
-            &mut self.handler,
-            &records,
-            attempts,
-            failed,
-            &mut self.hold,
-            &self.token,
-        )
-        .await
-        {
-            None => return false,
+) -> Result<(), KafkaError> {
+    let max = batch.max.max(1);
+    let max_bytes = batch.limits.max_bytes;
+    let attempts = batch.limits.poison_attempts.max(1);
+    let mut hold = Hold::new(&consumer);
+    let mut records: Vec<Record> = Vec::with_capacity(max);
+    'batches: loop {
+        records.clear();
+        let Some(first) = hold.next(&token).await else { break };
+        let mut bytes = record_bytes(&first);
+        records.push(first);
+        let deadline = tokio::time::Instant::now() + batch.linger;
+        while records.len() < max && bytes < max_bytes {
+            let next = match hold.early.pop_front() {
+                Some(r) => r,
+                None => match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                    Err(_) => break,
+                    Ok(Ok(m)) => Record::from_message(&m),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "Kafka consumer error; continuing.");
+                        continue;
+                    }
+                },
+            };
+            let size = record_bytes(&next);
+            if bytes + size > max_bytes {
+                // It starts the next batch, ahead of anything polled later.
+                hold.early.push_front(next);
+                break;
+            }
+            bytes += size;
+            records.push(next);
+        }
+        let started = std::time::Instant::now();
+        let dispositions = match settle_batch(service, &mut handler, &records, attempts, &mut hold, &token).await {
+            None => break 'batches,
             Some(Ok(d)) => d,
             Some(Err(reason)) if records.len() == 1 => {
                 report_poison(service, &records[0], attempts, &reason);
@@ -241,9 +217,8 @@ impl<H: BatchHandler> Loop<'_, H> {
                 tracing::warn!(records = records.len(), attempts, %reason, "The batch fails the same way every time; handling its records one at a time to find the ones at fault.");
                 let mut d = Vec::with_capacity(records.len());
                 for r in &records {
-                    let one = std::slice::from_ref(r);
-                    match settle_batch(service, &mut self.handler, one, 1, None, &mut self.hold, &self.token).await {
-                        None => return false,
+                    match settle_batch(service, &mut handler, std::slice::from_ref(r), 1, &mut hold, &token).await {
+                        None => break 'batches,
                         Some(Ok(one)) => d.extend(one),
                         Some(Err(reason)) => {
                             report_poison(service, r, attempts, &reason);
@@ -254,44 +229,6 @@ impl<H: BatchHandler> Loop<'_, H> {
                 d
             }
         };
-        self.finish(Handled { records, dispositions, started }).await
-    }
-
-    /// Settles the oldest of `unsettled`; if settling fails, every batch of `unsettled` was
-    /// given up and each is offered again, in order. `false` when cancelled.
-    async fn settle_oldest(&mut self, unsettled: &mut VecDeque<Handled>) -> bool {
-        let Some(oldest) = unsettled.pop_front() else { return true };
-        match self.hold.run(self.handler.settle()).await {
-            Ok(()) => self.finish(oldest).await,
-            Err(e) => {
-                if !self.resolve(oldest.records, Some(e), oldest.started).await {
-                    return false;
-                }
-                while let Some(b) = unsettled.pop_front() {
-                    if !self.resolve(b.records, None, b.started).await {
-                        return false;
-                    }
-                }
-                true
-            }
-        }
-    }
-
-    /// Settles every batch of `unsettled`, oldest first; `false` when cancelled.
-    async fn settle_all(&mut self, unsettled: &mut VecDeque<Handled>) -> bool {
-        while !unsettled.is_empty() {
-            if !self.settle_oldest(unsettled).await {
-                return false;
-            }
-        }
-        true
-    }
-
-    /// A settled batch: its refused records dead-lettered, its counts added and each
-    /// partition's highest offset stored; `false` when cancelled while dead-lettering.
-    async fn finish(&mut self, batch: Handled) -> bool {
-        let Handled { records, dispositions, started } = batch;
-        let service = self.service;
         assert_eq!(dispositions.len(), records.len(), "a batch handler must return one disposition per record");
         // Counted per topic and outcome, then added once each: a counter looked up per record was
         // a visible cost at tens of thousands of records a second (docs/profiles.md).
@@ -300,9 +237,8 @@ impl<H: BatchHandler> Loop<'_, H> {
             let outcome = match disposition {
                 Disposition::Done => "ok",
                 Disposition::DeadLetter(reason) => {
-                    let sent = dead_letter_until_done(&self.dlq, service, record, reason, &self.token);
-                    if !self.hold.run(sent).await {
-                        return false;
+                    if !hold.run(dead_letter_until_done(&dlq, service, record, reason, &token)).await {
+                        break 'batches;
                     }
                     "dead_lettered"
                 }
@@ -327,111 +263,12 @@ impl<H: BatchHandler> Loop<'_, H> {
         }
         for (topic, partition, offset) in highest {
             // librdkafka commits the stored offset plus one: the next record to read.
-            if let Err(e) = self.consumer.store_offset(topic, partition, offset) {
+            if let Err(e) = consumer.store_offset(topic, partition, offset) {
                 // Happens when the partition was revoked meanwhile; the new owner handles it again.
                 tracing::warn!(error = %e, topic, partition, "Could not store an offset.");
             }
         }
-        true
-    }
-}
-
-/// The at-least-once loop, a batch at a time: gather up to `batch.max` records and
-/// `batch.limits.max_bytes` bytes (or what arrives within `batch.linger` of the first), in
-/// consumption order, so each partition's order is kept; hand them to `handler`; once the
-/// handler has settled them ([`BatchHandler::settle`]), dead-letter the records it refused and
-/// wait for Kafka to acknowledge them; and only then store each partition's highest offset. While
-/// up to [`BatchHandler::UNSETTLED`] batches settle the next is gathered and handled, if records
-/// are waiting; otherwise they are settled before the loop waits for more. A batch that fails with a transient error is
-/// retried whole with backoff and nothing is stored; one that fails with a permanent error
-/// ([`fault::is_permanent`]) `batch.limits.poison_attempts` times is handled one record at a
-/// time, and a record failing alone that way is dead-lettered with the error. While a handler is
-/// slow or retrying, the partitions are paused and the consumer keeps polling, so the group
-/// keeps it. On cancellation the batches in hand are finished (unless one is waiting to be
-/// retried) and the stored offsets are committed, as [`run_consumer`] does.
-pub async fn run_batch_consumer<H: BatchHandler>(
-    service: &'static str,
-    consumer: Consumer,
-    dlq: Producer,
-    handler: H,
-    batch: BatchSettings,
-    token: CancellationToken,
-) -> Result<(), KafkaError> {
-    let max = batch.max.max(1);
-    let max_bytes = batch.limits.max_bytes;
-    let attempts = batch.limits.poison_attempts.max(1);
-    let mut l = Loop { service, consumer: &consumer, dlq, handler, attempts, hold: Hold::new(&consumer), token };
-    // The batches handled and accepted whose effects may still be on their way, oldest first.
-    let mut unsettled: VecDeque<Handled> = VecDeque::with_capacity(H::UNSETTLED + 1);
-    'batches: loop {
-        // With batches unsettled, the next is read if a record comes within QUIET; otherwise
-        // they are settled first, so their offsets are not held while the topic is quiet. (A
-        // consumer's queue is empty for moments between fetches even under load: settling at
-        // the first such moment would wait for every write on its way, again and again.)
-        let first = match l.hold.ready() {
-            Some(r) => r,
-            None if unsettled.is_empty() => {
-                let Some(r) = l.hold.next(&l.token).await else { break };
-                r
-            }
-            None => match tokio::time::timeout(QUIET, l.hold.next(&l.token)).await {
-                Ok(Some(r)) => r,
-                Ok(None) => break,
-                Err(_) => {
-                    if !l.settle_all(&mut unsettled).await {
-                        break 'batches;
-                    }
-                    let Some(r) = l.hold.next(&l.token).await else { break };
-                    r
-                }
-            },
-        };
-        let mut records: Vec<Record> = Vec::with_capacity(max);
-        let mut bytes = record_bytes(&first);
-        records.push(first);
-        let deadline = tokio::time::Instant::now() + batch.linger;
-        while records.len() < max && bytes < max_bytes {
-            let next = match l.hold.early.pop_front() {
-                Some(r) => r,
-                None => match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                    Err(_) => break,
-                    Ok(Ok(m)) => Record::from_message(&m),
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "Kafka consumer error; continuing.");
-                        continue;
-                    }
-                },
-            };
-            let size = record_bytes(&next);
-            if bytes + size > max_bytes {
-                // It starts the next batch, ahead of anything polled later.
-                l.hold.early.push_front(next);
-                break;
-            }
-            bytes += size;
-            records.push(next);
-        }
-        let started = std::time::Instant::now();
-        // The first attempt overlaps the unsettled batches' effects.
-        let done = match l.hold.run(l.handler.handle_batch(&records)).await {
-            Ok(dispositions) => {
-                unsettled.push_back(Handled { records, dispositions, started });
-                // Settling the oldest past the limit; a failure gives up this batch too.
-                unsettled.len() <= H::UNSETTLED.max(1) || l.settle_oldest(&mut unsettled).await
-            }
-            Err(e) => l.settle_all(&mut unsettled).await && l.resolve(records, Some(e), started).await,
-        };
-        if !done {
-            break 'batches;
-        }
-        l.hold.resume();
-    }
-    while let Some(oldest) = unsettled.pop_front() {
-        // A batch whose settling fails now is left unstored, and those after it: they come
-        // again after restart.
-        if l.hold.run(l.handler.settle()).await.is_err() || !l.finish(oldest).await {
-            break;
-        }
+        hold.resume();
     }
     commit_stored(&consumer)
 }

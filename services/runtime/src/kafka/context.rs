@@ -30,39 +30,10 @@ impl ServiceContext {
 /// The partitions a consumer owns, as the last rebalance left them, with a generation that moves
 /// on every change. Partitions leave it when revoked (before another consumer can take them) and
 /// join it when assigned (before any of their records is polled).
-///
-/// It also counts the writes a service has on their way ([`Assignment::write_started`]): a revoke
-/// waits for them before the partitions go, since the next owner rebuilds its state from what has
-/// landed.
 #[derive(Debug, Clone, Default)]
 pub struct Assignment {
     inner: Arc<std::sync::Mutex<(u64, Partitions)>>,
-    writes: Arc<Writes>,
 }
-
-/// How many writes are on their way, and a signal when one lands.
-#[derive(Debug, Default)]
-struct Writes {
-    on_the_way: std::sync::Mutex<usize>,
-    landed: std::sync::Condvar,
-}
-
-/// A write on its way, counted until dropped ([`Assignment::write_started`]).
-#[derive(Debug)]
-pub struct WriteGuard {
-    writes: Arc<Writes>,
-}
-
-impl Drop for WriteGuard {
-    fn drop(&mut self) {
-        let mut n = self.writes.on_the_way.lock().expect("writes lock");
-        *n = n.saturating_sub(1);
-        self.writes.landed.notify_all();
-    }
-}
-
-/// How long a revoke waits for the writes on their way before it lets the partitions go.
-pub const REVOKE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Owned `(topic, partition)` pairs.
 type Partitions = std::collections::BTreeSet<(String, i32)>;
@@ -77,22 +48,6 @@ impl Assignment {
     pub fn of(&self, topic: &str) -> (u64, std::collections::BTreeSet<i32>) {
         let g = self.inner.lock().expect("assignment lock");
         (g.0, g.1.iter().filter(|(t, _)| t == topic).map(|(_, p)| *p).collect())
-    }
-
-    /// Counts a write on its way until the guard is dropped (landed or failed): a revoke waits for
-    /// it, up to [`REVOKE_WAIT`], before another consumer may take the partitions and rebuild
-    /// from what has landed.
-    pub fn write_started(&self) -> WriteGuard {
-        *self.writes.on_the_way.lock().expect("writes lock") += 1;
-        WriteGuard { writes: self.writes.clone() }
-    }
-
-    /// Waits until no write is on its way, at most `timeout`; how many still are. Blocks the
-    /// thread: it serves the rebalance callback, which librdkafka calls synchronously.
-    pub fn wait_for_writes(&self, timeout: std::time::Duration) -> usize {
-        let n = self.writes.on_the_way.lock().expect("writes lock");
-        let (n, _) = self.writes.landed.wait_timeout_while(n, timeout, |n| *n > 0).expect("writes lock");
-        *n
     }
 
     /// Adds `partitions` (a rebalance assigned them).
@@ -133,15 +88,6 @@ impl ClientContext for ServiceContext {
 impl ConsumerContext for ServiceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            // The next owner rebuilds from what has landed: the writes on their way land first.
-            let waiting = self.assignment.wait_for_writes(REVOKE_WAIT);
-            if waiting > 0 {
-                tracing::warn!(
-                    writes = waiting,
-                    wait_s = REVOKE_WAIT.as_secs(),
-                    "Writes still on their way after the revoke's wait; the next owner may rebuild without them and see their records again."
-                );
-            }
             // Flush what we have stored before another consumer takes the partitions over.
             match consumer.commit_consumer_state(CommitMode::Sync) {
                 Ok(()) | Err(RdKafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}

@@ -143,24 +143,6 @@ impl<'c> Hold<'c> {
         }
     }
 
-    /// A record that is ready now, without waiting: one kept while paused, else one the consumer
-    /// already holds.
-    pub(crate) fn ready(&mut self) -> Option<Record> {
-        if let Some(r) = self.early.pop_front() {
-            return Some(r);
-        }
-        // Polled once: librdkafka's queue answers at once when it holds a message, and a
-        // dropped recv leaves the queue as it was.
-        match futures::FutureExt::now_or_never(self.consumer.recv()) {
-            Some(Ok(m)) => Some(Record::from_message(&m)),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "Kafka consumer error; continuing.");
-                None
-            }
-            None => None,
-        }
-    }
-
     /// The next record: one kept while paused, else the next one polled; `None` when `token` was
     /// cancelled first.
     pub(crate) async fn next(&mut self, token: &CancellationToken) -> Option<Record> {

@@ -35,12 +35,11 @@ pub mod settings;
 
 pub use admin::{TopicSpec, dead_letter_topic, replication_for, stage_topics, topic_exists, wait_for_topics};
 pub use batch::{
-    BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, QUIET,
-    run_batch_consumer,
+    BatchHandler, BatchLimitArgs, BatchLimits, BatchSettings, DEFAULT_BATCH_MAX_BYTES, Disposition, run_batch_consumer,
 };
 pub use consume::{DEFAULT_POISON_ATTEMPTS, run_consumer};
 pub(crate) use consume::{commit_stored, observe_latency, register_consumer_metrics, report_poison};
-pub use context::{Assignment, REVOKE_WAIT, ServiceContext, WriteGuard};
+pub use context::{Assignment, ServiceContext};
 pub(crate) use dead_letter::dead_letter_until_done;
 pub use dead_letter::{dead_letter, dlq_headers};
 pub use hold::{Hold, POLL_GRACE};

@@ -107,19 +107,3 @@ fn a_record_counts_its_key_value_and_headers() {
 fn dead_letter_topic_is_suffixed() {
     assert_eq!(dead_letter_topic("gpumedic.health.raw.v1"), "gpumedic.health.raw.v1.dlq");
 }
-
-#[test]
-fn a_revoke_waits_for_the_writes_on_their_way_and_no_longer_than_its_limit() {
-    let assignment = Assignment::default();
-    assert_eq!(assignment.wait_for_writes(std::time::Duration::ZERO), 0, "nothing on its way");
-    let guard = assignment.write_started();
-    let other = assignment.write_started();
-    drop(other);
-    assert_eq!(assignment.wait_for_writes(std::time::Duration::from_millis(20)), 1, "one still on its way");
-    let landed = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        drop(guard);
-    });
-    assert_eq!(assignment.wait_for_writes(std::time::Duration::from_secs(30)), 0, "woken when it lands");
-    landed.join().unwrap();
-}
