@@ -120,7 +120,10 @@ impl BatchHandler for Handler {
         let mut observations = Vec::with_capacity(records.len());
         // Under `--persist evidence`, the decoded events wait for the engine's word on which to
         // record; under `all` each is recorded as it is decoded.
-        let mut pending: Vec<Option<EnrichedHealthEvent>> = Vec::new();
+        let mut pending: Vec<Option<EnrichedHealthEvent>> = match policy {
+            persist::Policy::Evidence => Vec::with_capacity(records.len()),
+            persist::Policy::All => Vec::new(),
+        };
         let mut sightings = Vec::new();
         for (i, record) in records.iter().enumerate() {
             let Some(payload) = record.payload.as_deref() else {

@@ -20,7 +20,10 @@
 //! open minutes' rollups (the events are in Kafka), and a batch replayed after a crash adds its
 //! events' counts a second time.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+// Looked up for every event: foldhash, not std's SipHash (Cargo.toml says why).
+use foldhash::{HashMap, HashSet};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};

@@ -239,7 +239,7 @@ type Key = (String, Option<String>);
 struct NodeState {
     clock: i64,
     recent: VecDeque<u64>,
-    recent_set: HashSet<u64>,
+    recent_set: foldhash::HashSet<u64>,
     keys: BTreeMap<Key, KeyState>,
     next_deadline: Option<i64>,
     facts: NodeFacts,
