@@ -18,11 +18,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher::{self, Event};
 
 use crate::ladder::LADDER_ANNOTATION;
 use crate::maintenance::DEFERRED_ANNOTATION;
+use crate::plan::{APPLIED_ANNOTATION, Applied};
+use crate::request::Subsystem;
 use crate::watch::{follow, read, write};
 
 /// The annotations the index remembers per node, one bit each.
@@ -119,11 +122,13 @@ fn not_older(node: &Node, held: Option<&Arc<Node>>) -> bool {
 const OWN_PREFIX: &str = "gpumedic.io/";
 
 /// What the index keeps of a node: its name, uid and resourceVersion, gpumedic's own labels and
-/// annotations ([`OWN_PREFIX`]), its taints and cordon, and its conditions. The rest (other
-/// labels and annotations, managed fields, images, addresses, capacity, system info) is dropped,
-/// which is most of a real node's size: a GPU node carries dozens of feature-discovery labels.
-/// Whatever the planner, the node writes or the resync read of a node must be kept here (the
-/// taints and conditions whole: a taint patch carries the whole list).
+/// annotations ([`OWN_PREFIX`]), its taints and cordon, and gpumedic's own conditions
+/// ([`own_conditions`]). The rest (other labels, annotations and conditions, managed fields,
+/// images, addresses, capacity, system info) is dropped, which is most of a real node's size: a
+/// GPU node carries dozens of feature-discovery labels, and a kubelet's four conditions with their
+/// messages and times. Whatever the planner, the node writes or the resync read of a node must be
+/// kept here (the taints whole: a taint patch carries the whole list; the conditions' patch merges
+/// by type, so it never needs the others).
 pub(crate) fn trim(node: Node) -> Node {
     let own = |m: Option<std::collections::BTreeMap<String, String>>| {
         m.map(|m| m.into_iter().filter(|(k, _)| k.starts_with(OWN_PREFIX)).collect())
@@ -132,11 +137,35 @@ pub(crate) fn trim(node: Node) -> Node {
     metadata.managed_fields = None;
     metadata.labels = own(metadata.labels.take());
     metadata.annotations = own(metadata.annotations.take());
+    let owned = own_conditions(&metadata);
     Node {
-        metadata,
         spec: node.spec.map(|s| NodeSpec { taints: s.taints, unschedulable: s.unschedulable, ..NodeSpec::default() }),
-        status: node.status.map(|s| NodeStatus { conditions: s.conditions, ..NodeStatus::default() }),
+        status: node.status.map(|s| NodeStatus {
+            conditions: match owned {
+                Some(owned) => s.conditions.map(|cs| cs.into_iter().filter(|c| owned(&c.type_)).collect()),
+                None => s.conditions,
+            },
+            ..NodeStatus::default()
+        }),
+        metadata,
     }
+}
+
+/// Which condition types of a node are gpumedic's: those of its subsystems, and any its ownership
+/// record names (set by an older release under another name, so a recovery can still clear it).
+/// `None`, keep them all, when the record does not parse: then nothing the planner might read is
+/// missing.
+fn own_conditions(metadata: &ObjectMeta) -> Option<impl Fn(&str) -> bool> {
+    let recorded: Vec<String> = match metadata.annotations.as_ref().and_then(|a| a.get(APPLIED_ANNOTATION)) {
+        None => Vec::new(),
+        Some(raw) => {
+            let applied = serde_json::from_str::<Applied>(raw).ok()?.upgraded();
+            applied.conditions.into_iter().chain(applied.incidents.into_values().map(|c| c.condition)).collect()
+        }
+    };
+    Some(move |type_: &str| {
+        Subsystem::ALL.iter().any(|s| s.condition_type() == type_) || recorded.iter().any(|r| r == type_)
+    })
 }
 
 impl Fleet {
@@ -423,5 +452,54 @@ mod tests {
         assert!(t.metadata.managed_fields.is_none());
         assert!(t.spec.as_ref().unwrap().pod_cidr.is_none());
         assert!(t.status.as_ref().unwrap().images.is_none());
+    }
+
+    #[test]
+    fn a_trimmed_node_keeps_gpumedics_conditions_and_those_its_record_names_and_no_others() {
+        use k8s_openapi::api::core::v1::NodeCondition;
+        let condition = |t: &str| NodeCondition { type_: t.into(), status: "True".into(), ..NodeCondition::default() };
+        let with = |applied: Option<&str>| {
+            let mut n = versioned("a", "7", true);
+            n.metadata.annotations = applied.map(|a| [(APPLIED_ANNOTATION.to_owned(), a.to_owned())].into());
+            n.status = Some(NodeStatus {
+                conditions: Some(
+                    [
+                        "Ready",
+                        "MemoryPressure",
+                        "GpuUnhealthy",
+                        "GpuMaintenanceScheduled",
+                        "GpuXidFault",
+                        "KernelDeadlock",
+                    ]
+                    .map(condition)
+                    .into(),
+                ),
+                ..NodeStatus::default()
+            });
+            n
+        };
+        let kept = |n: Node| -> Vec<String> {
+            trim(n).status.and_then(|s| s.conditions).unwrap_or_default().into_iter().map(|c| c.type_).collect()
+        };
+        // No record: only the types of gpumedic's subsystems.
+        assert_eq!(kept(with(None)), ["GpuUnhealthy", "GpuMaintenanceScheduled"]);
+        // A record naming a type an older release set keeps it, so its recovery can clear it;
+        // the claims' conditions count too.
+        let record = r#"{"incidentId":"i1","cordoned":true,"conditions":["GpuXidFault"],
+            "incidents":{"i2":{"quarantines":false,"condition":"KernelDeadlock"}}}"#;
+        assert_eq!(
+            kept(with(Some(record))),
+            ["GpuUnhealthy", "GpuMaintenanceScheduled", "GpuXidFault", "KernelDeadlock"]
+        );
+        // A record that does not parse: every condition is kept.
+        assert_eq!(kept(with(Some("{not json"))).len(), 6);
+        // What the planner reads of gpumedic's conditions is the same either way.
+        let full = crate::plan::NodeView::from_node(&with(Some(record)));
+        let trimmed = crate::plan::NodeView::from_node(&trim(with(Some(record))));
+        for type_ in Subsystem::ALL.map(Subsystem::condition_type).into_iter().chain(["GpuXidFault", "KernelDeadlock"])
+        {
+            let find = |v: &crate::plan::NodeView| v.conditions.iter().find(|c| c.type_ == type_).cloned();
+            assert_eq!(find(&trimmed), find(&full), "{type_}");
+        }
     }
 }
