@@ -11,6 +11,9 @@
 //!   [`pipeline`]); `--persist evidence|all` picks what the classifier records.
 //! - `event-writes`: the classifier's event rows into PostgreSQL by its `UNNEST` insert and by
 //!   binary `COPY`, on the same rows (see [`writes`]).
+//! - `rollup-writes`: closed rollups of healthy telemetry into PostgreSQL by the batch statement's
+//!   arrays and by binary `COPY`, new and merged, with the backend's CPU per rollup (see
+//!   [`writes::run_rollups`]).
 //! - `persist-policies`: the fleet's stream through the classifier's engine and batch write under
 //!   `--persist all` and `evidence`: rows kept and bytes per row (see [`writes::run_policies`]).
 //! - `latency`: fault to cordon through three services under background load (see [`latency`]).
@@ -99,6 +102,8 @@ enum Scenario {
     PipelineThroughput(pipeline::Options),
     /// Event rows per second into PostgreSQL: the classifier's UNNEST insert against binary COPY.
     EventWrites(writes::Options),
+    /// Closed rollups per second into PostgreSQL, and its CPU per rollup: arrays against COPY.
+    RollupWrites(writes::RollupOptions),
     /// What `--persist all` and `--persist evidence` record of the fleet's stream, and its size.
     PersistPolicies(writes::PolicyOptions),
     /// The simulated GPU fleet on its own: raw events in the collector's shape at a rate with a
@@ -169,6 +174,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::PersistPolicies(options) => {
             let result = writes::run_policies(options).await?;
             write_result(&cli.out_dir, "persist-policies.json", &result)?;
+        }
+        Scenario::RollupWrites(options) => {
+            let result = writes::run_rollups(options).await?;
+            write_result(&cli.out_dir, "rollup-writes.json", &result)?;
         }
         Scenario::EventWrites(options) => {
             let result = writes::run(options).await?;

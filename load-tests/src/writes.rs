@@ -240,3 +240,165 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
         policies,
     })
 }
+
+/// Options of `rollup-writes`.
+#[derive(Debug, clap::Args)]
+pub struct RollupOptions {
+    /// How many events of the fleet's stream make the rollups.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Rollups per statement (the rollup writer sends 1,000 to 20,000, as many as its batch had
+    /// events).
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+    /// Nodes in the simulated fleet (8 GPUs each).
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Events per node per second of event time (how many events share a GPU's minute).
+    #[arg(long, default_value_t = 0.03)]
+    rate_per_node: f64,
+}
+
+/// One way of writing rollups, measured.
+#[derive(Debug, serde::Serialize)]
+pub struct RollupMethod {
+    method: &'static str,
+    /// Rollups per second on the first pass (all new) and the second (all merged into the rows of
+    /// the first).
+    new_per_sec: f64,
+    merged_per_sec: f64,
+    /// CPU of the method's PostgreSQL backend per rollup, µs, on each pass.
+    new_backend_us: f64,
+    merged_backend_us: f64,
+}
+
+/// The JSON result of `rollup-writes`.
+#[derive(Debug, serde::Serialize)]
+pub struct RollupResult {
+    scenario: &'static str,
+    rollups: usize,
+    batch: usize,
+    methods: Vec<RollupMethod>,
+}
+
+/// `rollup-writes`: the closed rollups of the fleet's stream (spread in event time at
+/// `--rate-per-node` through the classifier's engine and keeper under `--persist evidence`)
+/// written into PostgreSQL by each way the classifier can: `unnest`, its batch statement with the
+/// rollups bound as arrays ([`store::write_batch`]), and `copy-staging`, binary `COPY` into a
+/// temporary table, then `INSERT ... SELECT ... ON CONFLICT DO UPDATE` ([`store::copy_rollups`]).
+/// Each method writes into a fresh database of its own on one connection, the methods taking turns
+/// statement by statement, twice: new rows, then the same rollups again (every one merged into its
+/// row). Prints the rate and the CPU the method's PostgreSQL backend spent per rollup (from
+/// `/proc`, so the scenario must run on the database's machine), and checks that both methods
+/// left the same table.
+pub async fn run_rollups(o: RollupOptions) -> anyhow::Result<RollupResult> {
+    use gpumedic_classifier::persist::{Keeper, Policy as Persist, RollupRows};
+    use gpumedic_classifier::rules::{Engine, defaults};
+    let admin = testkit::require_postgres().await?;
+    let fleet_rate = o.rate_per_node * o.nodes as f64;
+    let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
+    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
+    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
+    let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
+    let mut keeper = Keeper::for_rebuild_window(Persist::Evidence, std::time::Duration::from_secs(48 * 3600));
+    let mut closed = Vec::new();
+    for e in crate::fleet::Enriched::new(o.nodes, base, spacing)?.take(o.events) {
+        let obs = gpumedic_classifier::observe::observation(&e);
+        let (_, bearing) = engine.observe_bearing(&obs);
+        keeper.keep(&obs, bearing);
+        closed.extend(keeper.closed(usize::MAX));
+    }
+    closed.extend(keeper.drain());
+    let batches: Vec<RollupRows> = closed
+        .chunks(o.batch.max(1))
+        .map(|chunk| {
+            let mut rows = RollupRows::default();
+            for (k, r) in chunk {
+                rows.push(k, r);
+            }
+            rows
+        })
+        .collect();
+    let rollups = closed.len();
+    println!("rollup-writes: {rollups} rollups of {} events, {} per statement", o.events, o.batch);
+    const METHODS: [&str; 2] = ["unnest", "copy-staging"];
+    let mut pools = Vec::new();
+    for method in METHODS {
+        let db = testkit::unique_name(&format!("bench_rollups_{method}")).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &db).await?;
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&pool).await?;
+        let backend = crate::procs::Watched { pid: u32::try_from(pid)?, with_children: false };
+        pools.push((db, pool, backend));
+    }
+    let mut seconds = [[0.0f64; METHODS.len()]; 2];
+    let mut cpu = [[0.0f64; METHODS.len()]; 2];
+    for pass in 0..2 {
+        for rows in &batches {
+            for (m, method) in METHODS.iter().enumerate() {
+                let (_, pool, backend) = &pools[m];
+                let before = backend.read().map(|r| r.cpu_seconds);
+                let start = Instant::now();
+                match *method {
+                    "unnest" => {
+                        store::write_batch(pool, &Batch { rollups: rows.clone(), ..Default::default() }).await?;
+                    }
+                    _ => {
+                        store::copy_rollups(pool, rows).await?;
+                    }
+                }
+                seconds[pass][m] += start.elapsed().as_secs_f64();
+                let after = backend.read().map(|r| r.cpu_seconds);
+                let (Some(before), Some(after)) = (before, after) else {
+                    anyhow::bail!(
+                        "{method}: cannot read its PostgreSQL backend's CPU from /proc (run on the database's machine)"
+                    );
+                };
+                cpu[pass][m] += after - before;
+            }
+        }
+    }
+    // Both methods must leave the same table: every rollup twice, merged.
+    let mut tables = Vec::new();
+    for (_, pool, _) in &pools {
+        let digest: (i64, i64, String) = sqlx::query_as(
+            "SELECT count(*), coalesce(sum(events), 0)::int8,
+                    coalesce(md5(string_agg(node || gpu_uuid || kind || minute || events || last_at || readings::text
+                                            || counters::text, ',' ORDER BY node, gpu_uuid, kind, minute)), '')
+               FROM telemetry_rollups",
+        )
+        .fetch_one(pool)
+        .await?;
+        tables.push(digest);
+    }
+    let folded: i64 = closed.iter().map(|(_, r)| i64::from(r.events)).sum();
+    anyhow::ensure!(
+        tables[0].1 == 2 * folded,
+        "{} events in the rollups written twice, {} expected",
+        tables[0].1,
+        2 * folded
+    );
+    anyhow::ensure!(tables.windows(2).all(|w| w[0] == w[1]), "the methods left different tables: {tables:?}");
+    let mut methods = Vec::new();
+    for (m, method) in METHODS.iter().enumerate() {
+        let rate = |s: f64| if s > 0.0 { rollups as f64 / s } else { 0.0 };
+        let us = |s: f64| s * 1e6 / rollups.max(1) as f64;
+        let r = RollupMethod {
+            method,
+            new_per_sec: rate(seconds[0][m]),
+            merged_per_sec: rate(seconds[1][m]),
+            new_backend_us: us(cpu[0][m]),
+            merged_backend_us: us(cpu[1][m]),
+        };
+        println!(
+            "  {method:<13} new {:>8.0}/s, backend {:>5.1} µs each; merged {:>8.0}/s, backend {:>5.1} µs each",
+            r.new_per_sec, r.new_backend_us, r.merged_per_sec, r.merged_backend_us
+        );
+        methods.push(r);
+    }
+    for (db, pool, _) in pools {
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{db}\""))).execute(&admin).await?;
+    }
+    Ok(RollupResult { scenario: "rollup-writes", rollups, batch: o.batch, methods })
+}

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::events::{BatchStage, InternalEvent as _, RollupsLost, RollupsWritten};
-use crate::persist::{Keeper, Rollup, RollupKey};
+use crate::persist::{Keeper, Rollup, RollupKey, RollupRows};
 use crate::store;
 
 /// How many batches' closed rollups may wait for the writer.
@@ -86,14 +86,16 @@ impl RollupWriter {
     }
 }
 
-/// Writes `rows` in statements of at most [`crate::persist::ROLLUPS_PER_BATCH`].
+/// Writes `rows` in transactions of at most [`crate::persist::ROLLUPS_PER_BATCH`], each sent with
+/// binary `COPY` ([`store::copy_rollups`]: docs/benchmarks.md, "Rollup writes", measured it
+/// against the batch statement's arrays).
 pub(crate) async fn write(pool: &PgPool, rows: &[(RollupKey, Rollup)]) -> Result<(), store::StoreError> {
     for chunk in rows.chunks(crate::persist::ROLLUPS_PER_BATCH) {
-        let mut batch = store::Batch::default();
+        let mut batch = RollupRows::default();
         for (key, rollup) in chunk {
-            batch.rollups.push(key, rollup);
+            batch.push(key, rollup);
         }
-        store::write_batch(pool, &batch).await?;
+        store::copy_rollups(pool, &batch).await?;
         RollupsWritten { rollups: chunk.len() }.emit();
     }
     Ok(())

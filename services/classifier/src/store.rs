@@ -96,44 +96,89 @@ impl EventRows {
     /// The events in PostgreSQL's binary `COPY` format, in `health_events`' column order from
     /// `event_id` to `record` ([`COPY_EVENT_COLUMNS`]).
     pub fn copy_binary(&self) -> Vec<u8> {
-        // Microseconds between the Unix epoch and PostgreSQL's (2000-01-01 UTC).
-        const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
-        let mut out = Vec::with_capacity(19 + self.records.iter().map(|r| r.len() + 220).sum::<usize>());
-        out.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
-        out.extend_from_slice(&0i32.to_be_bytes());
-        out.extend_from_slice(&0i32.to_be_bytes());
-        fn field(out: &mut Vec<u8>, bytes: &[u8]) {
-            out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
-            out.extend_from_slice(bytes);
-        }
-        fn text(out: &mut Vec<u8>, t: Option<&str>) {
-            match t {
-                Some(t) => field(out, t.as_bytes()),
-                None => out.extend_from_slice(&(-1i32).to_be_bytes()),
-            }
-        }
+        let mut out = copy_header(self.records.iter().map(|r| r.len() + 220).sum::<usize>());
         for i in 0..self.ids.len() {
             out.extend_from_slice(&12i16.to_be_bytes());
-            field(&mut out, self.ids[i].as_bytes());
-            text(&mut out, Some(&self.nodes[i]));
-            field(&mut out, &(self.observed_at[i].timestamp_micros() - PG_EPOCH_MICROS).to_be_bytes());
-            text(&mut out, Some(&self.sources[i]));
-            text(&mut out, Some(&self.components[i]));
-            text(&mut out, Some(&self.kinds[i]));
-            text(&mut out, self.gpu_uuids[i].as_deref());
-            text(&mut out, self.pci_bus_ids[i].as_deref());
+            copy_field(&mut out, self.ids[i].as_bytes());
+            copy_text(&mut out, Some(&self.nodes[i]));
+            copy_time(&mut out, self.observed_at[i]);
+            copy_text(&mut out, Some(&self.sources[i]));
+            copy_text(&mut out, Some(&self.components[i]));
+            copy_text(&mut out, Some(&self.kinds[i]));
+            copy_text(&mut out, self.gpu_uuids[i].as_deref());
+            copy_text(&mut out, self.pci_bus_ids[i].as_deref());
             match self.xids[i] {
-                Some(x) => field(&mut out, &x.to_be_bytes()),
+                Some(x) => copy_field(&mut out, &x.to_be_bytes()),
                 None => out.extend_from_slice(&(-1i32).to_be_bytes()),
             }
-            field(&mut out, &[u8::from(self.healthy[i])]);
-            field(&mut out, &[u8::from(self.synthetic[i])]);
+            copy_field(&mut out, &[u8::from(self.healthy[i])]);
+            copy_field(&mut out, &[u8::from(self.synthetic[i])]);
             // `json`'s binary form is its text.
-            text(&mut out, Some(&self.records[i]));
+            copy_text(&mut out, Some(&self.records[i]));
         }
         out.extend_from_slice(&(-1i16).to_be_bytes());
         out
     }
+}
+
+impl crate::persist::RollupRows {
+    /// The rollups in PostgreSQL's binary `COPY` format, in `telemetry_rollups`' column order
+    /// ([`COPY_ROLLUP_COLUMNS`]).
+    pub fn copy_binary(&self) -> Vec<u8> {
+        let text_bytes: usize = self.readings.iter().chain(&self.counters).map(String::len).sum();
+        let mut out = copy_header(text_bytes + self.nodes.len() * 160);
+        for i in 0..self.nodes.len() {
+            out.extend_from_slice(&8i16.to_be_bytes());
+            copy_text(&mut out, Some(&self.nodes[i]));
+            copy_text(&mut out, Some(&self.gpus[i]));
+            copy_text(&mut out, Some(&self.kinds[i]));
+            copy_time(&mut out, self.minutes[i]);
+            copy_field(&mut out, &self.events[i].to_be_bytes());
+            copy_time(&mut out, self.last_at[i]);
+            copy_jsonb(&mut out, &self.readings[i]);
+            copy_jsonb(&mut out, &self.counters[i]);
+        }
+        out.extend_from_slice(&(-1i16).to_be_bytes());
+        out
+    }
+}
+
+/// The start of a binary `COPY` stream (signature, flags, no header extension), with room for
+/// `body` more bytes.
+fn copy_header(body: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(19 + body + 2);
+    out.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+    out.extend_from_slice(&0i32.to_be_bytes());
+    out.extend_from_slice(&0i32.to_be_bytes());
+    out
+}
+
+/// One field of a binary `COPY` row: its length, then its bytes.
+fn copy_field(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as i32).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// A `text` (or `json`, whose binary form is its text) field; `None` is SQL NULL.
+fn copy_text(out: &mut Vec<u8>, t: Option<&str>) {
+    match t {
+        Some(t) => copy_field(out, t.as_bytes()),
+        None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+    }
+}
+
+/// A `timestamptz` field: microseconds since PostgreSQL's epoch (2000-01-01 UTC).
+fn copy_time(out: &mut Vec<u8>, at: DateTime<Utc>) {
+    const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+    copy_field(out, &(at.timestamp_micros() - PG_EPOCH_MICROS).to_be_bytes());
+}
+
+/// A `jsonb` field: its binary form is a version byte (1) and the JSON text, which PostgreSQL
+/// parses and checks as it would the text form.
+fn copy_jsonb(out: &mut Vec<u8>, json: &str) {
+    out.extend_from_slice(&(json.len() as i32 + 1).to_be_bytes());
+    out.push(1);
+    out.extend_from_slice(json.as_bytes());
 }
 
 /// The columns [`EventRows::copy_binary`] writes, in order.
@@ -418,12 +463,61 @@ pub struct Written {
     pub new_events: i64,
 }
 
+/// How a rollup row merges into one already written for its node, GPU, kind and minute (a late
+/// event's, another replica's, or the same one written again after a retry): events and counter
+/// growth add up, the least minimum and greatest maximum stay, and the later row's last values win.
+macro_rules! rollup_merge {
+    () => {
+        "ON CONFLICT (node, gpu_uuid, kind, minute) DO UPDATE
+       SET events = t.events + EXCLUDED.events,
+           last_at = greatest(t.last_at, EXCLUDED.last_at),
+           readings = merge_rollup_readings(t.readings, EXCLUDED.readings, EXCLUDED.last_at >= t.last_at),
+           counters = merge_rollup_counters(t.counters, EXCLUDED.counters)"
+    };
+}
+
+/// The columns [`crate::persist::RollupRows::copy_binary`] writes, in order.
+pub const COPY_ROLLUP_COLUMNS: &str = "node, gpu_uuid, kind, minute, events, last_at, readings, counters";
+
+/// The rollups' staging table, as [`CREATE_STAGING`] is the events'.
+const CREATE_ROLLUP_STAGING: &str = "SET LOCAL client_min_messages = warning;
+     CREATE TEMP TABLE IF NOT EXISTS telemetry_rollups_staging
+     (LIKE telemetry_rollups INCLUDING DEFAULTS) ON COMMIT DELETE ROWS";
+
+const COPY_TO_ROLLUP_STAGING: &str = "COPY telemetry_rollups_staging (node, gpu_uuid, kind, minute, events, last_at, \
+     readings, counters) FROM STDIN (FORMAT binary)";
+
+const STAGING_TO_ROLLUPS: &str = concat!(
+    "INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, events, last_at, readings, counters)
+     SELECT node, gpu_uuid, kind, minute, events, last_at, readings, counters FROM telemetry_rollups_staging
+     ",
+    rollup_merge!()
+);
+
+/// Writes closed rollups with binary `COPY` into a temporary staging table, then into
+/// `telemetry_rollups` with `INSERT ... SELECT ... ON CONFLICT DO UPDATE`, merging each into a row
+/// already written for its key, in one transaction. What the rollup writer ([`crate::rollups`])
+/// sends; [`write_batch`] writes the same rows bound as arrays, merged the same way. A key may
+/// appear once in `rows` (one statement cannot update a row twice): the keeper hands each closed
+/// rollup over once.
+pub async fn copy_rollups(pool: &PgPool, rows: &crate::persist::RollupRows) -> Result<u64, StoreError> {
+    let mut tx = pool.begin().await?;
+    sqlx::raw_sql(CREATE_ROLLUP_STAGING).execute(&mut *tx).await?;
+    let mut copy = tx.copy_in_raw(COPY_TO_ROLLUP_STAGING).await?;
+    copy.send(rows.copy_binary()).await?;
+    copy.finish().await?;
+    let written = sqlx::query(STAGING_TO_ROLLUPS).execute(&mut *tx).await?.rows_affected();
+    tx.commit().await?;
+    Ok(written)
+}
+
 // Every part is an INSERT ... SELECT FROM UNNEST(arrays): one statement, one round trip, one
 // implicit transaction. The foreign key from verdicts to incidents is checked at the end of the
 // statement, after the incidents CTE has inserted. Incidents are inserted when new and updated
 // when they exist: the UPDATE sees only rows from before the statement, so it never touches a row
 // the INSERT just made (which already has the folded values).
-const WRITE_BATCH: &str = "
+const WRITE_BATCH: &str = concat!(
+    "
 WITH ev AS (
     INSERT INTO health_events (event_id, node, observed_at, source, component, kind, gpu_uuid, pci_bus_id, xid,
                                healthy, synthetic, record)
@@ -476,13 +570,12 @@ WITH ev AS (
       FROM UNNEST($51::text[], $52::text[], $53::text[], $54::timestamptz[], $55::int4[], $56::timestamptz[],
                   $57::text[], $58::text[])
         AS r(node, gpu_uuid, kind, minute, events, last_at, readings, counters)
-    ON CONFLICT (node, gpu_uuid, kind, minute) DO UPDATE
-       SET events = t.events + EXCLUDED.events,
-           last_at = greatest(t.last_at, EXCLUDED.last_at),
-           readings = merge_rollup_readings(t.readings, EXCLUDED.readings, EXCLUDED.last_at >= t.last_at),
-           counters = merge_rollup_counters(t.counters, EXCLUDED.counters)
+    ",
+    rollup_merge!(),
+    "
 )
-SELECT count(*) FROM ev";
+SELECT count(*) FROM ev"
+);
 
 /// [`WRITE_BATCH`] with the events read from the staging table [`copy_events`] fills, not from
 /// the arrays `$1` to `$12` (bound empty).

@@ -47,3 +47,87 @@ async fn parts_written_at_once_land_every_event_once_and_a_retry_adds_nothing() 
     pool.close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
 }
+
+/// Closed rollups written by the rollup writer's `COPY` path and by the batch statement's arrays
+/// land as the same rows, and written a second time (a retry after a lost commit, or another
+/// replica's rollup of the same minute) both merge the same way: events add up, the minimum and
+/// maximum hold, the later last value wins.
+#[tokio::test]
+async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
+    use gpumedic_classifier::persist::{Keeper, Policy, RollupRows};
+    use gpumedic_classifier::rules::{Engine, defaults};
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let minute = chrono::DateTime::parse_from_rfc3339("2026-12-03T10:00:00Z").unwrap().to_utc();
+    // Two GPUs over two minutes; the first GPU's first minute reads 50, 61, 55.
+    let mut engine = Engine::new(defaults::rule_set().expect("default rules"));
+    let mut keeper = Keeper::new(Policy::Evidence);
+    for (node, seconds, celsius) in
+        [("a", 5, 50), ("a", 20, 61), ("a", 40, 55), ("b", 10, 70), ("a", 70, 52), ("b", 80, 71), ("b", 95, 69)]
+    {
+        let at = minute + chrono::TimeDelta::seconds(seconds);
+        let e = testkit::event(node)
+            .detail(
+                Source::Nvml,
+                Detail::Temperature(TemperatureDetail {
+                    celsius,
+                    slowdown_celsius: Some(90),
+                    shutdown_celsius: Some(95),
+                }),
+            )
+            .healthy_flag(true)
+            .gpu(format!("GPU-{node}"))
+            .at(at)
+            .enriched()
+            .build();
+        let o = gpumedic_classifier::observe::observation(&e);
+        let (_, bearing) = engine.observe_bearing(&o);
+        // Every healthy event is folded into its rollup (the first of a GPU is also recorded).
+        keeper.keep(&o, bearing);
+    }
+    let mut rows = RollupRows::default();
+    for (k, r) in keeper.drain() {
+        rows.push(&k, &r);
+    }
+    assert_eq!(rows.len(), 4, "two GPUs, two minutes each");
+
+    /// A rollup row as text: node, GPU, kind, minute, events, readings, counters.
+    type Row = (String, String, String, chrono::DateTime<chrono::Utc>, i32, String, String);
+    let mut tables = Vec::new();
+    for method in ["copy", "arrays"] {
+        let name = testkit::unique_name(&format!("rollups-{method}")).replace('-', "_");
+        let url = testkit::fresh_database(&admin, &name).await.expect("database created");
+        let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrations applied");
+        for _ in 0..2 {
+            match method {
+                "copy" => assert_eq!(store::copy_rollups(&pool, &rows).await.expect("copied"), 4),
+                _ => {
+                    store::write_batch(&pool, &Batch { rollups: rows.clone(), ..Default::default() })
+                        .await
+                        .expect("written");
+                }
+            }
+        }
+        let (events, min, max, last): (i32, f64, f64, f64) = sqlx::query_as(
+            "SELECT events, (readings -> 'value' ->> 'min')::float8, (readings -> 'value' ->> 'max')::float8,
+                    (readings -> 'value' ->> 'last')::float8
+               FROM telemetry_rollups WHERE node = 'a' AND minute = $1",
+        )
+        .bind(minute)
+        .fetch_one(&pool)
+        .await
+        .expect("node a's first minute");
+        assert_eq!((events, min, max, last), (6, 50.0, 61.0, 55.0), "{method}: three events written twice, merged");
+        let table: Vec<Row> = sqlx::query_as(
+            "SELECT node, gpu_uuid, kind, minute, events, readings::text, counters::text FROM telemetry_rollups
+              ORDER BY node, gpu_uuid, kind, minute",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("rollups");
+        tables.push(table);
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
+    }
+    assert_eq!(tables[0].len(), 4);
+    assert_eq!(tables[0], tables[1], "COPY and the batch statement leave the same rows");
+}
