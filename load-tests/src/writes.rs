@@ -17,6 +17,8 @@
 
 use std::time::Instant;
 
+use chrono::{DateTime, TimeDelta, Utc};
+
 use gpumedic_classifier::store::{self, Batch, EventRows};
 use gpumedic_testkit as testkit;
 
@@ -161,6 +163,15 @@ pub struct PolicyResult {
     policies: Vec<Policy>,
 }
 
+/// Where `events` of a fleet of `nodes` at `rate_per_node` events per node per second start in
+/// event time, how far apart they are, and the time they span: ending ten minutes ago.
+fn spread(nodes: usize, events: usize, rate_per_node: f64) -> (DateTime<Utc>, TimeDelta, TimeDelta) {
+    let fleet_rate = rate_per_node * nodes as f64;
+    let spacing = TimeDelta::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
+    let span = spacing * i32::try_from(events).unwrap_or(i32::MAX);
+    (Utc::now() - TimeDelta::minutes(10) - span, spacing, span)
+}
+
 /// `persist-policies`: the fleet mix, spread in event time at `--rate-per-node`, through the
 /// classifier's engine and keeper and its batch write, once with `--persist all` and once with
 /// `evidence`, each into a fresh database (PostgreSQL only: no Kafka). Prints the rows each keeps
@@ -169,10 +180,7 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
     use gpumedic_classifier::persist::{Keeper, Policy as Persist};
     use gpumedic_classifier::rules::{Engine, defaults};
     let admin = testkit::require_postgres().await?;
-    let fleet_rate = o.rate_per_node * o.nodes as f64;
-    let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
-    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
-    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
+    let (base, spacing, span) = spread(o.nodes, o.events, o.rate_per_node);
     let events: Vec<_> = crate::fleet::Enriched::new(o.nodes, base, spacing)?.take(o.events).collect();
     println!(
         "persist-policies: {} events of {} nodes at {} per node per second ({:.1} h of event time)",
@@ -295,10 +303,7 @@ pub async fn run_rollups(o: RollupOptions) -> anyhow::Result<RollupResult> {
     use gpumedic_classifier::persist::{Keeper, Policy as Persist, RollupRows};
     use gpumedic_classifier::rules::{Engine, defaults};
     let admin = testkit::require_postgres().await?;
-    let fleet_rate = o.rate_per_node * o.nodes as f64;
-    let spacing = chrono::Duration::microseconds((1e6 / fleet_rate.max(1e-6)) as i64);
-    let span = spacing * i32::try_from(o.events).unwrap_or(i32::MAX);
-    let base = chrono::Utc::now() - chrono::Duration::minutes(10) - span;
+    let (base, spacing, _) = spread(o.nodes, o.events, o.rate_per_node);
     let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
     let mut keeper = Keeper::for_rebuild_window(Persist::Evidence, std::time::Duration::from_secs(48 * 3600));
     let mut closed = Vec::new();
