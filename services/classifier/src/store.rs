@@ -705,6 +705,12 @@ where
 /// engine must not observe it again. The pairs are the table's primary key, and the batch's time
 /// range is given as bounds of its own so Postgres prunes the daily partitions outside it; what
 /// remains is one primary-key index probe per event.
+///
+/// The probe is a `LATERAL ... LIMIT 1` subquery per event, which the planner cannot turn into a
+/// join of its choosing. Written as a plain join, a burst whose rows the statistics do not yet know
+/// (the day's partition analysed before the burst) was planned as a nested loop with the table's
+/// range scan outside, estimated at one row, and the 5,000 unnested pairs compared inside for
+/// every row of the range: 3-12 s a call (`docs/benchmarks.md`, "the look-up stalls").
 pub async fn recorded(
     pool: &PgPool,
     events: &[(Uuid, DateTime<Utc>)],
@@ -714,11 +720,12 @@ pub async fn recorded(
     };
     let (ids, times): (Vec<Uuid>, Vec<DateTime<Utc>>) = events.iter().copied().unzip();
     let found: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT h.event_id, h.observed_at
-           FROM health_events h
-           JOIN UNNEST($1::uuid[], $2::timestamptz[]) AS b(event_id, observed_at)
-             ON h.event_id = b.event_id AND h.observed_at = b.observed_at
-          WHERE h.observed_at >= $3 AND h.observed_at <= $4",
+        "SELECT b.event_id, b.observed_at
+           FROM UNNEST($1::uuid[], $2::timestamptz[]) AS b(event_id, observed_at),
+                LATERAL (SELECT 1 FROM health_events h
+                          WHERE h.event_id = b.event_id AND h.observed_at = b.observed_at
+                            AND h.observed_at >= $3 AND h.observed_at <= $4
+                          LIMIT 1) found",
     )
     .bind(&ids)
     .bind(&times)

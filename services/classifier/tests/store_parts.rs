@@ -48,6 +48,48 @@ async fn parts_written_at_once_land_every_event_once_and_a_retry_adds_nothing() 
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
 }
 
+/// The look-up of already-recorded events finds exactly the recorded (event id, observed_at) pairs:
+/// across two days' partitions, among ids never written, and not an id written at another time.
+/// The table's statistics are gathered while it is empty first, as on a burst that the day's
+/// statistics do not know yet (the plan that stalled for seconds was chosen in that state).
+#[tokio::test]
+async fn the_recorded_look_up_finds_exactly_the_written_pairs() {
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let name = testkit::unique_name("recorded").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &name).await.expect("database created");
+    let pool = gpumedic_classifier::connect_and_migrate(&url, 4).await.expect("migrations applied");
+    sqlx::query("ANALYZE health_events").execute(&pool).await.expect("analysed while empty");
+
+    let day = chrono::DateTime::parse_from_rfc3339("2026-12-02T23:59:00Z").unwrap().to_utc();
+    let mut batch = Batch::default();
+    let mut written = Vec::new();
+    for i in 0..2_000i64 {
+        let node = format!("node-{}", i % 50);
+        // Half on each side of midnight: two days' partitions.
+        let at = day + chrono::Duration::milliseconds(i * 60);
+        let mut e = event(&node, 50);
+        e.event.observed_at = at;
+        batch.events.push(&e).expect("row");
+        written.push((e.event.event_id, at));
+    }
+    assert_eq!(store::write_batch(&pool, &batch).await.expect("written").new_events, 2_000);
+
+    let mut probe: Vec<_> = written.iter().step_by(2).copied().collect();
+    let never: Vec<_> = (0..500).map(|i| (uuid::Uuid::new_v4(), day + chrono::Duration::seconds(i))).collect();
+    probe.extend(&never);
+    // A written id, asked for at another time, is another key: not recorded.
+    let moved = (written[1].0, written[1].1 + chrono::Duration::milliseconds(1));
+    probe.push(moved);
+    let found = store::recorded(&pool, &probe).await.expect("looked up");
+    let expected: std::collections::HashSet<_> = written.iter().step_by(2).copied().collect();
+    assert_eq!(found.len(), 1_000);
+    assert_eq!(found, expected, "exactly the written pairs asked for");
+    assert!(store::recorded(&pool, &[]).await.expect("empty look-up").is_empty());
+
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
+}
+
 /// Closed rollups written by the rollup writer's `COPY` path and by the batch statement's arrays
 /// land as the same rows, and written a second time (a retry after a lost commit, or another
 /// replica's rollup of the same minute) both merge the same way: events add up, the minimum and
