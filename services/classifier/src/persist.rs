@@ -6,7 +6,8 @@
 //! ([`Bearing`]: evidence for or against an incident, a changed fact, a refusal); it is the
 //! first of its node, GPU and kind since the classifier started, or the first of that key in a
 //! keyframe period of event time (an eighth of `--rebuild-window`, from a minute to 6 hours: so a
-//! rebuild window always holds recent readings of each, whatever facts they carry); or it is a
+//! rebuild window always holds recent readings of each, whatever facts they carry; each key's
+//! periods start at a phase of its own, so the fleet's keyframes spread over the period); or it is a
 //! reading crossing back to healthy. Every other healthy event only
 //! feeds its GPU's rollup of the minute: the minimum, maximum and last value of each number it
 //! carries, and the increase of each counter. The raw stream stays in Kafka.
@@ -361,8 +362,8 @@ impl Keeper {
         let at = o.observed_at_micros;
         self.watermark = self.watermark.max(at);
         let gpu = o.gpu.as_deref().unwrap_or("");
-        let period = at.div_euclid(self.keyframe);
         let digest = key_digest(&o.node, gpu, &o.kind);
+        let period = self.period(digest, at);
         let first = !self.tracks.contains_key(&digest);
         let track = self.tracks.entry(digest).or_default();
         let crossing = o.healthy && track.unhealthy;
@@ -391,6 +392,22 @@ impl Keeper {
             rollup.add(o, at, track, &mut self.names);
         }
         keep
+    }
+
+    /// The keyframe period of event time `at` for the key with `digest`. Each key's periods are
+    /// shifted by a phase of their own (its digest modulo the period), so the fleet's keys start
+    /// their periods spread over the whole period, not all at one instant: with periods aligned,
+    /// the first reading of every node, GPU and kind after each boundary was recorded at once
+    /// (at 100,000 nodes, millions of rows within one reporting interval, far beyond what a
+    /// batch writes, and every fault queued behind them). Each key still has one period, and so
+    /// one keyframe, in every `keyframe` of event time.
+    fn period(&self, digest: u64, at: i64) -> i64 {
+        at.saturating_add(self.period_phase(digest)).div_euclid(self.keyframe)
+    }
+
+    /// The shift of a key's keyframe periods ([`Keeper::period`]).
+    fn period_phase(&self, digest: u64) -> i64 {
+        (digest % self.keyframe.unsigned_abs()) as i64
     }
 
     /// Up to `at_most` of the rollups whose minute ended [`ROLLUP_GRACE_MICROS`] before the
@@ -571,14 +588,49 @@ mod tests {
         assert!(!k.keep(&temp("e", 4, 60, true), none));
         let evidence = Bearing { evidence: true, ..Default::default() };
         assert!(k.keep(&temp("f", 5, 60, true), evidence), "evidence for an incident");
-        assert!(!k.keep(&temp("g", 3_600_000_000, 60, true), none), "an hour on: not yet a keyframe");
-        let later = MAX_KEYFRAME_MICROS + 5;
+        // The key's next period begins at its own phase (Keeper::period), within a period of 0.
+        let digest = key_digest("n1", "GPU-a", "temperature");
+        let boundary = (k.period(digest, 0) + 1) * MAX_KEYFRAME_MICROS - k.period_phase(digest);
+        assert!(boundary > 5 && boundary <= MAX_KEYFRAME_MICROS);
+        assert!(!k.keep(&temp("g", boundary - 1, 60, true), none), "just before: not yet a keyframe");
+        let later = boundary;
         assert!(k.keep(&temp("g", later, 60, true), none), "the first of the next keyframe period");
         assert!(!k.keep(&temp("h", later + 1, 60, true), none));
         let mut other = temp("i", later + 2, 60, true);
         other.gpu = Some("GPU-b".into());
         assert!(k.keep(&other, none), "another GPU's first");
         assert!(Keeper::new(Policy::All).keep(&temp("j", 8, 60, true), none));
+    }
+
+    #[test]
+    fn keyframes_spread_over_the_period_not_all_after_one_boundary() {
+        // 2,000 GPUs reporting every minute for three hours, keyframes every hour: after the
+        // first of each (kept at start), each GPU's keyframe falls in a minute of its own phase.
+        let mut k = Keeper::for_rebuild_window(Policy::Evidence, std::time::Duration::from_secs(8 * 3600));
+        assert_eq!(k.keyframe, 60 * MINUTE_MICROS);
+        let none = Bearing::default();
+        let gpus = 2_000;
+        let mut per_minute = vec![0u32; 180];
+        for minute in 0..180i64 {
+            for g in 0..gpus {
+                let mut o = Observation::new("r", &format!("node-{g}"), minute * MINUTE_MICROS + g, "temperature")
+                    .gpu("GPU-0")
+                    .field("value", 60);
+                o.healthy = true;
+                if k.keep(&o, none) && minute > 0 {
+                    per_minute[minute as usize] += 1;
+                }
+            }
+            k.closed(usize::MAX);
+        }
+        // One keyframe per GPU in each of the two full hours after the first minute, and in
+        // the third hour's minutes up to each GPU's phase.
+        let after_start: u32 = per_minute.iter().sum();
+        assert!(after_start >= 2 * gpus as u32 && after_start <= 3 * gpus as u32, "{after_start}");
+        // Evenly spread: 2,000 over 60 minutes is about 33 a minute. Aligned periods put all
+        // 2,000 into the minute after each hour.
+        let most = *per_minute.iter().max().unwrap();
+        assert!(most <= 100, "at most {most} keyframes in one minute: {per_minute:?}");
     }
 
     #[test]
@@ -672,9 +724,16 @@ mod tests {
         let hour = std::time::Duration::from_secs(3600);
         let none = Bearing::default();
         let mut k = Keeper::for_rebuild_window(Policy::Evidence, hour * 2);
+        let quarter = 15 * MINUTE_MICROS;
+        assert_eq!(k.keyframe, quarter, "a quarter of an hour: 2h / 8");
         assert!(k.keep(&temp("a", 0, 60, true), none));
-        assert!(!k.keep(&temp("b", 14 * MINUTE_MICROS, 60, true), none));
-        assert!(k.keep(&temp("c", 15 * MINUTE_MICROS, 60, true), none), "a quarter of an hour: 2h / 8");
+        // The key's periods begin at its own phase: one a quarter of an hour after the next.
+        let boundary = quarter - k.period_phase(key_digest("n1", "GPU-a", "temperature"));
+        assert!(boundary > 1);
+        assert!(!k.keep(&temp("b", boundary - 1, 60, true), none));
+        assert!(k.keep(&temp("c", boundary, 60, true), none));
+        assert!(!k.keep(&temp("d", boundary + quarter - 1, 60, true), none));
+        assert!(k.keep(&temp("e", boundary + quarter, 60, true), none));
         assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour * 480).keyframe, MAX_KEYFRAME_MICROS);
         assert_eq!(Keeper::for_rebuild_window(Policy::Evidence, hour / 600).keyframe, MINUTE_MICROS);
     }
