@@ -4,7 +4,8 @@
 //! Under [`Policy::Evidence`] an event is recorded in `health_events` when incident history or a
 //! rebuild needs it ([`Keeper::keep`]): it is unhealthy; the engine says it bore on its state
 //! ([`Bearing`]: evidence for or against an incident, a changed fact, a refusal); it is the
-//! first of its node, GPU and kind since the classifier started, or the first of that key in a
+//! first of its node, GPU and kind since the classifier started (and with nothing of that key
+//! replayed by the rebuild, [`Keeper::recorded`]), or the first of that key in a
 //! keyframe period of event time (an eighth of `--rebuild-window`, from a minute to 6 hours: so a
 //! rebuild window always holds recent readings of each, whatever facts they carry; each key's
 //! periods start at a phase of its own, so the fleet's keyframes spread over the period); or it is a
@@ -394,6 +395,24 @@ impl Keeper {
         keep
     }
 
+    /// Takes in an event recorded before, replayed by a rebuild (a start, or partitions gained in
+    /// a rebalance), oldest first: its node, GPU and kind are then known, with the period of their
+    /// last recorded event and whether it was unhealthy. Without this every key was "the first
+    /// since start" again, and the first reading of each after a rollout of the classifier was
+    /// recorded at once (at 100,000 nodes, millions of rows within one reporting interval); with
+    /// it a key's next keyframe is due when it would have been had the classifier not restarted,
+    /// and a reading after a recorded unhealthy one is still recorded as the crossing back.
+    pub fn recorded(&mut self, o: &Observation) {
+        if self.policy == Policy::All {
+            return;
+        }
+        let digest = key_digest(&o.node, o.gpu.as_deref().unwrap_or(""), &o.kind);
+        let period = self.period(digest, o.observed_at_micros);
+        let track = self.tracks.entry(digest).or_default();
+        track.period = period;
+        track.unhealthy = !o.healthy;
+    }
+
     /// The keyframe period of event time `at` for the key with `digest`. Each key's periods are
     /// shifted by a phase of their own (its digest modulo the period), so the fleet's keys start
     /// their periods spread over the whole period, not all at one instant: with periods aligned,
@@ -631,6 +650,28 @@ mod tests {
         // 2,000 into the minute after each hour.
         let most = *per_minute.iter().max().unwrap();
         assert!(most <= 100, "at most {most} keyframes in one minute: {per_minute:?}");
+    }
+
+    #[test]
+    fn after_a_rebuild_a_key_recorded_in_this_period_is_not_a_first_again() {
+        let none = Bearing::default();
+        let mut k = Keeper::new(Policy::Evidence);
+        let digest = key_digest("n1", "GPU-a", "temperature");
+        let boundary = MAX_KEYFRAME_MICROS - k.period_phase(digest);
+        assert!(boundary > 10);
+        // Replayed: a healthy reading at 1, then an unhealthy one of another GPU.
+        k.recorded(&temp("a", 1, 60, true));
+        let mut hot = temp("b", 2, 99, false);
+        hot.gpu = Some("GPU-b".into());
+        k.recorded(&hot);
+        assert!(!k.keep(&temp("c", 3, 60, true), none), "its keyframe of this period is recorded");
+        assert!(k.keep(&temp("d", boundary, 60, true), none), "the next period's is due as before");
+        let mut cooled = temp("e", 4, 60, true);
+        cooled.gpu = Some("GPU-b".into());
+        assert!(k.keep(&cooled, none), "the crossing back after a recorded unhealthy reading");
+        let mut other = temp("f", 5, 60, true);
+        other.gpu = Some("GPU-c".into());
+        assert!(k.keep(&other, none), "a key with nothing recorded is still a first");
     }
 
     #[test]

@@ -762,12 +762,13 @@ pub async fn nodes_since(pool: &PgPool, since: DateTime<Utc>) -> Result<Vec<Stri
 
 /// Rebuilds an engine with `rules` from the events of `nodes` observed since `since`, each node's
 /// oldest first, streamed: memory holds the engine's state, not the rows. Returns it with the number of
-/// events replayed.
+/// events replayed. `keeper` takes in each replayed event ([`crate::persist::Keeper::recorded`]).
 pub async fn rebuild(
     pool: &PgPool,
     rules: crate::rules::RuleSet,
     since: DateTime<Utc>,
     nodes: &[String],
+    keeper: &mut crate::persist::Keeper,
 ) -> Result<(crate::rules::engine::Engine, u64), StoreError> {
     use futures::TryStreamExt as _;
     let mut engine = crate::rules::engine::Engine::new(rules);
@@ -806,6 +807,7 @@ pub async fn rebuild(
                     });
                 }
                 engine.observe(&o);
+                keeper.recorded(&o);
                 replayed += 1;
             }
         }

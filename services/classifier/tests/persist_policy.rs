@@ -110,8 +110,9 @@ fn stream(base: DateTime<Utc>) -> Vec<EnrichedHealthEvent> {
 }
 
 /// The stream through an engine and a keeper for `policy`, written to a fresh database in batches
-/// of 500 as the handler writes them; returns the pool, the live engine and the rows recorded.
-async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (sqlx::PgPool, Engine, usize) {
+/// of 500 as the handler writes them; returns the pool, the live engine and keeper, and the rows
+/// recorded.
+async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (sqlx::PgPool, Engine, Keeper, usize) {
     let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
     let db = testkit::unique_name(name).replace('-', "_");
     let url = testkit::fresh_database(&admin, &db).await.expect("database");
@@ -136,7 +137,7 @@ async fn record(name: &str, policy: Policy, events: &[EnrichedHealthEvent]) -> (
     }
     engine.take_absorbed();
     engine.take_refused();
-    (pool, engine, recorded)
+    (pool, engine, keeper, recorded)
 }
 
 /// An engine's state without what a replay of fewer events may set differently: each node's clock
@@ -145,18 +146,19 @@ fn state(engine: &Engine) -> Vec<(String, String)> {
     engine.snapshot().nodes.into_iter().map(|n| (n.node, format!("{:?} {:?}", n.keys, n.facts))).collect()
 }
 
-async fn rebuilt(pool: &sqlx::PgPool, since: DateTime<Utc>) -> Engine {
+async fn rebuilt(pool: &sqlx::PgPool, since: DateTime<Utc>, keeper: &mut Keeper) -> Engine {
     let nodes = store::nodes_since(pool, since).await.expect("nodes");
     let rules = defaults::rule_set().expect("default rules");
-    store::rebuild(pool, rules, since, &nodes).await.expect("rebuilt").0
+    store::rebuild(pool, rules, since, &nodes, keeper).await.expect("rebuilt").0
 }
 
 #[tokio::test]
 async fn evidence_only_history_rebuilds_the_same_state_as_every_event() {
     let base = Utc::now() - Duration::hours(3);
     let events = stream(base);
-    let (all_pool, live, all_rows) = record("persist-all", Policy::All, &events).await;
-    let (evidence_pool, live_evidence, evidence_rows) = record("persist-evidence", Policy::Evidence, &events).await;
+    let (all_pool, live, _, all_rows) = record("persist-all", Policy::All, &events).await;
+    let (evidence_pool, live_evidence, mut live_keeper, evidence_rows) =
+        record("persist-evidence", Policy::Evidence, &events).await;
     assert_eq!(all_rows, events.len());
     assert!(
         evidence_rows * 3 < all_rows,
@@ -165,8 +167,9 @@ async fn evidence_only_history_rebuilds_the_same_state_as_every_event() {
     assert_eq!(state(&live), state(&live_evidence), "the policy changes nothing the engine decides");
 
     let since = base - Duration::minutes(1);
-    let from_all = rebuilt(&all_pool, since).await;
-    let from_evidence = rebuilt(&evidence_pool, since).await;
+    let from_all = rebuilt(&all_pool, since, &mut Keeper::new(Policy::Evidence)).await;
+    let mut restarted = Keeper::new(Policy::Evidence);
+    let from_evidence = rebuilt(&evidence_pool, since, &mut restarted).await;
     let open = |e: &Engine| {
         let mut v: Vec<_> = e.open_incidents().into_iter().map(|i| (i.node, i.rule_id, i.gpu, i.incident_id)).collect();
         v.sort();
@@ -176,6 +179,26 @@ async fn evidence_only_history_rebuilds_the_same_state_as_every_event() {
     assert_eq!(open(&from_all), open(&live));
     assert_eq!(open(&from_evidence), open(&from_all), "the same open incidents after a restart");
     assert_eq!(state(&from_evidence), state(&from_all), "the same conditions and facts after a restart");
+
+    // The keeper of a restarted classifier, taking in what the rebuild replayed, records the
+    // stream's next readings as the live one does: not the first of every key again.
+    let last = events.last().expect("events").event.observed_at;
+    let next: Vec<_> = events
+        .iter()
+        .filter(|e| e.event.observed_at > last - Duration::seconds(30))
+        .map(|e| {
+            let mut o = observe::observation(e);
+            o.observed_at_micros += 30_000_000;
+            o
+        })
+        .collect();
+    let none = Default::default();
+    let live_kept: Vec<bool> = next.iter().map(|o| live_keeper.keep(o, none)).collect();
+    let restarted_kept: Vec<bool> = next.iter().map(|o| restarted.keep(o, none)).collect();
+    let fresh_kept = next.iter().filter(|o| Keeper::new(Policy::Evidence).keep(o, none)).count();
+    assert_eq!(restarted_kept, live_kept, "a restart changes nothing the keeper records");
+    let kept = live_kept.iter().filter(|k| **k).count();
+    assert!(kept < fresh_kept / 2, "{kept} of {} next readings recorded; a keeper knowing nothing: {fresh_kept}", next.len());
 
     // What was left out is in the rollups: every healthy event, counted once.
     let (rollup_events,): (i64,) = sqlx::query_as("SELECT coalesce(sum(events), 0)::int8 FROM telemetry_rollups")
