@@ -90,7 +90,8 @@ impl Classifier {
                 .into_iter()
                 .filter(|n| gained.contains(&kafka::partition_for(n.as_bytes(), count)))
                 .collect();
-            let (mut rebuilt, events) = store::rebuild(&self.pool, self.engine.rules().clone(), since, &nodes, &mut self.keeper).await?;
+            let (mut rebuilt, events) =
+                store::rebuild(&self.pool, self.engine.rules().clone(), since, &nodes, &mut self.keeper).await?;
             // The store's open incidents of these partitions stay followed, whatever the replay
             // made of them (a new rule version, an incident older than the window).
             let stored: Vec<_> = store::open_incidents(&self.pool)

@@ -632,7 +632,7 @@ mod tests {
         let mut per_minute = vec![0u32; 180];
         for minute in 0..180i64 {
             for g in 0..gpus {
-                let mut o = Observation::new("r", &format!("node-{g}"), minute * MINUTE_MICROS + g, "temperature")
+                let mut o = Observation::new("r", format!("node-{g}"), minute * MINUTE_MICROS + g, "temperature")
                     .gpu("GPU-0")
                     .field("value", 60);
                 o.healthy = true;

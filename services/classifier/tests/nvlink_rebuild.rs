@@ -70,7 +70,9 @@ async fn a_rebuild_makes_the_domain_decisions_that_were_made_live() {
     let since = s(-3600);
     let mut keeper = gpumedic_classifier::persist::Keeper::new(gpumedic_classifier::persist::Policy::Evidence);
     let (rebuilt, replayed) =
-        store::rebuild(&pool, rules, since, &["early".to_owned(), "late".to_owned()], &mut keeper).await.expect("rebuilt");
+        store::rebuild(&pool, rules, since, &["early".to_owned(), "late".to_owned()], &mut keeper)
+            .await
+            .expect("rebuilt");
     assert_eq!(replayed, 2);
     let open: Vec<String> = rebuilt.open_incidents().into_iter().map(|i| i.node).collect();
     assert_eq!(open, ["early"], "what was decided live, and nothing else");

@@ -198,7 +198,11 @@ async fn evidence_only_history_rebuilds_the_same_state_as_every_event() {
     let fresh_kept = next.iter().filter(|o| Keeper::new(Policy::Evidence).keep(o, none)).count();
     assert_eq!(restarted_kept, live_kept, "a restart changes nothing the keeper records");
     let kept = live_kept.iter().filter(|k| **k).count();
-    assert!(kept < fresh_kept / 2, "{kept} of {} next readings recorded; a keeper knowing nothing: {fresh_kept}", next.len());
+    assert!(
+        kept < fresh_kept / 2,
+        "{kept} of {} next readings recorded; a keeper knowing nothing: {fresh_kept}",
+        next.len()
+    );
 
     // What was left out is in the rollups: every healthy event, counted once.
     let (rollup_events,): (i64,) = sqlx::query_as("SELECT coalesce(sum(events), 0)::int8 FROM telemetry_rollups")
