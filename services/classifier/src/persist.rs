@@ -411,6 +411,16 @@ impl Keeper {
         let track = self.tracks.entry(digest).or_default();
         track.period = period;
         track.unhealthy = !o.healthy;
+        // A counter's last value, as a healthy reading leaves it (Rollup::add): the growth from it
+        // to the first reading after the restart is counted in that reading's rollup. A changed
+        // counter is a changed fact, recorded, so the last recorded value is the last one seen.
+        if o.healthy {
+            for (field, value) in &o.fields {
+                if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
+                    counter_step(track, field, *now, &mut self.names);
+                }
+            }
+        }
     }
 
     /// The keyframe period of event time `at` for the key with `digest`. Each key's periods are
@@ -672,6 +682,15 @@ mod tests {
         let mut other = temp("f", 5, 60, true);
         other.gpu = Some("GPU-c".into());
         assert!(k.keep(&other, none), "a key with nothing recorded is still a first");
+
+        // A counter's growth from its last recorded value is counted across the restart.
+        let mut k = Keeper::new(Policy::Evidence);
+        k.recorded(&ecc("g", 1, 10));
+        k.keep(&ecc("h", 2, 13), none);
+        let rollups = k.drain();
+        assert_eq!(rollups.len(), 1, "replayed events are not rolled up again");
+        assert_eq!(rollups[0].1.events, 1);
+        assert_eq!(rollups[0].1.counters["single_bit_aggregate"], 3);
     }
 
     #[test]
