@@ -22,7 +22,8 @@
 //! 4. **Steady**: the simulated fleet ([`fleet::Fleet`]: the collector's stream, an inventory
 //!    first, readings on change, a heartbeat per GPU, Xids by PCI bus id, with its fault mix) at
 //!    `--events-per-node` events per node per second (the 0.03: 3,000/s at 100,000 nodes)
-//!    for `--steady`.
+//!    for `--steady`. With `--warm-up`, the fleet first runs at the burst's rate for that long,
+//!    not measured, and the steady phase waits until the classifier has taken it all in.
 //! 5. **Burst**: the fleet at `--burst-rate` (10,000/s) for `--burst`; during it, `--faults` Xid
 //!    79s on distinct nodes, `--fault-interval` apart, each timed from its produce call to the
 //!    first time a watch sees its node cordoned, beside the floor of step 2.
@@ -68,6 +69,13 @@ pub struct Options {
     /// Steady events per node per second (the production-like 0.03).
     #[arg(long, default_value_t = 0.03)]
     events_per_node: f64,
+    /// Before the steady phase, the fleet at `--burst-rate` for this long, not measured, then a
+    /// wait until the classifier has taken every event in. Under `--persist evidence` a classifier
+    /// records the first event of each node, GPU and kind it has not seen (nor had replayed by its
+    /// rebuild): fresh, it records about half of a 10,000-node burst as rows; warmed up, it
+    /// records what a classifier that has run a while does. 0 (the default) measures the fresh one.
+    #[arg(long, default_value = "0s", value_parser = crate::duration)]
+    warm_up: Duration,
     /// How long the steady phase runs at each size.
     #[arg(long, default_value = "90s", value_parser = crate::duration)]
     steady: Duration,
@@ -195,10 +203,14 @@ pub struct Step {
     /// to its handling, and the handling (see [`crate::stages::remediator_means`]).
     remediator_delivered_ms: f64,
     remediator_acted_ms: f64,
+    /// `--warm-up`: events produced, and seconds from its end until the classifier had taken
+    /// them all in.
+    warm_up_events: u64,
+    warm_up_drained_s: f64,
     steady: Phase,
     burst: Phase,
     fault_to_cordon: FaultToCordon,
-    /// The classifier's batches over the whole run, per stage of a batch.
+    /// The classifier's batches over the whole run (the warm-up's too), per stage of a batch.
     classifier_batches: Vec<crate::stages::BatchStage>,
 }
 
@@ -530,7 +542,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
             let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
                 .execute(&admin_db)
                 .await;
-            let (steady, burst, faults) = result?;
+            let (warm_up, steady, burst, faults) = result?;
+            (step.warm_up_events, step.warm_up_drained_s) = warm_up;
             step.steady = steady;
             step.burst = burst;
             step.fault_to_cordon = faults;
@@ -588,13 +601,31 @@ async fn phases(
     targets: &[String],
     sampler: &Sampler,
     services: &[(&'static str, ServiceProcess); 3],
-) -> anyhow::Result<(Phase, Phase, FaultToCordon)> {
+) -> anyhow::Result<((u64, f64), Phase, Phase, FaultToCordon)> {
     let steady_rate = ((size as f64 * o.events_per_node).round() as u64).max(1);
     let fleet = Fleet::paced(id, size, steady_rate, o.faults_per_minute, k as u64 + 1, fleet::XidNames::Pci)?;
     let classified = async || match testkit::http_get(services[1].1.admin_addr(), "/metrics").await {
         Ok((_, text)) => crate::classify::metric(&text, "gpumedic_classifier_events_total"),
         Err(_) => f64::NAN,
     };
+
+    // Warm-up, not measured: the classifier sees the fleet's nodes, GPUs and kinds.
+    let (mut fleet, mut warm_sent, mut drained_s) = (fleet, 0, 0.0);
+    if !o.warm_up.is_zero() {
+        (fleet, warm_sent) = produce(fleet, bootstrap, &topics.raw, o.burst_rate, o.warm_up)?
+            .join()
+            .map_err(|_| anyhow::anyhow!("panic"))??;
+        let (produced, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(600));
+        while classified().await < warm_sent as f64 {
+            anyhow::ensure!(Instant::now() < deadline, "the classifier did not take the warm-up in within 10 minutes");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        drained_s = produced.elapsed().as_secs_f64();
+        println!(
+            "    warm-up: {warm_sent} events in {:.0} s, all classified {drained_s:.1} s after",
+            o.warm_up.as_secs_f64()
+        );
+    }
 
     // Steady.
     let start = Instant::now();
@@ -606,7 +637,7 @@ async fn phases(
     steady.rate_target = steady_rate as f64;
     steady.seconds = (end - start).as_secs_f64();
     steady.rate_achieved = steady_sent as f64 / steady.seconds;
-    steady.produced = steady_sent;
+    steady.produced = warm_sent + steady_sent;
     steady.classified = classified().await;
 
     // Burst, with the timed faults.
@@ -646,7 +677,7 @@ async fn phases(
     burst.rate_target = o.burst_rate as f64;
     burst.seconds = (end - start).as_secs_f64();
     burst.rate_achieved = burst_sent as f64 / burst.seconds;
-    burst.produced = steady_sent + burst_sent;
+    burst.produced = warm_sent + steady_sent + burst_sent;
     burst.classified = classified().await;
 
     let seen = cordoned_at.lock().expect("lock").clone();
@@ -681,7 +712,7 @@ async fn phases(
         latencies_ms,
         stages,
     };
-    Ok((steady, burst, faults))
+    Ok(((warm_sent, drained_s), steady, burst, faults))
 }
 
 fn print_step(step: &Step) {
