@@ -23,7 +23,8 @@
 //!    first, readings on change, a heartbeat per GPU, Xids by PCI bus id, with its fault mix) at
 //!    `--events-per-node` events per node per second (the issue's 0.03: 3,000/s at 100,000 nodes)
 //!    for `--steady`. With `--warm-up`, the fleet first runs at the burst's rate for that long,
-//!    not measured, and the steady phase waits until the classifier has taken it all in.
+//!    not measured, and the steady phase waits until the classifier has taken it all in and the
+//!    wall clock has caught up with the fleet's.
 //! 5. **Burst**: the fleet at `--burst-rate` (10,000/s) for `--burst`; during it, `--faults` Xid
 //!    79s on distinct nodes, `--fault-interval` apart, each timed from its produce call to the
 //!    first time a watch sees its node cordoned, beside the floor of step 2.
@@ -603,13 +604,16 @@ async fn phases(
     services: &[(&'static str, ServiceProcess); 3],
 ) -> anyhow::Result<((u64, f64), Phase, Phase, FaultToCordon)> {
     let steady_rate = ((size as f64 * o.events_per_node).round() as u64).max(1);
-    let fleet = Fleet::paced(id, size, steady_rate, o.faults_per_minute, k as u64 + 1, fleet::XidNames::Pci)?;
     let classified = async || match testkit::http_get(services[1].1.admin_addr(), "/metrics").await {
         Ok((_, text)) => crate::classify::metric(&text, "gpumedic_classifier_events_total"),
         Err(_) => f64::NAN,
     };
 
-    // Warm-up, not measured: the classifier sees the fleet's nodes, GPUs and kinds.
+    // Warm-up, not measured: the classifier sees the fleet's nodes, GPUs and kinds. The fleet is
+    // paced for the steady rate, so at the burst's its clock runs ahead of the wall's; the steady
+    // phase waits until the wall has caught up (else the steady phase and the burst would carry
+    // event times past the classifier's clock skew allowance).
+    let fleet = Fleet::paced(id, size, steady_rate, o.faults_per_minute, k as u64 + 1, fleet::XidNames::Pci)?;
     let (mut fleet, mut warm_sent, mut drained_s) = (fleet, 0, 0.0);
     if !o.warm_up.is_zero() {
         (fleet, warm_sent) = produce(fleet, bootstrap, &topics.raw, o.burst_rate, o.warm_up)?
@@ -621,10 +625,14 @@ async fn phases(
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         drained_s = produced.elapsed().as_secs_f64();
+        let ahead = (fleet.clock() - chrono::Utc::now()).to_std().unwrap_or_default();
         println!(
-            "    warm-up: {warm_sent} events in {:.0} s, all classified {drained_s:.1} s after",
-            o.warm_up.as_secs_f64()
+            "    warm-up: {warm_sent} events in {:.0} s, all classified {drained_s:.1} s after; the fleet's clock \
+             {:.0} s ahead of the wall's, waited for",
+            o.warm_up.as_secs_f64(),
+            ahead.as_secs_f64()
         );
+        tokio::time::sleep(ahead).await;
     }
 
     // Steady.
