@@ -192,6 +192,36 @@ pub fn signal(pids: &[u32], signal: &str) -> anyhow::Result<()> {
     }
     let list: Vec<String> = pids.iter().map(u32::to_string).collect();
     let status = std::process::Command::new("kill").arg(format!("-{signal}")).args(&list).status()?;
-    anyhow::ensure!(status.success(), "kill -{signal} {} failed", list.join(" "));
+    if status.success() {
+        return Ok(());
+    }
+    // `kill` signals every process it can and fails if any one could not be: a process that
+    // exited between the listing and the signal (a backend closing its connection) is gone, not
+    // a failure. Each one still there is signalled again, alone, and must take it.
+    for pid in pids.iter().filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists()) {
+        let status = std::process::Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status()?;
+        anyhow::ensure!(
+            status.success() || !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "kill -{signal} {pid} failed (of {})",
+            list.join(" ")
+        );
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_gone_before_its_signal_is_not_a_failure_and_the_rest_are_signalled() {
+        let mut gone = std::process::Command::new("true").spawn().expect("spawned");
+        let gone_pid = gone.id();
+        gone.wait().expect("exited");
+        let mut alive = std::process::Command::new("sleep").arg("30").spawn().expect("spawned");
+        signal(&[gone_pid, alive.id()], "KILL").expect("the exited one is skipped");
+        let status = alive.wait().expect("waited");
+        use std::os::unix::process::ExitStatusExt as _;
+        assert_eq!(status.signal(), Some(9), "the living one took the signal");
+    }
 }
