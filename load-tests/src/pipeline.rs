@@ -65,7 +65,7 @@ pub struct Options {
     /// Event time between consecutive events of the stream, in microseconds, in place of the
     /// fleet's own times (the simulated collectors' intervals: 1,000 nodes send about 137 events
     /// per second). 10 packs the stream into seconds, as the scenario did before it had the
-    /// collector's shape. The spread decides how many per-minute rollups `--persist evidence`
+    /// collector's shape. The spread decides how many rollups `--persist evidence`
     /// writes.
     #[arg(long)]
     event_spacing_us: Option<i64>,
@@ -491,8 +491,13 @@ async fn pass(
     let (_, text) = testkit::http_get(enricher.admin_addr(), "/metrics").await?;
     let token_reviews = crate::classify::metric(&text, "gpumedic_enricher_token_reviews_total") as u64;
     let gpu_unresolved = crate::classify::metric(&text, "gpumedic_enricher_gpu_unresolved_total") as u64;
+    // A rollup write PostgreSQL refused is lost at once (a retry cannot mend it): the run's
+    // rollups would be short, so it fails.
+    let (_, classifier_metrics) = testkit::http_get(classifier.admin_addr(), "/metrics").await?;
+    let lost = crate::classify::metric(&classifier_metrics, "gpumedic_classifier_rollups_lost_total");
+    anyhow::ensure!(lost == 0.0, "the classifier lost {lost} rollups (its log says why)");
     // The classifier's stop writes the closed rollups still waiting for its rollup writer and
-    // the open minutes': the pipeline's work is done, rollups included, once it has stopped.
+    // the open periods': the pipeline's work is done, rollups included, once it has stopped.
     let _ = classifier.terminate(Duration::from_secs(120)).await;
     let with_rollups_seconds = start.elapsed().as_secs_f64();
     let _ = enricher.terminate(Duration::from_secs(20)).await;

@@ -134,9 +134,12 @@ pub struct PolicyOptions {
     #[arg(long, default_value_t = 1000)]
     nodes: usize,
     /// Events per node per second of event time: the fleet's rate decides how many events share a
-    /// GPU's minute, so how many rollups there are.
+    /// GPU's rollup period, so how many rollups there are.
     #[arg(long, default_value_t = 0.03)]
     rate_per_node: f64,
+    /// The span of each rollup, as the classifier's `--rollup-period`.
+    #[arg(long, default_value = gpumedic_classifier::persist::DEFAULT_ROLLUP_PERIOD, value_parser = crate::duration)]
+    rollup_period: std::time::Duration,
 }
 
 /// One policy's figures.
@@ -160,6 +163,8 @@ pub struct PolicyResult {
     events: usize,
     nodes: usize,
     rate_per_node: f64,
+    /// The rollup period, in seconds.
+    rollup_period_s: u64,
     policies: Vec<Policy>,
 }
 
@@ -196,7 +201,8 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
         let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await?;
         gpumedic_classifier::retention::maintain_logged(&pool, std::time::Duration::from_secs(30 * 86_400)).await;
         let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
-        let mut keeper = Keeper::for_rebuild_window(persist, std::time::Duration::from_secs(48 * 3600));
+        let mut keeper = Keeper::for_rebuild_window(persist, std::time::Duration::from_secs(48 * 3600))
+            .with_rollup_period(o.rollup_period);
         let start = Instant::now();
         for chunk in events.chunks(o.batch.max(1)) {
             let mut batch = Batch::default();
@@ -245,6 +251,7 @@ pub async fn run_policies(o: PolicyOptions) -> anyhow::Result<PolicyResult> {
         events: o.events,
         nodes: o.nodes,
         rate_per_node: o.rate_per_node,
+        rollup_period_s: o.rollup_period.as_secs(),
         policies,
     })
 }
@@ -262,9 +269,12 @@ pub struct RollupOptions {
     /// Nodes in the simulated fleet (8 GPUs each).
     #[arg(long, default_value_t = 1000)]
     nodes: usize,
-    /// Events per node per second of event time (how many events share a GPU's minute).
+    /// Events per node per second of event time (how many events share a GPU's rollup period).
     #[arg(long, default_value_t = 0.03)]
     rate_per_node: f64,
+    /// The span of each rollup, as the classifier's `--rollup-period`.
+    #[arg(long, default_value = gpumedic_classifier::persist::DEFAULT_ROLLUP_PERIOD, value_parser = crate::duration)]
+    rollup_period: std::time::Duration,
 }
 
 /// One way of writing rollups, measured.
@@ -305,7 +315,8 @@ pub async fn run_rollups(o: RollupOptions) -> anyhow::Result<RollupResult> {
     let admin = testkit::require_postgres().await?;
     let (base, spacing, _) = spread(o.nodes, o.events, o.rate_per_node);
     let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
-    let mut keeper = Keeper::for_rebuild_window(Persist::Evidence, std::time::Duration::from_secs(48 * 3600));
+    let mut keeper = Keeper::for_rebuild_window(Persist::Evidence, std::time::Duration::from_secs(48 * 3600))
+        .with_rollup_period(o.rollup_period);
     let mut closed = Vec::new();
     for e in crate::fleet::Enriched::new(o.nodes, base, spacing)?.take(o.events) {
         let obs = gpumedic_classifier::observe::observation(&e);

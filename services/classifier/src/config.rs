@@ -73,10 +73,15 @@ pub struct Args {
     #[arg(long, env = "GPUMEDIC_WRITE_PARALLELISM", default_value_t = 2)]
     write_parallelism: usize,
     /// Which health events are recorded in Postgres: `evidence` (what incident history and a
-    /// rebuild need, plus per-minute rollups of the healthy telemetry; docs/incident-history.md)
-    /// or `all` (every event).
+    /// rebuild need, plus rollups of the healthy telemetry; docs/incident-history.md) or `all`
+    /// (every event).
     #[arg(long, env = "GPUMEDIC_PERSIST", default_value = "evidence")]
     persist: String,
+    /// The span of each rollup of healthy telemetry under `--persist evidence`: whole minutes
+    /// from 1m to 1h that divide an hour. The collector sends a heartbeat per GPU a minute, so
+    /// `1m` makes about a row per heartbeat.
+    #[arg(long, env = "GPUMEDIC_ROLLUP_PERIOD", default_value = crate::persist::DEFAULT_ROLLUP_PERIOD)]
+    rollup_period: String,
     /// How long recorded health events are kept; older daily partitions are dropped hourly.
     /// Incidents, verdicts and actions are kept.
     #[arg(long, env = "GPUMEDIC_EVENT_RETENTION", default_value = "30d")]
@@ -155,6 +160,8 @@ pub struct Config {
     pub write_parallelism: usize,
     /// Which health events are recorded.
     pub persist: crate::persist::Policy,
+    /// The span of each rollup.
+    pub rollup_period: Duration,
     /// The rules.
     pub rules: RuleSet,
     /// How far back to rebuild.
@@ -251,6 +258,10 @@ impl Validate for Args {
             );
         }
         let persist = p.check("--persist", crate::persist::Policy::parse(&self.persist));
+        let rollup_period = p.check("--rollup-period", parse_duration(&self.rollup_period));
+        if let Some(Err(e)) = rollup_period.map(crate::persist::check_rollup_period) {
+            p.push("--rollup-period", e);
+        }
         let rules_poll = p.check("--rules-poll", parse_duration(&self.rules_poll));
         if rules_poll.is_some_and(|d| d.is_zero()) {
             p.push("--rules-poll", "must be more than 0");
@@ -291,6 +302,7 @@ impl Validate for Args {
                 api_auth: api_auth.expect("checked"),
                 write_parallelism: self.write_parallelism,
                 persist: persist.expect("checked"),
+                rollup_period: rollup_period.expect("checked"),
                 rules: if self.allow_synthetic { rules.with_synthetic(SyntheticPolicy::Allowed) } else { rules },
                 rebuild_window: rebuild_window.expect("checked"),
                 tick: tick.expect("checked"),

@@ -217,12 +217,19 @@ impl InternalEvent for RollupsWritten {
 pub(crate) struct RollupsLost<'a, E: Display> {
     pub(crate) rollups: usize,
     pub(crate) error: &'a E,
+    /// The classifier is stopping (else the error is one no retry can mend).
+    pub(crate) stopping: bool,
 }
 
 impl<E: Display> InternalEvent for RollupsLost<'_, E> {
     fn emit(self) {
-        tracing::warn!(rollups = self.rollups, error = %self.error,
-            "Cannot write closed rollups and the classifier is stopping; they are lost (the events are still in Kafka).");
+        if self.stopping {
+            tracing::warn!(rollups = self.rollups, error = %self.error,
+                "Cannot write closed rollups and the classifier is stopping; they are lost (the events are still in Kafka).");
+        } else {
+            tracing::error!(rollups = self.rollups, error = %self.error,
+                "Cannot write closed rollups, and retrying cannot mend what PostgreSQL refused; they are lost (the events are still in Kafka).");
+        }
         metrics::counter!(names::ROLLUPS_LOST_TOTAL).increment(self.rollups as u64);
     }
 }

@@ -42,7 +42,7 @@ mod config;
 mod database;
 mod events;
 mod handler;
-mod rollups;
+pub mod rollups;
 mod ticker;
 
 pub use classifier::{Classifier, ClassifierError};
@@ -115,7 +115,8 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             rebuild_window: config.rebuild_window,
             clock_skew_allowance: config.clock_skew_allowance,
             lemons: config.lemons,
-            keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window),
+            keeper: persist::Keeper::for_rebuild_window(config.persist, config.rebuild_window)
+                .with_rollup_period(config.rollup_period),
             rollups: rollups::RollupWriter::start(pool.clone(), token.clone()),
         })
     };

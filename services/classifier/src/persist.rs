@@ -1,5 +1,5 @@
-//! What the classifier keeps of the event stream in Postgres ([`Policy`]), and the per-minute
-//! rollups of the healthy telemetry it leaves out ([`Rollup`]).
+//! What the classifier keeps of the event stream in Postgres ([`Policy`]), and the rollups of the
+//! healthy telemetry it leaves out ([`Rollup`]), one per node, GPU, kind and `--rollup-period`.
 //!
 //! Under [`Policy::Evidence`] an event is recorded in `health_events` when incident history or a
 //! rebuild needs it ([`Keeper::keep`]): it is unhealthy; the engine says it bore on its state
@@ -10,17 +10,22 @@
 //! rebuild window always holds recent readings of each, whatever facts they carry; each key's
 //! periods start at a phase of its own, so the fleet's keyframes spread over the period); or it is a
 //! reading crossing back to healthy. Every other healthy event only
-//! feeds its GPU's rollup of the minute: the minimum, maximum and last value of each number it
+//! feeds its GPU's rollup of the period: the minimum, maximum and last value of each number it
 //! carries, and the increase of each counter. The raw stream stays in Kafka.
 //!
 //! Leaving such an event out of a replay changes nothing the engine decides from, so a rebuild
 //! from the recorded subset reaches the same incidents (`tests/persist_policy.rs`).
 //!
-//! Rollups are written once their minute is over by the newest event time seen (plus
+//! Rollups are written once their period is over by the newest event time seen (plus
 //! [`ROLLUP_GRACE_MICROS`]); an event later than that adds a row merged into the written one.
 //! They are kept in memory until then, and written when the classifier stops: a crash loses the
-//! open minutes' rollups (the events are in Kafka), and a batch replayed after a crash adds its
+//! open periods' rollups (the events are in Kafka), and a batch replayed after a crash adds its
 //! events' counts a second time.
+//!
+//! The period ([`Keeper::with_rollup_period`], `--rollup-period`, 10 minutes by default) is what
+//! makes rollups fold events at all: the collector sends one heartbeat per GPU a minute and its
+//! readings only on a change, so a rollup per minute held one event (a row per heartbeat: at
+//! 100,000 nodes over a billion rows a day), where one per 10 minutes holds ten.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -35,7 +40,7 @@ use crate::rules::{Bearing, FieldValue, Observation};
 /// Which events the classifier records in `health_events`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Policy {
-    /// What incident history and a rebuild need; per-minute rollups of the rest.
+    /// What incident history and a rebuild need; rollups of the rest.
     #[default]
     Evidence,
     /// Every event, as consumed (no rollups).
@@ -64,6 +69,37 @@ impl Policy {
 /// A minute, in microseconds.
 const MINUTE_MICROS: i64 = 60_000_000;
 
+/// `--rollup-period`'s default: ten heartbeats of a GPU in each rollup.
+pub const DEFAULT_ROLLUP_PERIOD: &str = "10m";
+
+/// The rollup period [`Keeper::new`] starts with: a minute, the shortest `--rollup-period`.
+pub const MIN_ROLLUP_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The longest rollup period: an hour.
+pub const MAX_ROLLUP_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Whether `period` can be a rollup period: from [`MIN_ROLLUP_PERIOD`] to [`MAX_ROLLUP_PERIOD`],
+/// in whole minutes that divide an hour, so that every period starts at the same minutes of each
+/// hour (xx:00, xx:10, ... for 10 minutes) whatever the classifier's start, and rows of replicas
+/// and restarts line up.
+pub fn check_rollup_period(period: std::time::Duration) -> Result<(), String> {
+    let secs = period.as_secs();
+    if period < MIN_ROLLUP_PERIOD
+        || period > MAX_ROLLUP_PERIOD
+        || period.subsec_nanos() != 0
+        || !secs.is_multiple_of(60)
+    {
+        return Err("must be whole minutes from 1m to 1h".into());
+    }
+    if !3600u64.is_multiple_of(secs) {
+        return Err(format!(
+            "{} minutes does not divide an hour (1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30 or 60)",
+            secs / 60
+        ));
+    }
+    Ok(())
+}
+
 /// The longest keyframe period ([`Keeper::for_rebuild_window`]), in microseconds: 6 hours.
 pub const MAX_KEYFRAME_MICROS: i64 = 6 * 3_600_000_000;
 
@@ -84,12 +120,12 @@ pub fn rollups_for_batch(events: usize) -> usize {
     events.clamp(ROLLUPS_MIN_PER_BATCH, ROLLUPS_PER_BATCH)
 }
 
-/// How long after its minute ends (by the newest event time seen) a rollup is written: events of
+/// How long after its period ends (by the newest event time seen) a rollup is written: events of
 /// a node arrive a little out of order across its sources.
 pub const ROLLUP_GRACE_MICROS: i64 = 60_000_000;
 
 /// Fields that are counters (they only grow, except when the GPU or driver resets them): their
-/// rollup also says how much they grew in the minute.
+/// rollup also says how much they grew in its period.
 pub const COUNTER_FIELDS: &[(&str, &str)] = &[
     ("ecc", "single_bit_volatile"),
     ("ecc", "double_bit_volatile"),
@@ -197,7 +233,7 @@ impl<V: serde::Serialize> serde::Serialize for Fields<V> {
     }
 }
 
-/// The minimum, maximum and last value of one reading over a minute.
+/// The minimum, maximum and last value of one reading over a rollup's period.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Reading {
     /// The smallest value.
@@ -208,9 +244,11 @@ pub struct Reading {
     pub last: f64,
 }
 
-/// One GPU's (or node's) healthy telemetry of one kind over one minute.
+/// One GPU's (or node's) healthy telemetry of one kind over one period.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Rollup {
+    /// The period's length, in microseconds (the keeper's when the rollup began).
+    pub period: i64,
     /// Healthy events folded in.
     pub events: i32,
     /// The latest event's time.
@@ -243,6 +281,36 @@ impl Rollup {
     }
 }
 
+impl Rollup {
+    /// Folds `other`, a rollup of the same key, in, as `telemetry_rollups`' merge of a row
+    /// written twice does: counts and growths added, the least minimum, the greatest maximum,
+    /// the last value of the later one (the longer period).
+    pub fn merge(&mut self, other: Rollup) {
+        let later = other.last_at >= self.last_at;
+        self.events = self.events.saturating_add(other.events);
+        self.last_at = self.last_at.max(other.last_at);
+        self.period = self.period.max(other.period);
+        for (field, r) in other.readings.0 {
+            match self.readings.0.iter_mut().find(|(f, _)| *f == field) {
+                Some((_, mine)) => {
+                    mine.min = mine.min.min(r.min);
+                    mine.max = mine.max.max(r.max);
+                    if later {
+                        mine.last = r.last;
+                    }
+                }
+                None => self.readings.0.push((field, r)),
+            }
+        }
+        for (field, growth) in other.counters.0 {
+            match self.counters.0.iter_mut().find(|(f, _)| *f == field) {
+                Some((_, mine)) => *mine = mine.saturating_add(growth),
+                None => self.counters.0.push((field, growth)),
+            }
+        }
+    }
+}
+
 /// How much a counter grew since its last value (none for its first), remembering this one. A
 /// value below the last is a reset: the counter started again from zero, so it grew by the value.
 pub fn counter_growth(last: Option<i64>, now: i64) -> i64 {
@@ -267,50 +335,53 @@ fn counter_step(track: &mut Track, field: &str, now: i64, names: &mut Names) -> 
     }
 }
 
-/// The key of a rollup: node, GPU (empty for the node), kind and minute (microseconds).
+/// The key of a rollup: node, GPU (empty for the node), kind and the start of its period
+/// (microseconds).
 pub type RollupKey = (String, String, String, i64);
 
-/// One minute's open rollups, by node, GPU and kind: nested so that an event whose rollup exists
+/// One period's open rollups, by node, GPU and kind: nested so that an event whose rollup exists
 /// finds it by its own names, without copying them (nearly every healthy event does). Kinds are
 /// shared names ([`Names`]).
-type Minute = HashMap<String, HashMap<String, HashMap<Arc<str>, Rollup>>>;
+type PeriodRollups = HashMap<String, HashMap<String, HashMap<Arc<str>, Rollup>>>;
 
 /// Decides, per event, whether it is recorded, and rolls up the rest.
 #[derive(Debug, Default)]
 pub struct Keeper {
     policy: Policy,
     tracks: HashMap<u64, Track>,
-    /// The rollups not yet written, by minute, then node, GPU and kind.
-    open: BTreeMap<i64, Minute>,
+    /// The rollups not yet written, by the start of their period, then node, GPU and kind.
+    open: BTreeMap<i64, PeriodRollups>,
+    /// The rollup period, in microseconds.
+    rollup_period: i64,
     /// The newest event time seen.
     watermark: i64,
     /// Each node, GPU and kind has an event recorded in every period this long (microseconds).
     keyframe: i64,
     /// The names of kinds and fields, held once.
     names: Names,
-    /// Rollups whose minute is over, not yet handed out to be written, oldest minute first.
-    ready: VecDeque<ClosedMinute>,
+    /// Rollups whose period is over, not yet handed out to be written, oldest first.
+    ready: VecDeque<ClosedPeriod>,
 }
 
-/// A minute whose rollups are being handed out ([`Keeper::closed`]): a node's rollups are made
+/// A period whose rollups are being handed out ([`Keeper::closed`]): a node's rollups are made
 /// rows only when they are handed out, so a batch does work in proportion to what it hands out.
-/// Made into rows all at once when the minute closed, a minute of 10,000 nodes' telemetry took
+/// Made into rows all at once when the period closed, a minute of 10,000 nodes' telemetry took
 /// one batch about 340 ms (docs/benchmarks.md), and the faults behind that batch waited.
 #[derive(Debug)]
-struct ClosedMinute {
-    minute: i64,
+struct ClosedPeriod {
+    start: i64,
     /// The nodes still to hand out, in reverse name order (the next one is last).
     nodes: Vec<String>,
-    rollups: Minute,
+    rollups: PeriodRollups,
     /// The rest of a node of which only some rollups were handed out, in key order.
     rest: VecDeque<(RollupKey, Rollup)>,
 }
 
-impl ClosedMinute {
-    fn new(minute: i64, rollups: Minute) -> Self {
+impl ClosedPeriod {
+    fn new(start: i64, rollups: PeriodRollups) -> Self {
         let mut nodes: Vec<String> = rollups.keys().cloned().collect();
         nodes.sort_unstable_by(|a, b| b.cmp(a));
-        ClosedMinute { minute, nodes, rollups, rest: VecDeque::new() }
+        ClosedPeriod { start, nodes, rollups, rest: VecDeque::new() }
     }
 
     /// The next rollup in key order, if any is left.
@@ -326,7 +397,7 @@ impl ClosedMinute {
                     rows.extend(
                         kinds
                             .into_iter()
-                            .map(|(kind, r)| ((node.clone(), gpu.clone(), kind.to_string(), self.minute), r)),
+                            .map(|(kind, r)| ((node.clone(), gpu.clone(), kind.to_string(), self.start), r)),
                     );
                 }
                 rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -337,9 +408,17 @@ impl ClosedMinute {
 }
 
 impl Keeper {
-    /// A keeper for `policy`, with keyframes every [`MAX_KEYFRAME_MICROS`].
+    /// A keeper for `policy`, with keyframes every [`MAX_KEYFRAME_MICROS`] and rollups per
+    /// minute ([`MIN_ROLLUP_PERIOD`]).
     pub fn new(policy: Policy) -> Keeper {
-        Keeper { policy, keyframe: MAX_KEYFRAME_MICROS, ..Default::default() }
+        Keeper { policy, keyframe: MAX_KEYFRAME_MICROS, rollup_period: MINUTE_MICROS, ..Default::default() }
+    }
+
+    /// The same, with a rollup per `period` ([`check_rollup_period`]; one outside it is clamped
+    /// to a minute to an hour).
+    pub fn with_rollup_period(self, period: std::time::Duration) -> Keeper {
+        let micros = i64::try_from(period.as_micros()).unwrap_or(i64::MAX);
+        Keeper { rollup_period: micros.clamp(MINUTE_MICROS, 60 * MINUTE_MICROS), ..self }
     }
 
     /// The same, with a keyframe of each node, GPU and kind in every `period` of event time: an
@@ -375,9 +454,9 @@ impl Keeper {
             track.period = period;
         }
         if o.healthy {
-            let minute = at.div_euclid(MINUTE_MICROS) * MINUTE_MICROS;
-            // Found by the event's own names, copied only for a minute's first event of the key.
-            let nodes = self.open.entry(minute).or_default();
+            let start = at.div_euclid(self.rollup_period) * self.rollup_period;
+            // Found by the event's own names, copied only for a period's first event of the key.
+            let nodes = self.open.entry(start).or_default();
             let gpus = match nodes.get_mut(o.node.as_str()) {
                 Some(gpus) => gpus,
                 None => nodes.entry(o.node.clone()).or_default(),
@@ -388,7 +467,9 @@ impl Keeper {
             };
             let rollup = match kinds.get_mut(o.kind.as_str()) {
                 Some(rollup) => rollup,
-                None => kinds.entry(self.names.get(&o.kind)).or_default(),
+                None => kinds
+                    .entry(self.names.get(&o.kind))
+                    .or_insert_with(|| Rollup { period: self.rollup_period, ..Rollup::default() }),
             };
             rollup.add(o, at, track, &mut self.names);
         }
@@ -439,11 +520,11 @@ impl Keeper {
         (digest % self.keyframe.unsigned_abs()) as i64
     }
 
-    /// Up to `at_most` of the rollups whose minute ended [`ROLLUP_GRACE_MICROS`] before the
-    /// newest event time seen, oldest minute first, taken out to be written, in key order (so a
+    /// Up to `at_most` of the rollups whose period ended [`ROLLUP_GRACE_MICROS`] before the
+    /// newest event time seen, oldest period first, taken out to be written, in key order (so a
     /// statement's rows lock in the same order every time); the rest of them on later calls.
     pub fn closed(&mut self, at_most: usize) -> Vec<(RollupKey, Rollup)> {
-        let cutoff = self.watermark.saturating_sub(ROLLUP_GRACE_MICROS + MINUTE_MICROS);
+        let cutoff = self.watermark.saturating_sub(ROLLUP_GRACE_MICROS + self.rollup_period);
         let open = self.open.split_off(&cutoff.saturating_add(1));
         let closed = std::mem::replace(&mut self.open, open);
         self.close(closed);
@@ -457,32 +538,44 @@ impl Keeper {
         self.take(usize::MAX)
     }
 
-    fn close(&mut self, minutes: BTreeMap<i64, Minute>) {
-        self.ready.extend(minutes.into_iter().map(|(minute, rollups)| ClosedMinute::new(minute, rollups)));
+    fn close(&mut self, periods: BTreeMap<i64, PeriodRollups>) {
+        self.ready.extend(periods.into_iter().map(|(start, rollups)| ClosedPeriod::new(start, rollups)));
     }
 
-    /// Up to `at_most` closed rollups, oldest minute first, in key order.
+    /// Up to `at_most` closed rollups, oldest period first, in key order, each key once.
+    ///
+    /// A key can be closed twice before it is handed out: an event later than its period's close
+    /// opens the period again, and the next close queues it behind the rest of the first. Both in
+    /// one statement, `INSERT ... ON CONFLICT DO UPDATE` refuses the statement ("cannot affect row
+    /// a second time"), so they are merged here, as the table merges rows written apart.
     fn take(&mut self, at_most: usize) -> Vec<(RollupKey, Rollup)> {
         let mut out = Vec::new();
         while out.len() < at_most {
-            let Some(minute) = self.ready.front_mut() else { break };
-            match minute.next() {
+            let Some(period) = self.ready.front_mut() else { break };
+            match period.next() {
                 Some(row) => out.push(row),
                 None => {
                     self.ready.pop_front();
                 }
             }
         }
-        out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        out
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut merged: Vec<(RollupKey, Rollup)> = Vec::with_capacity(out.len());
+        for (key, rollup) in out {
+            match merged.last_mut() {
+                Some((last, into)) if *last == key => into.merge(rollup),
+                _ => merged.push((key, rollup)),
+            }
+        }
+        merged
     }
 
     /// Forgets the open rollups of the nodes `keep` rejects (their partitions went to another
     /// replica, which starts them afresh). Closed ones are still written: the other replica's
-    /// rows for the same minute merge with them.
+    /// rows for the same period merge with them.
     pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        for minute in self.open.values_mut() {
-            minute.retain(|node, _| keep(node));
+        for period in self.open.values_mut() {
+            period.retain(|node, _| keep(node));
         }
     }
 }
@@ -493,7 +586,10 @@ pub struct RollupRows {
     pub(crate) nodes: Vec<String>,
     pub(crate) gpus: Vec<String>,
     pub(crate) kinds: Vec<String>,
+    /// The start of each rollup's period (column `minute`).
     pub(crate) minutes: Vec<DateTime<Utc>>,
+    /// Each rollup's period, in microseconds.
+    pub(crate) periods: Vec<i64>,
     pub(crate) events: Vec<i32>,
     pub(crate) last_at: Vec<DateTime<Utc>>,
     /// `{"field": {"min": .., "max": .., "last": ..}}` as JSON text.
@@ -510,6 +606,7 @@ impl RollupRows {
         self.gpus.push(key.1.clone());
         self.kinds.push(key.2.clone());
         self.minutes.push(at(key.3));
+        self.periods.push(r.period);
         self.events.push(r.events);
         self.last_at.push(at(r.last_at));
         // Plain maps of numbers: serialising them cannot fail.
@@ -706,6 +803,42 @@ mod tests {
     }
 
     #[test]
+    fn a_ten_minute_period_folds_ten_heartbeats_into_one_rollup_and_closes_a_grace_after_it() {
+        let mut k = Keeper::new(Policy::Evidence).with_rollup_period(std::time::Duration::from_secs(600));
+        // One reading a minute, from 12 minutes past the first period's start (xx:00) to 25 past.
+        for minute in 12..=25 {
+            k.keep(&temp(&minute.to_string(), minute * M + 5, 50 + minute, true), Bearing::default());
+        }
+        // The newest event time is 25 past: the period from 10 to 20 ended 5 minutes ago, more
+        // than its grace.
+        let closed = k.closed(ROLLUPS_PER_BATCH);
+        assert_eq!(closed.len(), 1, "one rollup for the period from 10 to 20: {closed:?}");
+        let (key, r) = &closed[0];
+        assert_eq!(key.3, 10 * M, "keyed by the period's start");
+        assert_eq!((r.period, r.events), (10 * M, 8), "12 to 19 past");
+        assert_eq!(r.readings["value"], Reading { min: 62.0, max: 69.0, last: 69.0 });
+        // 20 to 25 past stays open until a minute after 30 past.
+        k.keep(&temp("30", 30 * M + 59_000_000, 70, true), Bearing::default());
+        assert!(k.closed(ROLLUPS_PER_BATCH).is_empty(), "the grace has not passed");
+        k.keep(&temp("31", 31 * M, 70, true), Bearing::default());
+        let closed = k.closed(ROLLUPS_PER_BATCH);
+        assert_eq!(closed.iter().map(|(k, r)| (k.3, r.events)).collect::<Vec<_>>(), [(20 * M, 6)]);
+    }
+
+    #[test]
+    fn a_rollup_period_is_whole_minutes_that_divide_an_hour() {
+        let secs = std::time::Duration::from_secs;
+        for ok in [60, 120, 300, 600, 900, 1800, 3600] {
+            assert_eq!(check_rollup_period(secs(ok)), Ok(()), "{ok} s");
+        }
+        for bad in [0, 30, 90, 420, 7200] {
+            assert!(check_rollup_period(secs(bad)).is_err(), "{bad} s");
+        }
+        assert!(check_rollup_period(std::time::Duration::from_millis(60_500)).is_err());
+        assert!(check_rollup_period(gpumedic_runtime::config::parse_duration(DEFAULT_ROLLUP_PERIOD).unwrap()).is_ok());
+    }
+
+    #[test]
     fn a_batch_writes_about_as_many_rollups_as_it_has_events() {
         assert_eq!(rollups_for_batch(1), ROLLUPS_MIN_PER_BATCH);
         assert_eq!(rollups_for_batch(3_000), 3_000);
@@ -777,6 +910,43 @@ mod tests {
         k.retain_nodes(|node| node == "n1");
         let nodes: Vec<String> = k.closed(ROLLUPS_PER_BATCH).into_iter().map(|(key, _)| key.0).collect();
         assert_eq!(nodes, ["n1", "n2"], "the closed minute of the node given away is still written");
+    }
+
+    #[test]
+    fn a_period_closed_again_by_a_late_event_is_handed_out_once_merged() {
+        // Two GPUs closed; the writer takes one, then a late event for the other GPU's closed
+        // minute opens it again, and it closes again before the first close is all handed out.
+        let mut k = Keeper::new(Policy::Evidence);
+        let mut b = temp("b1", 10, 50, true);
+        b.gpu = Some("GPU-b".into());
+        k.keep(&temp("a1", 10, 60, true), Bearing::default());
+        k.keep(&b, Bearing::default());
+        k.keep(&temp("late", 2 * M + 10, 60, true), Bearing::default());
+        assert_eq!(k.closed(1).len(), 1, "GPU-a handed out, GPU-b still waits");
+        let mut b_late = temp("b2", 20, 70, true);
+        b_late.gpu = Some("GPU-b".into());
+        k.keep(&b_late, Bearing::default());
+        let closed = k.closed(ROLLUPS_PER_BATCH);
+        let keys: Vec<_> = closed.iter().map(|(key, _)| (key.1.as_str(), key.3)).collect();
+        assert_eq!(keys, [("GPU-b", 0)], "one row per key in a hand-out (a statement cannot update a row twice)");
+        let r = &closed[0].1;
+        assert_eq!(r.events, 2);
+        assert_eq!(r.readings["value"], Reading { min: 50.0, max: 70.0, last: 70.0 });
+    }
+
+    #[test]
+    fn merged_rollups_add_counts_and_growth_and_keep_the_later_last_value() {
+        let mut names = Names::default();
+        let mut track = Track::default();
+        let mut early = Rollup { period: M, ..Rollup::default() };
+        early.add(&ecc("e1", 5, 10), 5, &mut track, &mut names);
+        early.add(&ecc("e2", 9, 13), 9, &mut track, &mut names);
+        let mut late = Rollup { period: 10 * M, ..Rollup::default() };
+        late.add(&ecc("e3", 30, 14), 30, &mut track, &mut names);
+        early.merge(late);
+        assert_eq!((early.events, early.last_at, early.period), (3, 30, 10 * M));
+        assert_eq!(early.readings["single_bit_aggregate"], Reading { min: 10.0, max: 14.0, last: 14.0 });
+        assert_eq!(early.counters["single_bit_aggregate"], 4, "3 then 1");
     }
 
     #[test]

@@ -101,6 +101,21 @@ pub(crate) async fn write(pool: &PgPool, rows: &[(RollupKey, Rollup)]) -> Result
     Ok(())
 }
 
+/// Whether a failed write of rollups may succeed if sent again: not when PostgreSQL refused the
+/// statement for what it holds or says (SQLSTATE class 21, a row updated twice; 22, bad data; 23,
+/// a constraint; 42, the statement against the schema; 54, a limit), which would fail the same way
+/// every time while the rollups behind it waited. A lost connection, a timeout, a serialization
+/// failure or a server shutting down may.
+pub fn retryable(e: &store::StoreError) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            !db.code().is_some_and(|c| matches!(c.get(..2), Some("21" | "22" | "23" | "42" | "54")))
+        }
+        sqlx::Error::Encode(_) | sqlx::Error::TypeNotFound { .. } | sqlx::Error::ColumnNotFound(_) => false,
+        _ => true,
+    }
+}
+
 /// The writer task: each queued batch of rollups written, retried until it is or the classifier
 /// stops; ends when the queue is closed and empty.
 async fn write_loop(pool: PgPool, mut rx: mpsc::Receiver<Rows>, token: CancellationToken) {
@@ -110,8 +125,8 @@ async fn write_loop(pool: PgPool, mut rx: mpsc::Receiver<Rows>, token: Cancellat
         loop {
             match write(&pool, &rows).await {
                 Ok(()) => break,
-                Err(e) if token.is_cancelled() => {
-                    RollupsLost { rollups: rows.len(), error: &e }.emit();
+                Err(e) if token.is_cancelled() || !retryable(&e) => {
+                    RollupsLost { rollups: rows.len(), error: &e, stopping: token.is_cancelled() }.emit();
                     break;
                 }
                 Err(e) => {

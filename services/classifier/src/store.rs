@@ -128,11 +128,12 @@ impl crate::persist::RollupRows {
         let text_bytes: usize = self.readings.iter().chain(&self.counters).map(String::len).sum();
         let mut out = copy_header(text_bytes + self.nodes.len() * 160);
         for i in 0..self.nodes.len() {
-            out.extend_from_slice(&8i16.to_be_bytes());
+            out.extend_from_slice(&9i16.to_be_bytes());
             copy_text(&mut out, Some(&self.nodes[i]));
             copy_text(&mut out, Some(&self.gpus[i]));
             copy_text(&mut out, Some(&self.kinds[i]));
             copy_time(&mut out, self.minutes[i]);
+            copy_interval(&mut out, self.periods[i]);
             copy_field(&mut out, &self.events[i].to_be_bytes());
             copy_time(&mut out, self.last_at[i]);
             copy_jsonb(&mut out, &self.readings[i]);
@@ -171,6 +172,14 @@ fn copy_text(out: &mut Vec<u8>, t: Option<&str>) {
 fn copy_time(out: &mut Vec<u8>, at: DateTime<Utc>) {
     const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
     copy_field(out, &(at.timestamp_micros() - PG_EPOCH_MICROS).to_be_bytes());
+}
+
+/// An `interval` field of `micros` microseconds: its binary form is the microseconds, then days
+/// and months (none).
+fn copy_interval(out: &mut Vec<u8>, micros: i64) {
+    out.extend_from_slice(&16i32.to_be_bytes());
+    out.extend_from_slice(&micros.to_be_bytes());
+    out.extend_from_slice(&[0; 8]);
 }
 
 /// A `jsonb` field: its binary form is a version byte (1) and the JSON text, which PostgreSQL
@@ -470,6 +479,7 @@ macro_rules! rollup_merge {
     () => {
         "ON CONFLICT (node, gpu_uuid, kind, minute) DO UPDATE
        SET events = t.events + EXCLUDED.events,
+           period = greatest(t.period, EXCLUDED.period),
            last_at = greatest(t.last_at, EXCLUDED.last_at),
            readings = merge_rollup_readings(t.readings, EXCLUDED.readings, EXCLUDED.last_at >= t.last_at),
            counters = merge_rollup_counters(t.counters, EXCLUDED.counters)"
@@ -477,19 +487,19 @@ macro_rules! rollup_merge {
 }
 
 /// The columns [`crate::persist::RollupRows::copy_binary`] writes, in order.
-pub const COPY_ROLLUP_COLUMNS: &str = "node, gpu_uuid, kind, minute, events, last_at, readings, counters";
+pub const COPY_ROLLUP_COLUMNS: &str = "node, gpu_uuid, kind, minute, period, events, last_at, readings, counters";
 
 /// The rollups' staging table, as [`CREATE_STAGING`] is the events'.
 const CREATE_ROLLUP_STAGING: &str = "SET LOCAL client_min_messages = warning;
      CREATE TEMP TABLE IF NOT EXISTS telemetry_rollups_staging
      (LIKE telemetry_rollups INCLUDING DEFAULTS) ON COMMIT DELETE ROWS";
 
-const COPY_TO_ROLLUP_STAGING: &str = "COPY telemetry_rollups_staging (node, gpu_uuid, kind, minute, events, last_at, \
-     readings, counters) FROM STDIN (FORMAT binary)";
+const COPY_TO_ROLLUP_STAGING: &str = "COPY telemetry_rollups_staging (node, gpu_uuid, kind, minute, period, events, \
+     last_at, readings, counters) FROM STDIN (FORMAT binary)";
 
 const STAGING_TO_ROLLUPS: &str = concat!(
-    "INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, events, last_at, readings, counters)
-     SELECT node, gpu_uuid, kind, minute, events, last_at, readings, counters FROM telemetry_rollups_staging
+    "INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, period, events, last_at, readings, counters)
+     SELECT node, gpu_uuid, kind, minute, period, events, last_at, readings, counters FROM telemetry_rollups_staging
      ",
     rollup_merge!()
 );
@@ -565,11 +575,12 @@ WITH ev AS (
                          $46::text[], $47::text[], $48::timestamptz[])
     ON CONFLICT (event_id) DO NOTHING
 ), roll AS (
-    INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, events, last_at, readings, counters)
-    SELECT node, gpu_uuid, kind, minute, events, last_at, readings::jsonb, counters::jsonb
+    INSERT INTO telemetry_rollups AS t (node, gpu_uuid, kind, minute, period, events, last_at, readings, counters)
+    SELECT node, gpu_uuid, kind, minute, period * interval '1 microsecond', events, last_at, readings::jsonb,
+           counters::jsonb
       FROM UNNEST($51::text[], $52::text[], $53::text[], $54::timestamptz[], $55::int4[], $56::timestamptz[],
-                  $57::text[], $58::text[])
-        AS r(node, gpu_uuid, kind, minute, events, last_at, readings, counters)
+                  $57::text[], $58::text[], $60::int8[])
+        AS r(node, gpu_uuid, kind, minute, events, last_at, readings, counters, period)
     ",
     rollup_merge!(),
     "
@@ -693,6 +704,7 @@ where
         .bind(&b.rollups.readings)
         .bind(&b.rollups.counters)
         .bind(&d.verdict_trace_ids)
+        .bind(&b.rollups.periods)
         .fetch_one(db)
         .await?;
     Ok(Written { new_events })

@@ -77,6 +77,6 @@ async fn flush_rollups(classifier: &Mutex<Classifier>) {
     }
     match crate::rollups::write(&c.pool, &open).await {
         Ok(()) => tracing::info!(rollups = open.len(), "Wrote the rollups of the minutes still open at shutdown."),
-        Err(e) => crate::events::RollupsLost { rollups: open.len(), error: &e }.emit(),
+        Err(e) => crate::events::RollupsLost { rollups: open.len(), error: &e, stopping: true }.emit(),
     }
 }

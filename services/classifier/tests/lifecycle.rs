@@ -61,6 +61,8 @@ fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
             "bad topic!",
             "--write-parallelism",
             "9",
+            "--rollup-period",
+            "7m",
         ],
     );
     assert_eq!(code, Some(64), "{stderr}");
@@ -71,10 +73,12 @@ fn invalid_batch_retention_reload_and_topic_flags_are_each_listed() {
         "--rules-poll",
         "--verdicts-topic",
         "--write-parallelism",
+        "--rollup-period",
     ] {
         assert!(stderr.contains(field), "{field} missing from: {stderr}");
     }
-    assert!(stderr.contains("6 problems"), "{stderr}");
+    assert!(stderr.contains("does not divide an hour"), "{stderr}");
+    assert!(stderr.contains("7 problems"), "{stderr}");
 }
 
 #[test]

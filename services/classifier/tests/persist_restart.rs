@@ -98,37 +98,49 @@ async fn a_restart_under_evidence_only_history_recovers_the_incident_as_under_ev
     assert_eq!(recovery.verdict_id, all_recovery.verdict_id, "the same recovery verdict");
 }
 
-/// A minute's rollup is written by the rollup writer while the classifier runs, once event time
-/// has passed the minute and its grace: the writer beside the batches (not the write at
-/// shutdown) puts it in `telemetry_rollups`, each event counted once.
+/// A period's rollup (the default `--rollup-period`, 10 minutes) is written by the rollup writer
+/// while the classifier runs, once event time has passed the period and its grace: the writer
+/// beside the batches (not the write at shutdown) puts it in `telemetry_rollups`, each event
+/// counted once, in one row per GPU and kind for the whole period.
 #[tokio::test]
-async fn a_closed_minute_is_rolled_up_while_the_classifier_runs() {
+async fn a_closed_period_is_rolled_up_while_the_classifier_runs() {
     use chrono::{DurationRound as _, TimeDelta, Utc};
     let node = testkit::unique_name("rollup-node");
     let bed = Bed::new("rollup-writer").await;
     let rules = rules_dir(&xid79_rule(1));
     let mut c = bed.start(&rules, "48h", &[("GPUMEDIC_PERSIST", "evidence".into())]).await;
-    let minute = Utc::now().duration_trunc(TimeDelta::minutes(1)).unwrap() - TimeDelta::minutes(10);
-    for s in 0..12 {
-        let e = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(minute + TimeDelta::seconds(s * 4)).build();
+    let start = Utc::now().duration_trunc(TimeDelta::minutes(10)).unwrap() - TimeDelta::minutes(30);
+    // A reading every 50 s for 9 minutes: 11 events, over nine minutes of the period.
+    for s in 0..11 {
+        let e = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(start + TimeDelta::seconds(s * 50)).build();
         bed.send(&node, e).await;
     }
-    // Three minutes later by event time: the first minute and its minute of grace are over.
-    let later = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(minute + TimeDelta::minutes(3)).build();
+    // Twelve minutes after the period's start by event time: the period and its minute of grace
+    // are over.
+    let later = testkit::event(&node).gpu(support::GPU).boot("boot-a").at(start + TimeDelta::minutes(12)).build();
     bed.send(&node, later).await;
     let pool = gpumedic_runtime::postgres::connect(&bed.url, 1).await.unwrap();
-    let rolled = testkit::eventually_with("the closed minute's rollup", Duration::from_secs(60), async || {
-        rolled_up(&pool, &node, minute).await.ok_or_else(|| "no rollup for the closed minute yet".to_owned())
+    let rolled = testkit::eventually_with("the closed period's rollup", Duration::from_secs(60), async || {
+        rolled_up(&pool, &node, start).await.ok_or_else(|| "no rollup for the closed period yet".to_owned())
     })
     .await;
-    assert_eq!(rolled, 12, "every event of the closed minute counted once, before any stop");
+    assert_eq!(rolled, 11, "every event of the closed period counted once, before any stop");
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM telemetry_rollups WHERE node = $1 AND minute < $2 AND period = interval '10 minutes'",
+    )
+    .bind(&node)
+    .bind(start + TimeDelta::minutes(10))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1, "one row of ten minutes for the GPU's nine minutes of readings");
     c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(rolled_up(&pool, &node, minute).await, Some(12), "the stop wrote the closed minute no second time");
+    assert_eq!(rolled_up(&pool, &node, start).await, Some(11), "the stop wrote the closed period no second time");
     pool.close().await;
     std::fs::remove_dir_all(&rules).ok();
 }
 
-/// The events `node`'s rollups of `minute` count, if any is written.
+/// The events `node`'s rollups of the period starting at `minute` count, if any is written.
 async fn rolled_up(pool: &sqlx::PgPool, node: &str, minute: chrono::DateTime<chrono::Utc>) -> Option<i64> {
     sqlx::query_scalar("SELECT sum(events)::int8 FROM telemetry_rollups WHERE node = $1 AND minute = $2")
         .bind(node)

@@ -100,9 +100,9 @@ async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
     use gpumedic_classifier::rules::{Engine, defaults};
     let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
     let minute = chrono::DateTime::parse_from_rfc3339("2026-12-03T10:00:00Z").unwrap().to_utc();
-    // Two GPUs over two minutes; the first GPU's first minute reads 50, 61, 55.
+    // Two GPUs over two minutes, in rollups of two minutes; the first GPU reads 50, 61, 55, 52.
     let mut engine = Engine::new(defaults::rule_set().expect("default rules"));
-    let mut keeper = Keeper::new(Policy::Evidence);
+    let mut keeper = Keeper::new(Policy::Evidence).with_rollup_period(std::time::Duration::from_secs(120));
     for (node, seconds, celsius) in
         [("a", 5, 50), ("a", 20, 61), ("a", 40, 55), ("b", 10, 70), ("a", 70, 52), ("b", 80, 71), ("b", 95, 69)]
     {
@@ -130,10 +130,10 @@ async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
     for (k, r) in keeper.drain() {
         rows.push(&k, &r);
     }
-    assert_eq!(rows.len(), 4, "two GPUs, two minutes each");
+    assert_eq!(rows.len(), 2, "two GPUs, one period each");
 
-    /// A rollup row as text: node, GPU, kind, minute, events, readings, counters.
-    type Row = (String, String, String, chrono::DateTime<chrono::Utc>, i32, String, String);
+    /// A rollup row as text: node, GPU, kind, minute, period (seconds), events, readings, counters.
+    type Row = (String, String, String, chrono::DateTime<chrono::Utc>, f64, i32, String, String);
     let mut tables = Vec::new();
     for method in ["copy", "arrays"] {
         let name = testkit::unique_name(&format!("rollups-{method}")).replace('-', "_");
@@ -141,7 +141,7 @@ async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
         let pool = gpumedic_classifier::connect_and_migrate(&url, 2).await.expect("migrations applied");
         for _ in 0..2 {
             match method {
-                "copy" => assert_eq!(store::copy_rollups(&pool, &rows).await.expect("copied"), 4),
+                "copy" => assert_eq!(store::copy_rollups(&pool, &rows).await.expect("copied"), 2),
                 _ => {
                     store::write_batch(&pool, &Batch { rollups: rows.clone(), ..Default::default() })
                         .await
@@ -149,19 +149,21 @@ async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
                 }
             }
         }
-        let (events, min, max, last): (i32, f64, f64, f64) = sqlx::query_as(
+        let (events, min, max, last, end): (i32, f64, f64, f64, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
             "SELECT events, (readings -> 'value' ->> 'min')::float8, (readings -> 'value' ->> 'max')::float8,
-                    (readings -> 'value' ->> 'last')::float8
+                    (readings -> 'value' ->> 'last')::float8, minute + period
                FROM telemetry_rollups WHERE node = 'a' AND minute = $1",
         )
         .bind(minute)
         .fetch_one(&pool)
         .await
-        .expect("node a's first minute");
-        assert_eq!((events, min, max, last), (6, 50.0, 61.0, 55.0), "{method}: three events written twice, merged");
+        .expect("node a's period");
+        assert_eq!((events, min, max, last), (8, 50.0, 61.0, 52.0), "{method}: four events written twice, merged");
+        assert_eq!(end, minute + chrono::TimeDelta::minutes(2), "{method}: the row says its period");
         let table: Vec<Row> = sqlx::query_as(
-            "SELECT node, gpu_uuid, kind, minute, events, readings::text, counters::text FROM telemetry_rollups
-              ORDER BY node, gpu_uuid, kind, minute",
+            "SELECT node, gpu_uuid, kind, minute, extract(epoch FROM period)::float8, events, readings::text,
+                    counters::text
+               FROM telemetry_rollups ORDER BY node, gpu_uuid, kind, minute",
         )
         .fetch_all(&pool)
         .await
@@ -170,6 +172,34 @@ async fn rollups_by_copy_and_by_the_batch_statement_land_and_merge_alike() {
         pool.close().await;
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
     }
-    assert_eq!(tables[0].len(), 4);
+    assert_eq!(tables[0].len(), 2);
     assert_eq!(tables[0], tables[1], "COPY and the batch statement leave the same rows");
+}
+
+/// The same rollup twice in one write is refused by PostgreSQL ("ON CONFLICT DO UPDATE command
+/// cannot affect row a second time"), an error no retry mends, so the rollup writer must not
+/// retry it (it did, until the classifier stopped, while every later rollup waited); the keeper
+/// hands each key out once (persist's unit tests), and a row written apart merges.
+#[tokio::test]
+async fn a_key_twice_in_one_rollup_write_is_refused_and_not_worth_a_retry() {
+    use gpumedic_classifier::persist::{Rollup, RollupRows};
+    let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
+    let name = testkit::unique_name("rollups-twice").replace('-', "_");
+    let url = testkit::fresh_database(&admin, &name).await.expect("database created");
+    let pool = gpumedic_classifier::connect_and_migrate(&url, 1).await.expect("migrations applied");
+    let key = ("n1".to_owned(), "GPU-a".to_owned(), "heartbeat".to_owned(), 1_764_756_000_000_000);
+    let rollup = Rollup { period: 600_000_000, events: 3, last_at: key.3 + 5_000_000, ..Rollup::default() };
+    let mut twice = RollupRows::default();
+    twice.push(&key, &rollup);
+    twice.push(&key, &rollup);
+    let refused = store::copy_rollups(&pool, &twice).await.expect_err("a row updated twice in one statement");
+    assert!(!gpumedic_classifier::rollups::retryable(&refused), "not worth a retry: {refused}");
+    let mut once = RollupRows::default();
+    once.push(&key, &rollup);
+    assert_eq!(store::copy_rollups(&pool, &once).await.expect("written"), 1);
+    assert_eq!(store::copy_rollups(&pool, &once).await.expect("merged"), 1);
+    let events: i32 = sqlx::query_scalar("SELECT events FROM telemetry_rollups").fetch_one(&pool).await.unwrap();
+    assert_eq!(events, 6, "written apart, the two merge");
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE \"{name}\""))).execute(&admin).await.expect("drop");
 }
