@@ -5,7 +5,10 @@
 //!    the history. The history is what the real collector sends: one NVML heartbeat per GPU every
 //!    `--heartbeat` (60 s, the collector's default), and Xids at `--faults-per-hour` over the
 //!    fleet, fatal ones (79, 48) among the harmless ones (13, 31), timestamped over the last
-//!    `--history` and written with the classifier's own batch statement.
+//!    `--history` and written with the classifier's own batch statement: every event with
+//!    `--persist all`, or with `--persist evidence` (the classifier's default) the events its
+//!    engine and keeper would have recorded from that stream (the first of each GPU, a keyframe
+//!    per GPU every 6 hours, the Xids and what they bore on).
 //! 2. Ceiling: the rebuild's own queries (every event of the window, node by node, oldest first)
 //!    are read as text and counted by a plain client that does nothing with the rows.
 //! 3. The classifier binary starts on empty topics with that database; one replica owns every
@@ -43,6 +46,11 @@ pub struct Options {
     /// Rows per insert (the classifier's --batch-max).
     #[arg(long, default_value_t = 5000)]
     batch: usize,
+    /// What the history holds, as the classifier's --persist: `all`, every event of the stream,
+    /// or `evidence`, the events the classifier records by default (the stream through its
+    /// engine and keeper).
+    #[arg(long, default_value = "all", value_parser = gpumedic_classifier::persist::Policy::parse)]
+    persist: gpumedic_classifier::persist::Policy,
     /// Keep the database at the end (by default it is dropped).
     #[arg(long)]
     keep: bool,
@@ -62,6 +70,10 @@ pub struct Result {
     nodes: usize,
     gpus: usize,
     history_hours: f64,
+    persist: &'static str,
+    /// Events of the fleet's stream over the history.
+    streamed: u64,
+    /// Of them, rows in `health_events`.
     events: u64,
     faults: u64,
     table_bytes: i64,
@@ -140,9 +152,16 @@ fn round(nodes: usize, at: chrono::DateTime<chrono::Utc>, round: u64, faults: u6
     out
 }
 
-/// Writes `--history` of the fleet's events into the fresh database at `url`, oldest first;
-/// returns the events, the Xids among them and the seconds it took.
-async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<(u64, u64, f64)> {
+/// Writes `--history` of the fleet's events into the fresh database at `url`, oldest first (those
+/// `--persist` records); returns the events of the stream, the rows written, the Xids among them
+/// and the seconds it took.
+async fn write_history(
+    o: &Options,
+    url: &str,
+    now: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<(u64, u64, u64, f64)> {
+    use gpumedic_classifier::persist::{Keeper, Policy};
+    use gpumedic_classifier::rules::{Engine, defaults};
     let pool = gpumedic_classifier::connect_and_migrate(url, 1).await?;
 
     // A daily partition for every day of the history, as the retention job keeps them.
@@ -170,8 +189,18 @@ async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc
         o.nodes,
         rounds * gpus as u64
     );
+    // Under `evidence`, what the classifier's engine and keeper record of the stream, with its
+    // default rebuild window (so a keyframe per key every 6 hours). Rollups are dropped: the
+    // rebuild does not read them.
+    let mut filter = match o.persist {
+        Policy::All => None,
+        Policy::Evidence => Some((
+            Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?),
+            Keeper::for_rebuild_window(Policy::Evidence, Duration::from_secs(48 * 3600)),
+        )),
+    };
     let writing = Instant::now();
-    let (mut events, mut faults, mut owed) = (0u64, 0u64, 0.0f64);
+    let (mut streamed, mut events, mut faults, mut owed) = (0u64, 0u64, 0u64, 0.0f64);
     let mut rows = store::EventRows::with_capacity(o.batch);
     let mut last_report = Instant::now();
     for r in 0..rounds {
@@ -180,6 +209,14 @@ async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc
         owed -= due as f64;
         let at = start + chrono::Duration::from_std(o.heartbeat * r as u32)?;
         for e in round(o.nodes, at, r, due) {
+            streamed += 1;
+            if let Some((engine, keeper)) = &mut filter {
+                let obs = gpumedic_classifier::observe::observation(&e);
+                let (_, bearing) = engine.observe_bearing(&obs);
+                if !keeper.keep(&obs, bearing) {
+                    continue;
+                }
+            }
             rows.push(&e)?;
             events += 1;
             if rows.len() >= o.batch {
@@ -188,8 +225,14 @@ async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc
             }
         }
         faults += due;
+        if let Some((_, keeper)) = &mut filter {
+            keeper.closed(usize::MAX);
+        }
         if last_report.elapsed() >= Duration::from_secs(30) {
-            println!("  {events} events written ({:.0}/s)", events as f64 / writing.elapsed().as_secs_f64());
+            println!(
+                "  {streamed} events of the stream, {events} written ({:.0}/s)",
+                streamed as f64 / writing.elapsed().as_secs_f64()
+            );
             last_report = Instant::now();
         }
     }
@@ -198,9 +241,12 @@ async fn write_history(o: &Options, url: &str, now: chrono::DateTime<chrono::Utc
     }
     let write_seconds = writing.elapsed().as_secs_f64();
     sqlx::query("VACUUM ANALYZE health_events").execute(&pool).await?;
-    println!("  written: {events} events ({faults} Xids) in {write_seconds:.0} s");
+    println!(
+        "  written: {events} of the stream's {streamed} events (--persist {}, {faults} Xids) in {write_seconds:.0} s",
+        o.persist.as_str()
+    );
     pool.close().await;
-    Ok((events, faults, write_seconds))
+    Ok((streamed, events, faults, write_seconds))
 }
 
 /// Runs the scenario and prints one line per figure.
@@ -208,7 +254,7 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
     let bootstrap = testkit::require_kafka().await?;
     let admin = testkit::require_postgres().await?;
     let now = chrono::Utc::now();
-    let (db, url, events, faults, write_seconds) = match &o.reuse_database {
+    let (db, url, streamed, events, faults, write_seconds) = match &o.reuse_database {
         Some(db) => {
             let base = testkit::database_url();
             let url = format!("{}/{db}", base.rsplit_once('/').map_or(base.as_str(), |(p, _)| p));
@@ -218,14 +264,14 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
                 sqlx::query_scalar("SELECT count(*) FROM health_events WHERE xid IS NOT NULL").fetch_one(&pool).await?;
             pool.close().await;
             println!("classifier-restart: reusing database {db}: {events} events ({faults} Xids)");
-            (db.clone(), url, events as u64, faults as u64, 0.0)
+            (db.clone(), url, events as u64, events as u64, faults as u64, 0.0)
         }
         None => {
             let db = testkit::unique_name("bench_restart").replace('-', "_");
             let url = testkit::fresh_database(&admin, &db).await?;
-            let (events, faults, write_seconds) = write_history(&o, &url, now).await?;
+            let (streamed, events, faults, write_seconds) = write_history(&o, &url, now).await?;
             println!("  database {db}");
-            (db, url, events, faults, write_seconds)
+            (db, url, streamed, events, faults, write_seconds)
         }
     };
     let pool = gpumedic_runtime::postgres::connect(&url, 1).await?;
@@ -330,6 +376,8 @@ pub async fn run(o: Options) -> anyhow::Result<Result> {
         nodes,
         gpus: nodes * GPUS_PER_NODE,
         history_hours: o.history.as_secs_f64() / 3600.0,
+        persist: o.persist.as_str(),
+        streamed,
         events,
         faults,
         table_bytes,
