@@ -279,9 +279,7 @@ impl Rollup {
             }
         }
     }
-}
 
-impl Rollup {
     /// Folds `other`, a rollup of the same key, in, as `telemetry_rollups`' merge of a row
     /// written twice does: counts and growths added, the least minimum, the greatest maximum,
     /// the last value of the later one (the longer period).
