@@ -79,6 +79,7 @@ fn register_metrics() {
         metrics::counter!(names::LEMONS_TOTAL, "part" => part).increment(0);
     }
     metrics::counter!(names::CLOCK_SKEW_CLAMPED_TOTAL).increment(0);
+    metrics::counter!(names::ROLLUPS_LOST_TOTAL).increment(0);
     for result in ["ok", "refused"] {
         metrics::counter!(names::RULE_RELOADS_TOTAL, "result" => result).increment(0);
     }
