@@ -244,6 +244,18 @@ pub struct Reading {
     pub last: f64,
 }
 
+impl Reading {
+    /// Folds `other` in: the least minimum, the greatest maximum, and `other`'s last value when it
+    /// is the `later` of the two.
+    fn fold(&mut self, other: Reading, later: bool) {
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+        if later {
+            self.last = other.last;
+        }
+    }
+}
+
 /// One GPU's (or node's) healthy telemetry of one kind over one period.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Rollup {
@@ -267,12 +279,8 @@ impl Rollup {
         self.last_at = self.last_at.max(at);
         for (field, value) in &o.fields {
             let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
-            let r = self.readings.get_or_insert(field, names, Reading { min: v, max: v, last: v });
-            r.min = r.min.min(v);
-            r.max = r.max.max(v);
-            if later {
-                r.last = v;
-            }
+            let one = Reading { min: v, max: v, last: v };
+            self.readings.get_or_insert(field, names, one).fold(one, later);
             if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
                 let growth = counter_step(track, field, *now, names);
                 *self.counters.get_or_insert(field, names, 0) += growth;
@@ -290,13 +298,7 @@ impl Rollup {
         self.period = self.period.max(other.period);
         for (field, r) in other.readings.0 {
             match self.readings.0.iter_mut().find(|(f, _)| *f == field) {
-                Some((_, mine)) => {
-                    mine.min = mine.min.min(r.min);
-                    mine.max = mine.max.max(r.max);
-                    if later {
-                        mine.last = r.last;
-                    }
-                }
+                Some((_, mine)) => mine.fold(r, later),
                 None => self.readings.0.push((field, r)),
             }
         }
