@@ -506,10 +506,10 @@ pub struct CloudMaintenanceDetail {
     /// The provider's id for the event.
     pub provider_event_id: Option<String>,
     /// Start of the window, when announced.
-    #[serde(with = "crate::serde_util::micros::option")]
+    #[serde(default, with = "crate::serde_util::micros::option")]
     pub window_start: Option<DateTime<Utc>>,
     /// End of the window, when announced.
-    #[serde(with = "crate::serde_util::micros::option")]
+    #[serde(default, with = "crate::serde_util::micros::option")]
     pub window_end: Option<DateTime<Utc>>,
     /// The provider's description.
     pub description: Option<String>,

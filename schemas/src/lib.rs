@@ -17,6 +17,7 @@ pub mod compat;
 pub mod enriched;
 pub mod framing;
 pub mod health;
+pub mod json;
 #[cfg(feature = "registry")]
 pub mod registry;
 mod serde_util;

@@ -58,7 +58,9 @@ impl EventRows {
 
     /// Adds one event (the whole record is kept as JSON, for rebuilds and the API).
     pub fn push(&mut self, e: &EnrichedHealthEvent) -> Result<(), serde_json::Error> {
-        let record = serde_json::to_string(e)?;
+        // Without its null fields: a third of the row, written and checked by Postgres for nothing
+        // (`gpumedic_schemas::json`); a rebuild reads it back as the same event.
+        let record = gpumedic_schemas::json::to_string_without_nulls(e)?;
         let ev = &e.event;
         self.ids.push(ev.event_id);
         self.nodes.push(ev.node.clone());
@@ -785,6 +787,8 @@ pub async fn rebuild(
     use futures::TryStreamExt as _;
     let mut engine = crate::rules::engine::Engine::new(rules);
     let mut replayed = 0u64;
+    // A record this version cannot read (written by a later one) is skipped, counted and named.
+    let (mut skipped, mut unreadable) = (0u64, None::<(String, String)>);
     // An event that joined a root incident on another node of its NVLink domain is handed that
     // root again, and only that one: the replay makes the decision that was made live, whatever
     // else the incident store knows now (a root recorded after the event opened its own incident).
@@ -794,7 +798,7 @@ pub async fn rebuild(
     // 4,000-GPU fleet ran past the statement timeout).
     for node in nodes {
         let mut rows = sqlx::query_as::<_, RebuildRow>(
-            "SELECT h.record, s.incident_id, s.root_rule_id, s.root_node, s.root_gpu_uuid, s.root_opened_at
+            "SELECT h.record::text, s.incident_id, s.root_rule_id, s.root_node, s.root_gpu_uuid, s.root_opened_at
                FROM health_events h
                LEFT JOIN sympathetic_evidence s ON s.event_id = h.event_id AND s.root_node <> h.node
               WHERE h.node = $2 AND h.observed_at >= $1
@@ -803,26 +807,40 @@ pub async fn rebuild(
         .bind(since)
         .bind(node)
         .fetch(pool);
-        while let Some((v, incident_id, rule_id, root_node, root_gpu, opened_at)) = rows.try_next().await? {
-            if let Ok(e) = serde_json::from_value::<EnrichedHealthEvent>(v) {
-                let mut o = crate::observe::observation(&e);
-                if let (Some(incident_id), Some(rule_id), Some(node), Some(opened_at), Some(domain)) =
-                    (incident_id, rule_id, root_node, opened_at, o.nvlink_domain.clone())
-                {
-                    o.domain_roots.push(crate::rules::DomainRoot {
-                        domain,
-                        incident_id,
-                        rule_id,
-                        node,
-                        gpu: root_gpu,
-                        opened_at_micros: opened_at.timestamp_micros(),
-                    });
+        while let Some((text, incident_id, rule_id, root_node, root_gpu, opened_at)) = rows.try_next().await? {
+            let e = match serde_json::from_str::<EnrichedHealthEvent>(&text) {
+                Ok(e) => e,
+                Err(e) => {
+                    unreadable.get_or_insert_with(|| (node.clone(), e.to_string()));
+                    skipped += 1;
+                    continue;
                 }
-                engine.observe(&o);
-                keeper.recorded(&o);
-                replayed += 1;
+            };
+            let mut o = crate::observe::observation(&e);
+            if let (Some(incident_id), Some(rule_id), Some(node), Some(opened_at), Some(domain)) =
+                (incident_id, rule_id, root_node, opened_at, o.nvlink_domain.clone())
+            {
+                o.domain_roots.push(crate::rules::DomainRoot {
+                    domain,
+                    incident_id,
+                    rule_id,
+                    node,
+                    gpu: root_gpu,
+                    opened_at_micros: opened_at.timestamp_micros(),
+                });
             }
+            engine.observe(&o);
+            keeper.recorded(&o);
+            replayed += 1;
         }
+    }
+    if let Some((node, error)) = unreadable {
+        tracing::warn!(
+            events = skipped,
+            first_node = %node,
+            error = %error,
+            "Recorded events this version cannot read were left out of the rebuild; the decisions they led to are in the incident history."
+        );
     }
     // Refusals were counted when the events first arrived, and what was absorbed was recorded.
     engine.take_refused();
@@ -877,8 +895,7 @@ fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Option<T> {
 }
 
 /// A recorded event, with the root incident on another node it was absorbed into, if any.
-type RebuildRow =
-    (serde_json::Value, Option<Uuid>, Option<String>, Option<String>, Option<String>, Option<DateTime<Utc>>);
+type RebuildRow = (String, Option<Uuid>, Option<String>, Option<String>, Option<String>, Option<DateTime<Utc>>);
 
 fn micros(m: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(m).unwrap_or_default()
