@@ -44,6 +44,32 @@ struct Skipping<S>(S);
 /// A compound serializer wrapping another, its elements passed on through [`SkipNulls`].
 struct Compound<C>(C);
 
+/// The serializer methods of one plain value each, handed to `$then` (both serializers here treat
+/// them alike).
+macro_rules! primitives {
+    ($then:ident) => {
+        $then!(
+            serialize_bool(bool),
+            serialize_i8(i8),
+            serialize_i16(i16),
+            serialize_i32(i32),
+            serialize_i64(i64),
+            serialize_i128(i128),
+            serialize_u8(u8),
+            serialize_u16(u16),
+            serialize_u32(u32),
+            serialize_u64(u64),
+            serialize_u128(u128),
+            serialize_f32(f32),
+            serialize_f64(f64),
+            serialize_char(char),
+            serialize_str(&str),
+            serialize_bytes(&[u8]),
+            serialize_unit_struct(&'static str),
+        );
+    };
+}
+
 macro_rules! forward {
     ($($method:ident($t:ty)),+ $(,)?) => {
         $( fn $method(self, v: $t) -> Result<S::Ok, S::Error> { self.0.$method(v) } )+
@@ -61,25 +87,7 @@ impl<S: Serializer> Serializer for Skipping<S> {
     type SerializeStruct = Compound<S::SerializeStruct>;
     type SerializeStructVariant = Compound<S::SerializeStructVariant>;
 
-    forward!(
-        serialize_bool(bool),
-        serialize_i8(i8),
-        serialize_i16(i16),
-        serialize_i32(i32),
-        serialize_i64(i64),
-        serialize_i128(i128),
-        serialize_u8(u8),
-        serialize_u16(u16),
-        serialize_u32(u32),
-        serialize_u64(u64),
-        serialize_u128(u128),
-        serialize_f32(f32),
-        serialize_f64(f64),
-        serialize_char(char),
-        serialize_str(&str),
-        serialize_bytes(&[u8]),
-        serialize_unit_struct(&'static str),
-    );
+    primitives!(forward);
 
     fn serialize_none(self) -> Result<S::Ok, S::Error> {
         self.0.serialize_none()
@@ -156,57 +164,50 @@ impl<S: Serializer> Serializer for Skipping<S> {
     }
 }
 
-impl<C: ser::SerializeSeq> ser::SerializeSeq for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
+/// The compound serializers: each element or field passed on through [`SkipNulls`], a struct's
+/// `None` fields skipped.
+macro_rules! compound {
+    ($($kind:ident: $trait:ident::$method:ident),+ $(,)?) => {
+        $( compound!(@$kind $trait $method); )+
+    };
+    (@element $trait:ident $method:ident) => {
+        impl<C: ser::$trait> ser::$trait for Compound<C> {
+            type Ok = C::Ok;
+            type Error = C::Error;
 
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        self.0.serialize_element(&SkipNulls(value))
-    }
+            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
+                self.0.$method(&SkipNulls(value))
+            }
 
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
+            fn end(self) -> Result<C::Ok, C::Error> {
+                self.0.end()
+            }
+        }
+    };
+    (@field $trait:ident $method:ident) => {
+        impl<C: ser::$trait> ser::$trait for Compound<C> {
+            type Ok = C::Ok;
+            type Error = C::Error;
+
+            fn $method<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), C::Error> {
+                if is_none(value) { self.0.skip_field(key) } else { self.0.$method(key, &SkipNulls(value)) }
+            }
+
+            fn end(self) -> Result<C::Ok, C::Error> {
+                self.0.end()
+            }
+        }
+    };
 }
 
-impl<C: ser::SerializeTuple> ser::SerializeTuple for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        self.0.serialize_element(&SkipNulls(value))
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
-}
-
-impl<C: ser::SerializeTupleStruct> ser::SerializeTupleStruct for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        self.0.serialize_field(&SkipNulls(value))
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
-}
-
-impl<C: ser::SerializeTupleVariant> ser::SerializeTupleVariant for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
-        self.0.serialize_field(&SkipNulls(value))
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
-}
+compound!(
+    element: SerializeSeq::serialize_element,
+    element: SerializeTuple::serialize_element,
+    element: SerializeTupleStruct::serialize_field,
+    element: SerializeTupleVariant::serialize_field,
+    field: SerializeStruct::serialize_field,
+    field: SerializeStructVariant::serialize_field,
+);
 
 impl<C: ser::SerializeMap> ser::SerializeMap for Compound<C> {
     type Ok = C::Ok;
@@ -218,32 +219,6 @@ impl<C: ser::SerializeMap> ser::SerializeMap for Compound<C> {
 
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), C::Error> {
         self.0.serialize_value(&SkipNulls(value))
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
-}
-
-impl<C: ser::SerializeStruct> ser::SerializeStruct for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), C::Error> {
-        if is_none(value) { self.0.skip_field(key) } else { self.0.serialize_field(key, &SkipNulls(value)) }
-    }
-
-    fn end(self) -> Result<C::Ok, C::Error> {
-        self.0.end()
-    }
-}
-
-impl<C: ser::SerializeStructVariant> ser::SerializeStructVariant for Compound<C> {
-    type Ok = C::Ok;
-    type Error = C::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result<(), C::Error> {
-        if is_none(value) { self.0.skip_field(key) } else { self.0.serialize_field(key, &SkipNulls(value)) }
     }
 
     fn end(self) -> Result<C::Ok, C::Error> {
@@ -289,25 +264,7 @@ impl Serializer for NoneProbe {
     type SerializeStruct = Impossible<bool, NotNone>;
     type SerializeStructVariant = Impossible<bool, NotNone>;
 
-    not_none!(
-        serialize_bool(bool),
-        serialize_i8(i8),
-        serialize_i16(i16),
-        serialize_i32(i32),
-        serialize_i64(i64),
-        serialize_i128(i128),
-        serialize_u8(u8),
-        serialize_u16(u16),
-        serialize_u32(u32),
-        serialize_u64(u64),
-        serialize_u128(u128),
-        serialize_f32(f32),
-        serialize_f64(f64),
-        serialize_char(char),
-        serialize_str(&str),
-        serialize_bytes(&[u8]),
-        serialize_unit_struct(&'static str),
-    );
+    primitives!(not_none);
 
     fn serialize_none(self) -> Result<bool, NotNone> {
         Ok(true)
