@@ -437,6 +437,25 @@ impl Fleet {
         })
     }
 
+    /// How many nodes have taken their first sample: published their `start` inventory and
+    /// their start snapshot.
+    pub fn started(&self) -> usize {
+        self.turn.min(self.nodes.len() as u64) as usize
+    }
+
+    /// Every node's collector restarts, as in a rollout of its DaemonSet: the next sample of each
+    /// node publishes a `start` inventory and a start snapshot again, within one sample interval
+    /// for the whole fleet. The nodes do not reboot (boot ids stay) and their GPUs keep their
+    /// state; each collector takes its inventory's state file back, as a restarted one does.
+    pub fn restart_collectors(&mut self) {
+        let Intervals { heartbeat, inventory_refresh, .. } = self.intervals;
+        for (k, node) in self.nodes.iter_mut().enumerate() {
+            node.sampler = Sampler::new(&node.name, Source::Nvml, heartbeat);
+            let state = self.state_dir.join(format!("{k:05}"));
+            node.inventory = Inventory::open(&node.name, &state, inventory_refresh, node.identity.clone());
+        }
+    }
+
     /// The nodes' names.
     pub fn nodes(&self) -> &[String] {
         &self.names
@@ -747,6 +766,13 @@ impl Enriched {
     }
 }
 
+impl Enriched {
+    /// Every node's collector restarts ([`Fleet::restart_collectors`]).
+    pub fn restart_collectors(&mut self) {
+        self.fleet.restart_collectors();
+    }
+}
+
 impl Iterator for Enriched {
     type Item = EnrichedHealthEvent;
 
@@ -1032,6 +1058,21 @@ mod tests {
         .unwrap()
     }
 
+    /// `nodes` nodes paced for 10 events a node per second, without faults.
+    fn quiet(nodes: usize, seed: u64) -> (Fleet, Intervals) {
+        let intervals = Intervals::paced(nodes, 10 * nodes as u64);
+        let settings = Settings {
+            prefix: "q".into(),
+            nodes,
+            intervals,
+            fault_chance: 0.0,
+            seed,
+            start: t0(),
+            xid_names: XidNames::Pci,
+        };
+        (Fleet::new(settings).unwrap(), intervals)
+    }
+
     fn take(f: &mut Fleet, n: usize) -> Vec<HealthEvent> {
         (0..n).map(|_| f.next_event()).collect()
     }
@@ -1064,17 +1105,7 @@ mod tests {
     #[test]
     fn with_nothing_happening_a_node_sends_a_heartbeat_per_gpu_per_interval_and_its_inventory_per_refresh() {
         let nodes = 20;
-        let intervals = Intervals::paced(nodes, 200);
-        let mut f = Fleet::new(Settings {
-            prefix: "q".into(),
-            nodes,
-            intervals,
-            fault_chance: 0.0,
-            seed: 9,
-            start: t0(),
-            xid_names: XidNames::Pci,
-        })
-        .unwrap();
+        let (mut f, intervals) = quiet(nodes, 9);
         let events = take(&mut f, 20_000);
         let first_round_ends = t0() + chrono::Duration::from_std(intervals.sample).unwrap();
         let later: Vec<&HealthEvent> = events.iter().filter(|e| e.observed_at >= first_round_ends).collect();
@@ -1106,6 +1137,39 @@ mod tests {
         assert_eq!(window, nodes * (GPUS_PER_NODE * 10 + 2));
         let seconds = (intervals.inventory_refresh * 2).as_secs_f64();
         assert!((window as f64 / seconds - 200.0).abs() < 1.0, "the paced rate: {}", window as f64 / seconds);
+    }
+
+    #[test]
+    fn a_rollout_of_the_collectors_sends_every_nodes_start_again_in_one_sample_interval() {
+        let nodes = 20;
+        let (mut f, intervals) = quiet(nodes, 4);
+        let starts = |events: &[HealthEvent]| {
+            let nodes: HashSet<&str> = events
+                .iter()
+                .filter(|e| inventory(e).is_some_and(|d| d.reason == "start"))
+                .map(|e| e.node.as_str())
+                .collect();
+            let snapshot = events.iter().filter(|e| e.raw.as_deref() == Some(SNAPSHOT_RAW)).count();
+            (nodes.len(), snapshot)
+        };
+        let first = take(&mut f, 5_000);
+        assert_eq!(f.started(), nodes);
+        let (started, snapshot) = starts(&first);
+        assert_eq!(started, nodes, "every node starts once");
+        assert!(snapshot >= nodes * GPUS_PER_NODE, "{snapshot} start-snapshot readings");
+        let boots: HashSet<String> = first.iter().filter_map(|e| e.boot_id.clone()).collect();
+        // Running on: no node starts again.
+        assert_eq!(starts(&take(&mut f, 5_000)), (0, 0));
+        f.restart_collectors();
+        let restarted_at = f.clock();
+        let after = take(&mut f, 5_000);
+        let within_a_round: Vec<HealthEvent> = after
+            .iter()
+            .filter(|e| e.observed_at <= restarted_at + chrono::Duration::from_std(intervals.sample).unwrap())
+            .cloned()
+            .collect();
+        assert_eq!(starts(&within_a_round), (nodes, snapshot), "the same start again, within one sample interval");
+        assert!(after.iter().filter_map(|e| e.boot_id.as_ref()).all(|b| boots.contains(b)), "no node rebooted");
     }
 
     #[test]

@@ -53,6 +53,7 @@ mod scale;
 mod scale_out;
 mod soak;
 mod stages;
+mod state_cost;
 mod writes;
 
 use std::time::{Duration, Instant};
@@ -132,6 +133,9 @@ enum Scenario {
     /// How long a classifier takes to rebuild its state from a day of fleet history in
     /// PostgreSQL, and its peak memory, beside the raw read rate of the same rows.
     ClassifierRestart(restart::Options),
+    /// The memory of the classifier's decision state (its engine and keeper) per node as a fleet
+    /// runs for hours, fed the fleet's stream in this process (no servers).
+    ClassifierState(state_cost::Options),
     /// The enricher and the classifier as 1, 2 and 4 replicas each on 12-partition topics (Kafka
     /// consumer groups spread the partitions): events per second, speed-up and efficiency.
     ScaleOut(scale_out::Options),
@@ -203,6 +207,10 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Soak(options) => {
             let result = soak::run(options).await?;
             write_result(&cli.out_dir, "soak.json", &result)?;
+        }
+        Scenario::ClassifierState(options) => {
+            let result = state_cost::run(options)?;
+            write_result(&cli.out_dir, "classifier-state.json", &result)?;
         }
         Scenario::ClassifierRestart(options) => {
             let result = restart::run(options).await?;

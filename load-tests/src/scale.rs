@@ -25,6 +25,11 @@
 //!    for `--steady`. With `--warm-up`, the fleet first runs at the burst's rate for that long,
 //!    not measured, and the steady phase waits until the classifier has taken it all in and the
 //!    wall clock has caught up with the fleet's.
+//!    With `--rollout`, the warm-up is instead the fleet's start round (every node's collector
+//!    starts), and the burst below begins with every collector restarting at once: a rollout of
+//!    the collector over a fleet the classifier already knows. Without either, the steady phase
+//!    and the burst at 10,000 nodes or more fall within the fleet's first start round (65 events
+//!    a node), met by a fresh classifier that records every one of them.
 //! 5. **Burst**: the fleet at `--burst-rate` (10,000/s) for `--burst`; during it, `--faults` Xid
 //!    79s on distinct nodes, `--fault-interval` apart, each timed from its produce call to the
 //!    first time a watch sees its node cordoned, beside the floor of step 2.
@@ -77,6 +82,15 @@ pub struct Options {
     /// records what a classifier that has run a while does. 0 (the default) measures the fresh one.
     #[arg(long, default_value = "0s", value_parser = crate::duration)]
     warm_up: Duration,
+    /// The burst as a rollout of the collectors over a fleet the classifier already knows: first
+    /// the fleet's start round (every node's collector starts: its inventory and its start
+    /// snapshot, 65 events a node of 8 GPUs), at the burst's rate and not measured; then the steady
+    /// phase; then, as the burst begins, every collector restarts at once, so the burst is the
+    /// fleet's second start round. Without it, the burst is the first start round of a fleet
+    /// and a classifier that have never met (the classifier records every node, GPU and kind's
+    /// first event). Not with `--warm-up`.
+    #[arg(long, conflicts_with = "warm_up")]
+    rollout: bool,
     /// How long the steady phase runs at each size.
     #[arg(long, default_value = "90s", value_parser = crate::duration)]
     steady: Duration,
@@ -145,6 +159,13 @@ pub struct Phase {
     /// The classifier's events at the end of the phase, against those produced since the start.
     classified: f64,
     produced: u64,
+    /// Of the events produced in the phase, the start-snapshot readings (a collector's first
+    /// sample publishes every reading of every GPU once).
+    start_snapshot: u64,
+    /// The events the classifier recorded in `health_events` and the rollups it wrote, from the
+    /// start to the end of the phase.
+    recorded: f64,
+    rollups: f64,
 }
 
 /// One relist, timed.
@@ -604,10 +625,12 @@ async fn phases(
     services: &[(&'static str, ServiceProcess); 3],
 ) -> anyhow::Result<((u64, f64), Phase, Phase, FaultToCordon)> {
     let steady_rate = ((size as f64 * o.events_per_node).round() as u64).max(1);
-    let classified = async || match testkit::http_get(services[1].1.admin_addr(), "/metrics").await {
-        Ok((_, text)) => crate::classify::metric(&text, "gpumedic_classifier_events_total"),
+    let metric = async |name: &str| match testkit::http_get(services[1].1.admin_addr(), "/metrics").await {
+        Ok((_, text)) => crate::classify::metric(&text, name),
         Err(_) => f64::NAN,
     };
+    let classified = async || metric("gpumedic_classifier_events_total").await;
+    let snapshots = |fleet: &Fleet| fleet.counts().get("snapshot").copied().unwrap_or(0);
 
     // Warm-up, not measured: the classifier sees the fleet's nodes, GPUs and kinds. The fleet is
     // paced for the steady rate, so at the burst's its clock runs ahead of the wall's; the steady
@@ -615,10 +638,26 @@ async fn phases(
     // event times past the classifier's clock skew allowance).
     let fleet = Fleet::paced(id, size, steady_rate, o.faults_per_minute, k as u64 + 1, fleet::XidNames::Pci)?;
     let (mut fleet, mut warm_sent, mut drained_s) = (fleet, 0, 0.0);
-    if !o.warm_up.is_zero() {
+    if o.rollout {
+        // The start round: until every node has sampled once, in pieces no longer than what the
+        // nodes left should take (at the events per node so far), so that little of the fleet's
+        // later rounds follows it: those run the fleet's clock ahead at this rate.
+        while fleet.started() < size {
+            let per_node = if fleet.started() == 0 { 100.0 } else { warm_sent as f64 / fleet.started() as f64 };
+            let left = (size - fleet.started()) as f64 * per_node / o.burst_rate as f64;
+            let sent;
+            (fleet, sent) =
+                produce(fleet, bootstrap, &topics.raw, o.burst_rate, Duration::from_secs_f64(left.clamp(0.2, 5.0)))?
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("panic"))??;
+            warm_sent += sent;
+        }
+    } else if !o.warm_up.is_zero() {
         (fleet, warm_sent) = produce(fleet, bootstrap, &topics.raw, o.burst_rate, o.warm_up)?
             .join()
             .map_err(|_| anyhow::anyhow!("panic"))??;
+    }
+    if warm_sent > 0 {
         let (produced, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(600));
         while classified().await < warm_sent as f64 {
             anyhow::ensure!(Instant::now() < deadline, "the classifier did not take the warm-up in within 10 minutes");
@@ -627,9 +666,10 @@ async fn phases(
         drained_s = produced.elapsed().as_secs_f64();
         let ahead = (fleet.clock() - chrono::Utc::now()).to_std().unwrap_or_default();
         println!(
-            "    warm-up: {warm_sent} events in {:.0} s, all classified {drained_s:.1} s after; the fleet's clock \
-             {:.0} s ahead of the wall's, waited for",
-            o.warm_up.as_secs_f64(),
+            "    warm-up{}: {warm_sent} events ({} start-snapshot readings), all classified {drained_s:.1} s after; \
+             the fleet's clock {:.0} s ahead of the wall's, waited for",
+            if o.rollout { " (the fleet's start round)" } else { "" },
+            snapshots(&fleet),
             ahead.as_secs_f64()
         );
         tokio::time::sleep(ahead).await;
@@ -637,7 +677,8 @@ async fn phases(
 
     // Steady.
     let start = Instant::now();
-    let (fleet, steady_sent) = produce(fleet, bootstrap, &topics.raw, steady_rate, o.steady)?
+    let snapshot_before = snapshots(&fleet);
+    let (mut fleet, steady_sent) = produce(fleet, bootstrap, &topics.raw, steady_rate, o.steady)?
         .join()
         .map_err(|_| anyhow::anyhow!("panic"))??;
     let end = Instant::now();
@@ -647,6 +688,9 @@ async fn phases(
     steady.rate_achieved = steady_sent as f64 / steady.seconds;
     steady.produced = warm_sent + steady_sent;
     steady.classified = classified().await;
+    steady.start_snapshot = snapshots(&fleet) - snapshot_before;
+    steady.recorded = metric("gpumedic_classifier_recorded_events_total").await;
+    steady.rollups = metric("gpumedic_classifier_rollups_total").await;
 
     // Burst, with the timed faults.
     let (watch, cordoned_at) =
@@ -659,6 +703,10 @@ async fn phases(
     };
     let faults_producer = settings.producer("bench-scale-faults")?;
     let mut stages = crate::stages::Stages::start(bootstrap, &[&topics.enriched, &topics.verdicts, &topics.actions])?;
+    let snapshot_before = snapshots(&fleet);
+    if o.rollout {
+        fleet.restart_collectors();
+    }
     let start = Instant::now();
     let producing = produce(fleet, bootstrap, &topics.raw, o.burst_rate, o.burst)?;
     tokio::time::sleep(Duration::from_secs(3).min(o.burst / 4)).await;
@@ -671,7 +719,7 @@ async fn phases(
         gpumedic_runtime::kafka::publish(&faults_producer, &topics.raw, name, &bytes, &headers).await?;
         tokio::time::sleep(o.fault_interval).await;
     }
-    let (_, burst_sent) = tokio::task::spawn_blocking(move || producing.join())
+    let (fleet, burst_sent) = tokio::task::spawn_blocking(move || producing.join())
         .await?
         .map_err(|_| anyhow::anyhow!("the producer thread panicked"))??;
     let end = Instant::now();
@@ -687,6 +735,9 @@ async fn phases(
     burst.rate_achieved = burst_sent as f64 / burst.seconds;
     burst.produced = warm_sent + steady_sent + burst_sent;
     burst.classified = classified().await;
+    burst.start_snapshot = snapshots(&fleet) - snapshot_before;
+    burst.recorded = metric("gpumedic_classifier_recorded_events_total").await;
+    burst.rollups = metric("gpumedic_classifier_rollups_total").await;
 
     let seen = cordoned_at.lock().expect("lock").clone();
     let cordoned_ms: HashMap<u64, i64> = targets
@@ -726,8 +777,16 @@ async fn phases(
 fn print_step(step: &Step) {
     for (label, p) in [("steady", &step.steady), ("burst", &step.burst)] {
         println!(
-            "    {label}: {:.0} events/s (target {:.0}) for {:.0} s, {:.0} of {} classified",
-            p.rate_achieved, p.rate_target, p.seconds, p.classified, p.produced
+            "    {label}: {:.0} events/s (target {:.0}) for {:.0} s, {:.0} of {} classified; {} start-snapshot \
+             readings in the phase; since the start {:.0} events recorded, {:.0} rollups written",
+            p.rate_achieved,
+            p.rate_target,
+            p.seconds,
+            p.classified,
+            p.produced,
+            p.start_snapshot,
+            p.recorded,
+            p.rollups
         );
         for (name, mib) in &p.mib {
             println!(
