@@ -230,7 +230,7 @@ pub struct KeyState {
     /// The condition's state.
     pub cond: CondState,
     /// The open incident.
-    pub incident: Option<Incident>,
+    pub incident: Option<Box<Incident>>,
 }
 
 type Key = (String, Option<String>);
@@ -486,7 +486,7 @@ impl Engine {
                         incident: None,
                     });
                     st.version = rule.version;
-                    st.incident = Some(Incident {
+                    st.incident = Some(Box::new(Incident {
                         id: s.incident_id,
                         opened_at: s.opened_at_micros,
                         step,
@@ -500,7 +500,7 @@ impl Engine {
                         boot: None,
                         gpus: BTreeSet::new(),
                         cleared: BTreeSet::new(),
-                    });
+                    }));
                     done.restored += 1;
                 }
             }
@@ -1038,9 +1038,9 @@ fn note_absorbed(
             queue.pop_front();
         }
         queue.push_back(Absorbed {
-            event_id: e.id.clone(),
+            event_id: e.id.to_string(),
             node: o.node.clone(),
-            gpu: e.gpu.clone().or_else(|| o.gpu.clone()),
+            gpu: e.gpu.as_ref().map(ToString::to_string).or_else(|| o.gpu.clone()),
             at_micros: e.t,
             incident_id,
             root_rule: root_rule.to_owned(),
@@ -1055,8 +1055,8 @@ fn note_absorbed(
 fn absorb(keys: &mut BTreeMap<Key, KeyState>, into: &Key, firing: &Firing) {
     if let Some(inc) = keys.get_mut(into).and_then(|st| st.incident.as_mut()) {
         for e in &firing.evidence {
-            if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&e.id) {
-                inc.evidence.push(e.id.clone());
+            if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.iter().any(|id| e.id == *id) {
+                inc.evidence.push(e.id.to_string());
             }
         }
         inc.synthetic |= firing.evidence.iter().any(|e| e.synthetic);
@@ -1086,8 +1086,9 @@ fn fire(
     outcome: Outcome,
     out: &mut Vec<Decision>,
 ) {
-    let ids: Vec<String> = firing.evidence.iter().map(|e| e.id.clone()).collect();
-    let gpus: BTreeSet<String> = firing.evidence.iter().filter_map(|e| e.gpu.clone()).take(MAX_GPUS).collect();
+    let ids: Vec<String> = firing.evidence.iter().map(|e| e.id.to_string()).collect();
+    let gpus: BTreeSet<String> =
+        firing.evidence.iter().filter_map(|e| e.gpu.as_ref().map(ToString::to_string)).take(MAX_GPUS).collect();
     let synthetic = firing.evidence.iter().any(|e| e.synthetic);
     let opening = keys.get(key).is_some_and(|st| st.incident.is_none());
     if opening && let Some(by) = suppressor(rule, keys, key) {
@@ -1134,7 +1135,7 @@ fn fire(
             };
             let reason = format!("{}: {}{note}", rule.description, firing.detail);
             let d = decision(rule, node, facts, key, &inc, DecisionKind::Open, reason, firing.at);
-            st.incident = Some(inc);
+            st.incident = Some(Box::new(inc));
             d
         }
         Some(inc) => {

@@ -56,6 +56,7 @@ pub mod defaults;
 pub mod duration;
 pub mod engine;
 pub mod facts;
+pub mod id;
 pub mod load;
 pub mod model;
 pub mod observation;

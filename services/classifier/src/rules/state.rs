@@ -9,6 +9,7 @@ use std::collections::{BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use super::id::Id;
 use super::model::{BurstTest, Condition, Distinct, Judge, codes_contain};
 use super::observation::{FieldValue, Observation};
 
@@ -29,21 +30,21 @@ pub struct Ev {
     /// When (the node's clock when it arrived).
     pub t: i64,
     /// The event id.
-    pub id: String,
+    pub id: Id,
     /// Whether it was injected.
     #[serde(default)]
     pub synthetic: bool,
     /// What makes it a distinct occurrence, for counts that count distinct occurrences.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key: Option<String>,
+    pub key: Option<Box<str>>,
     /// The GPU it named, so a node-wide incident knows which GPUs failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu: Option<String>,
+    pub gpu: Option<Id>,
 }
 
 impl Ev {
     fn of(o: &Observation, t: i64) -> Ev {
-        Ev { t, id: o.event_id.clone(), synthetic: o.synthetic, key: None, gpu: o.gpu.clone() }
+        Ev { t, id: Id::new(&o.event_id), synthetic: o.synthetic, key: None, gpu: o.gpu.as_deref().map(Id::new) }
     }
 }
 
@@ -120,7 +121,7 @@ pub enum CondState {
     /// The burst in progress.
     Burst {
         /// None between bursts.
-        burst: Option<Burst>,
+        burst: Option<Box<Burst>>,
     },
     /// The latest occurrence of each match.
     Together {
@@ -135,9 +136,9 @@ pub enum CondState {
     /// Since when the value has held.
     Threshold {
         /// The first reading of the current run.
-        since: Option<Ev>,
+        since: Option<Box<Ev>>,
         /// The latest reading of the run.
-        latest: Option<Ev>,
+        latest: Option<Box<Ev>>,
         /// The latest value, for the reason.
         value: f64,
         /// Already fired in this run.
@@ -219,7 +220,7 @@ impl CondState {
                     // failing again) replaces its earlier entry rather than adding to the count.
                     let key = occurrence(o);
                     events.retain(|e| e.key.as_deref() != Some(key.as_str()));
-                    ev.key = Some(key);
+                    ev.key = Some(key.into());
                 }
                 events.push_back(ev);
                 if let Some(w) = within {
@@ -249,13 +250,15 @@ impl CondState {
                 Update { adverse: true, firing }
             }
             (CondState::Burst { burst }, Condition::Burst { judge, test, .. }) => {
-                let b = burst.get_or_insert_with(|| Burst {
-                    start: t,
-                    last: t,
-                    codes: BTreeSet::new(),
-                    events: 0,
-                    evidence: Vec::new(),
-                    fired: false,
+                let b = burst.get_or_insert_with(|| {
+                    Box::new(Burst {
+                        start: t,
+                        last: t,
+                        codes: BTreeSet::new(),
+                        events: 0,
+                        evidence: Vec::new(),
+                        fired: false,
+                    })
                 });
                 b.last = t;
                 b.events = b.events.saturating_add(1);
@@ -305,10 +308,16 @@ impl CondState {
                 let adverse = samples.back().is_some_and(|s| value > s.value);
                 // Thin: the newest sample replaces the previous one while that one is within the
                 // spacing of the sample before it. The baseline is then at most one spacing
-                // younger than the window's start.
+                // younger than the window's start. Of a run of samples with one value only the
+                // first and the latest are kept: the first says since when the counter has held
+                // it, the latest until when, and the samples between them say nothing more (the
+                // counter's value at any time between the two is that value). A counter that
+                // does not move, most of them on a healthy fleet, keeps two samples instead of a
+                // window's worth of them.
                 let spacing = per.micros() / (MAX_SAMPLES as i64 / 2);
                 let n = samples.len();
-                if n >= 2 && samples[n - 1].ev.t.saturating_sub(samples[n - 2].ev.t) < spacing {
+                let flat = n >= 2 && samples[n - 1].value == value && samples[n - 2].value == value;
+                if flat || (n >= 2 && samples[n - 1].ev.t.saturating_sub(samples[n - 2].ev.t) < spacing) {
                     samples.pop_back();
                 }
                 samples.push_back(Sample { ev: Ev::of(o, t), value });
@@ -324,10 +333,16 @@ impl CondState {
                     return Update { adverse, firing: None };
                 }
                 // A baseline older than the window spreads the growth over the longer time, so
-                // sparse samples are judged as a rate rather than as one large jump.
+                // sparse samples are judged as a rate rather than as one large jump; unless the
+                // counter still held the baseline's value at a later sample, inside the window:
+                // then its value at the window's start is known, and all the growth is within it.
                 let growth = value - base.value;
-                let normalised =
-                    if elapsed > per.micros() { growth * per.micros() as f64 / elapsed as f64 } else { growth };
+                let held = samples[1].value == base.value;
+                let normalised = if elapsed > per.micros() && !held {
+                    growth * per.micros() as f64 / elapsed as f64
+                } else {
+                    growth
+                };
                 let firing = (normalised > *more_than).then(|| Firing {
                     at: t,
                     evidence: vec![base.ev.clone(), Ev::of(o, t)],
@@ -350,15 +365,15 @@ impl CondState {
                     *run = 0;
                     return Update::default();
                 }
-                let first = since.get_or_insert_with(|| Ev::of(o, t)).clone();
-                *latest = Some(Ev::of(o, t));
+                let first = Ev::clone(since.get_or_insert_with(|| Box::new(Ev::of(o, t))));
+                *latest = Some(Box::new(Ev::of(o, t)));
                 *last_value = value;
                 *run = run.saturating_add(1);
                 let held = for_.micros() > 0 && t.saturating_sub(first.t) >= for_.micros();
                 let repeated = *readings > 0 && *run >= *readings;
                 let firing = (!*fired && (held || repeated)).then(|| {
                     *fired = true;
-                    threshold_firing(field, *cmp, value, limit, *for_, first.clone(), latest.clone(), t)
+                    threshold_firing(field, *cmp, value, limit, *for_, first.clone(), latest.as_deref().cloned(), t)
                 });
                 Update { adverse: true, firing }
             }
@@ -391,7 +406,7 @@ impl CondState {
         }
         match (self, condition) {
             (CondState::Burst { burst }, Condition::Burst { gap, judge, test }) => {
-                let b = burst.take()?;
+                let b = *burst.take()?;
                 (*judge == Judge::Close && burst_passes(test, &b)).then(|| Firing {
                     at: b.last.saturating_add(gap.micros()),
                     detail: format!(
@@ -406,10 +421,10 @@ impl CondState {
                 CondState::Threshold { since, latest, value, fired, .. },
                 Condition::Threshold { field, cmp, limit, for_, .. },
             ) => {
-                let first = since.clone()?;
+                let first = since.as_deref()?.clone();
                 *fired = true;
                 let at = first.t.saturating_add(for_.micros());
-                Some(threshold_firing(field, *cmp, *value, limit, *for_, first, latest.clone(), at))
+                Some(threshold_firing(field, *cmp, *value, limit, *for_, first, latest.as_deref().cloned(), at))
             }
             _ => None,
         }
@@ -456,8 +471,8 @@ mod tests {
         Observation::new(id, "n", 0, kind)
     }
 
-    fn ids(f: &Firing) -> Vec<&str> {
-        f.evidence.iter().map(|e| e.id.as_str()).collect()
+    fn ids(f: &Firing) -> Vec<String> {
+        f.evidence.iter().map(|e| e.id.to_string()).collect()
     }
 
     #[test]
@@ -498,7 +513,7 @@ mod tests {
         // A new burst of 48 alone fires when it ends, stamped at its end, not at the tick.
         s.observe(&c, &obs("c", "xid").xid(48), 1000 * S);
         let f = s.expire(&c, 5000 * S).unwrap();
-        assert_eq!((f.at, ids(&f)), (1180 * S, vec!["c"]));
+        assert_eq!((f.at, ids(&f)), (1180 * S, vec!["c".to_owned()]));
     }
 
     #[test]
@@ -593,6 +608,38 @@ mod tests {
     }
 
     #[test]
+    fn a_counter_that_does_not_move_keeps_two_samples_and_its_growth_is_still_seen() {
+        // Single-bit errors read every 60 s, flat for 100 hours, then 1,500 of them in an hour.
+        let c = Condition::Rate { field: "sbe".into(), more_than: 1000.0, per: Interval::from_secs(24 * 3600) };
+        let mut s = CondState::new(&c);
+        let len = |s: &CondState| match s {
+            CondState::Rate { samples } => samples.len(),
+            _ => unreachable!(),
+        };
+        let flat_until = 100 * 60;
+        for i in 0..flat_until {
+            let u = s.observe(&c, &obs(&format!("f{i}"), "ecc").field("sbe", 7), i * 60 * S);
+            assert!(!u.adverse && u.firing.is_none());
+            assert!(len(&s) <= 2, "{} samples of a flat counter at minute {i}", len(&s));
+        }
+        let mut fired = None;
+        for i in 0..60 {
+            let minute = flat_until + i;
+            let u = s.observe(&c, &obs(&format!("g{i}"), "ecc").field("sbe", 7 + 25 * (i + 1)), minute * 60 * S);
+            if fired.is_none()
+                && let Some(f) = u.firing
+            {
+                fired = Some((i, f));
+            }
+        }
+        // The counter was 7 at a sample inside the window, so the whole 1,000 grew within the
+        // day: it fires at the 41st minute's 1,025, not spread over the 100 flat hours.
+        let (at, f) = fired.expect("1,500 in an hour after a flat counter fires");
+        assert_eq!(at, 40, "fired at minute {at} of the growth");
+        assert_eq!(ids(&f), ["f0", "g40"], "the first flat sample is the baseline");
+    }
+
+    #[test]
     fn threshold_holds_for_the_duration_and_resets_when_it_drops() {
         let c = Condition::Threshold {
             field: "value".into(),
@@ -610,7 +657,7 @@ mod tests {
         s.observe(&c, &temp("c", 95), 20 * S);
         assert!(s.observe(&c, &temp("d", 96), 49 * S).firing.is_none());
         let f = s.observe(&c, &temp("e", 97), 50 * S).firing.unwrap();
-        assert_eq!((f.at, ids(&f)), (50 * S, vec!["c", "e"]));
+        assert_eq!((f.at, ids(&f)), (50 * S, vec!["c".to_owned(), "e".to_owned()]));
         // Held without further readings: a tick fires it at exactly `for` after the first.
         let mut s = CondState::new(&c);
         s.observe(&c, &temp("x", 91), 0);
