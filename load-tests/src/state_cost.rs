@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use gpumedic_classifier::persist::{Keeper, Policy, ROLLUPS_PER_BATCH};
+use gpumedic_classifier::rules::state::CondState;
 use gpumedic_classifier::rules::{Engine, defaults};
 
 use crate::fleet::{Enriched, Intervals};
@@ -145,6 +146,37 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
             per(&|n| n.facts.names.len()),
             per(&|n| json_len(&n.facts)),
             per(&|n| n.recent.len()),
+        );
+        // The rule keys by their condition's type, and what each type holds: a rate keeps counter
+        // samples, a count its latest events.
+        let mut kinds: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        for k in snapshot.nodes.iter().flat_map(|n| &n.keys) {
+            let (kind, held) = match &k.state.cond {
+                CondState::Count { events } => ("count", events.len()),
+                CondState::Burst { burst } => ("burst", burst.as_ref().map_or(0, |b| b.evidence.len())),
+                CondState::Together { last } => ("together", last.iter().flatten().count()),
+                CondState::Rate { samples } => ("rate", samples.len()),
+                CondState::Threshold { since, .. } => ("threshold", usize::from(since.is_some())),
+            };
+            let e = kinds.entry(kind).or_default();
+            e.0 += 1;
+            e.1 += held;
+        }
+        let n = snapshot.nodes.len() as f64;
+        let list: Vec<String> = kinds
+            .iter()
+            .map(|(kind, (keys, held))| format!("{kind} {:.1} keys holding {:.1}", *keys as f64 / n, *held as f64 / n))
+            .collect();
+        println!(
+            "  the rule keys per node by condition (and the samples, events or readings they hold): {}",
+            list.join(", ")
+        );
+        println!(
+            "  in memory: a rule key's state {} bytes (its condition's {}), a piece of evidence {}, a counter sample {}",
+            std::mem::size_of::<gpumedic_classifier::rules::engine::KeyState>(),
+            std::mem::size_of::<CondState>(),
+            std::mem::size_of::<gpumedic_classifier::rules::state::Ev>(),
+            std::mem::size_of::<gpumedic_classifier::rules::state::Sample>(),
         );
     }
     // A rollout of the collector: every node's start inventory and snapshot again, to a
