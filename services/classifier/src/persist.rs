@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
+use crate::rules::id::Id;
 use crate::rules::{Bearing, FieldValue, Observation};
 
 /// Which events the classifier records in `health_events`.
@@ -339,10 +340,24 @@ fn counter_step(track: &mut Track, field: &str, now: i64, names: &mut Names) -> 
 /// (microseconds).
 pub type RollupKey = (String, String, String, i64);
 
-/// One period's open rollups, by node, GPU and kind: nested so that an event whose rollup exists
-/// finds it by its own names, without copying them (nearly every healthy event does). Kinds are
-/// shared names ([`Names`]).
-type PeriodRollups = HashMap<String, HashMap<String, HashMap<Arc<str>, Rollup>>>;
+/// One period's open rollups, by node: a node's are one list, each GPU (or the node) and kind
+/// once, found by the digest of node, GPU and kind that the tracks use, so an event whose rollup
+/// exists finds it without copying a name (nearly every healthy event does). A list, not a map of
+/// GPUs holding maps of kinds: on a running fleet every node reports within each minute, and
+/// those nested maps cost about 5 KB a node and period however few kinds they held (a hash map's
+/// table for each GPU); the list takes what its rollups take. Kinds are shared names
+/// ([`Names`]); GPUs are [`Id`]s, their UUIDs held inline.
+type PeriodRollups = HashMap<String, Vec<OpenRollup>>;
+
+/// A rollup of one node's period ([`PeriodRollups`]).
+#[derive(Debug)]
+struct OpenRollup {
+    /// [`key_digest`] of its node, GPU and kind.
+    digest: u64,
+    gpu: Id,
+    kind: Arc<str>,
+    rollup: Rollup,
+}
 
 /// Decides, per event, whether it is recorded, and rolls up the rest.
 #[derive(Debug, Default)]
@@ -391,15 +406,11 @@ impl ClosedPeriod {
                 return Some(row);
             }
             let node = self.nodes.pop()?;
-            if let Some(gpus) = self.rollups.remove(&node) {
-                let mut rows: Vec<(RollupKey, Rollup)> = Vec::new();
-                for (gpu, kinds) in gpus {
-                    rows.extend(
-                        kinds
-                            .into_iter()
-                            .map(|(kind, r)| ((node.clone(), gpu.clone(), kind.to_string(), self.start), r)),
-                    );
-                }
+            if let Some(list) = self.rollups.remove(&node) {
+                let mut rows: Vec<(RollupKey, Rollup)> = list
+                    .into_iter()
+                    .map(|r| ((node.clone(), r.gpu.to_string(), r.kind.to_string(), self.start), r.rollup))
+                    .collect();
                 rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
                 self.rest.extend(rows);
             }
@@ -457,21 +468,23 @@ impl Keeper {
             let start = at.div_euclid(self.rollup_period) * self.rollup_period;
             // Found by the event's own names, copied only for a period's first event of the key.
             let nodes = self.open.entry(start).or_default();
-            let gpus = match nodes.get_mut(o.node.as_str()) {
-                Some(gpus) => gpus,
+            let list = match nodes.get_mut(o.node.as_str()) {
+                Some(list) => list,
                 None => nodes.entry(o.node.clone()).or_default(),
             };
-            let kinds = match gpus.get_mut(gpu) {
-                Some(kinds) => kinds,
-                None => gpus.entry(gpu.to_owned()).or_default(),
+            let i = match list.iter().position(|r| r.digest == digest) {
+                Some(i) => i,
+                None => {
+                    list.push(OpenRollup {
+                        digest,
+                        gpu: Id::new(gpu),
+                        kind: self.names.get(&o.kind),
+                        rollup: Rollup { period: self.rollup_period, ..Rollup::default() },
+                    });
+                    list.len() - 1
+                }
             };
-            let rollup = match kinds.get_mut(o.kind.as_str()) {
-                Some(rollup) => rollup,
-                None => kinds
-                    .entry(self.names.get(&o.kind))
-                    .or_insert_with(|| Rollup { period: self.rollup_period, ..Rollup::default() }),
-            };
-            rollup.add(o, at, track, &mut self.names);
+            list[i].rollup.add(o, at, track, &mut self.names);
         }
         keep
     }

@@ -6,7 +6,8 @@
 //! bytes each with the allocator's rounding), which at fleet scale is most of what the evidence
 //! costs. The collector's event ids are UUIDs and NVML names a GPU by `GPU-` and a UUID, so an
 //! [`Id`] holds those as their 16 bytes, inline, and anything else as text: the same string goes
-//! in and comes out, and snapshots are written as the string, as before.
+//! in and comes out, and snapshots are written as the string, as before. The keeper's open
+//! rollups (`crate::persist`) name their GPU the same way.
 
 use std::cmp::Ordering;
 use std::fmt;
