@@ -551,7 +551,7 @@ mod tests {
                 (d.severity, d.action, d.then) = (r.severity, r.action, r.then.clone());
                 hardware_class(&d)
             })
-            .map(|r| r.id.as_str())
+            .map(|r| &*r.id)
             .collect();
         assert_eq!(
             counted,

@@ -10,11 +10,13 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::facts::{MAX_GPUS, NodeFacts};
+use super::id::Id;
 use super::model::{Action, Proof, Rule, RuleSet, Scope, Severity, SyntheticPolicy, codes_contain, normalise_key};
 use super::observation::{DomainRoot, FieldValue, Observation};
 use super::sanity::{self, Invalid};
@@ -233,7 +235,9 @@ pub struct KeyState {
     pub incident: Option<Box<Incident>>,
 }
 
-type Key = (String, Option<String>);
+/// A rule's state is kept per rule and GPU (none for a node-wide rule): the rule named by the
+/// rule set's own shared name and the GPU by [`Id`], so a node's fifty-odd keys copy no string.
+type Key = (Arc<str>, Option<Id>);
 
 /// The digests of a node's last [`RECENT_IDS`] event ids, to ignore a redelivered event: one
 /// ring of them, searched in full for each event. At fleet scale this filter is most of the
@@ -467,8 +471,8 @@ impl Engine {
                 done.unknown_rule += 1;
                 continue;
             };
-            let gpu = if rule.scope == Scope::Node { None } else { s.gpu.clone() };
-            let key: Key = (s.rule_id.clone(), gpu);
+            let gpu = if rule.scope == Scope::Node { None } else { s.gpu.as_deref().map(Id::new) };
+            let key: Key = (rule.id.clone(), gpu);
             let node = self.nodes.entry(s.node.clone()).or_default();
             let step = s.verdicts.saturating_sub(1);
             match node.keys.get_mut(&key).and_then(|st| st.incident.as_mut()) {
@@ -608,15 +612,16 @@ impl Engine {
         // node is healthy, which is the common case. Asked once per rule for every event of a
         // node with an incident: foldhash, where std's SipHash was 9% of the classifier's CPU in
         // `pipeline-throughput` (docs/benchmarks.md).
-        let open: foldhash::HashSet<String> =
+        let open: foldhash::HashSet<Arc<str>> =
             node.keys.iter().filter(|(_, st)| st.incident.is_some()).map(|((rule, _), _)| rule.clone()).collect();
+        let gpu_id = o.gpu.as_deref().map(Id::new);
         for rule in &self.rules.rules {
             let matched = rule.matcher.matches(o);
-            if !matched && !open.contains(&rule.id) {
+            if !matched && !open.contains(&*rule.id) {
                 continue;
             }
             let gpu = match rule.scope {
-                Scope::Gpu => o.gpu.clone(),
+                Scope::Gpu => gpu_id.clone(),
                 Scope::Node => None,
             };
             let key = (rule.id.clone(), gpu);
@@ -650,7 +655,8 @@ impl Engine {
                 if let Some(root) = sympathetic_root(rule, o, &node.keys, now) {
                     absorb(&mut node.keys, &root, &firing);
                     if let Some(inc) = node.keys.get(&root).and_then(|st| st.incident.as_ref()) {
-                        let to = (inc.id, root.0.as_str(), o.node.as_str(), root.1.as_deref(), inc.opened_at);
+                        let root_gpu = root.1.as_ref().map(Id::to_string);
+                        let to = (inc.id, &*root.0, o.node.as_str(), root_gpu.as_deref(), inc.opened_at);
                         note_absorbed(&mut self.absorbed, to, o, &firing);
                     }
                 } else if let Some(r) = domain_root(rule, o, now) {
@@ -665,7 +671,7 @@ impl Engine {
                     fire(&self.rules, rule, &o.node, &node.facts, &mut node.keys, &key, firing, outcome, &mut out);
                     if o.nvlink_domain.is_some()
                         && key.1.is_some()
-                        && key.1 == o.gpu
+                        && key.1 == gpu_id
                         && can_be_root(&self.rules, rule, o)
                     {
                         for d in out[before..].iter_mut().filter(|d| d.kind == DecisionKind::Open) {
@@ -708,9 +714,9 @@ impl Engine {
                 if let Some(inc) = &k.incident {
                     out.push(OpenIncident {
                         incident_id: inc.id,
-                        rule_id: rule.clone(),
+                        rule_id: rule.to_string(),
                         node: node.clone(),
-                        gpu: gpu.clone(),
+                        gpu: gpu.as_ref().map(Id::to_string),
                         severity: inc.severity,
                         action: inc.action,
                     });
@@ -736,8 +742,8 @@ impl Engine {
                         .keys
                         .iter()
                         .map(|((rule, gpu), st)| KeySnapshot {
-                            rule: rule.clone(),
-                            gpu: gpu.clone(),
+                            rule: rule.to_string(),
+                            gpu: gpu.as_ref().map(Id::to_string),
                             state: st.clone(),
                         })
                         .collect(),
@@ -755,7 +761,16 @@ impl Engine {
         let mut nodes = BTreeMap::new();
         for n in snapshot.nodes {
             let recent = RecentIds::from_oldest_first(n.recent);
-            let keys = n.keys.into_iter().map(|k| ((k.rule, k.gpu), k.state)).collect();
+            let keys = n
+                .keys
+                .into_iter()
+                .map(|k| {
+                    // Shares the rule set's name when the rule is still there; one that is gone is
+                    // dropped by `replace_rules` below.
+                    let rule = rules.get(&k.rule).map_or_else(|| Arc::from(k.rule), |r| r.id.clone());
+                    ((rule, k.gpu.as_deref().map(Id::new)), k.state)
+                })
+                .collect();
             let state = NodeState { clock: n.clock, recent, keys, next_deadline: None, facts: n.facts };
             nodes.insert(n.node, state);
         }
@@ -884,7 +899,7 @@ fn outcome(
 }
 
 /// True when an override on `by` (a GPU, or the whole node when `None`) governs `target`.
-fn covers(by: &Option<String>, target: &Option<String>) -> bool {
+fn covers(by: &Option<Id>, target: &Option<Id>) -> bool {
     by.is_none() || target.is_none() || by == target
 }
 
@@ -904,7 +919,7 @@ fn active_override<'a>(
         }
         if best.is_none_or(|(_, b)| weight(inc.severity, inc.action, &inc.then) > weight(b.severity, b.action, &b.then))
         {
-            best = Some((rule_id.as_str(), inc));
+            best = Some((&**rule_id, inc));
         }
     }
     best
@@ -945,8 +960,8 @@ fn decision(
     let custom = (action == Action::Custom || then.contains(&Action::Custom)).then(|| rule.custom.clone()).flatten();
     // A node-wide verdict names no GPU (its entity is empty by contract, and the remediator acts
     // on the whole node); its reason names the GPUs that failed.
-    let gpu = key.1.clone();
-    let names = gpu.as_ref().and_then(|g| facts.names.get(g)).cloned().unwrap_or_default();
+    let names = key.1.as_ref().and_then(|g| facts.names.get(g)).cloned().unwrap_or_default();
+    let gpu = key.1.as_ref().map(Id::to_string);
     let mut reason = reason;
     if gpu.is_none() && !inc.gpus.is_empty() && kind != DecisionKind::Recover {
         let list: Vec<&str> = inc.gpus.iter().map(String::as_str).collect();
@@ -957,7 +972,7 @@ fn decision(
         incident_id: inc.id,
         step: inc.step,
         kind,
-        rule_id: rule.id.clone(),
+        rule_id: rule.id.to_string(),
         rule_version: rule.version,
         node: node.to_owned(),
         gpu,
@@ -989,8 +1004,8 @@ fn sympathetic_root(rule: &Rule, o: &Observation, keys: &BTreeMap<Key, KeyState>
     }
     keys.iter()
         .find(|((r, g), st)| {
-            g.as_ref().is_some_and(|g| g != gpu)
-                && s.to.contains(r)
+            g.as_ref().is_some_and(|g| !g.is(gpu))
+                && s.to.iter().any(|t| **t == **r)
                 && st.incident.as_ref().is_some_and(|i| now.saturating_sub(i.opened_at) <= s.within.micros())
         })
         .map(|(k, _)| k.clone())
@@ -1021,7 +1036,7 @@ fn domain_root<'o>(rule: &Rule, o: &'o Observation, now: i64) -> Option<&'o Doma
 /// sympathetic codes (a peer's Xid 145 that opened an incident has no known root; it is not one).
 fn can_be_root(rules: &RuleSet, rule: &Rule, o: &Observation) -> bool {
     let echo = rule.sympathetic.as_ref().zip(o.xid).is_some_and(|(s, code)| codes_contain(&s.xid, code));
-    !echo && rules.rules.iter().any(|r| r.sympathetic.as_ref().is_some_and(|s| s.to.contains(&rule.id)))
+    !echo && rules.rules.iter().any(|r| r.sympathetic.as_ref().is_some_and(|s| s.to.iter().any(|t| **t == *rule.id)))
 }
 
 /// Queues a firing's evidence as absorbed into the root incident `to` (id, rule, node, GPU,
@@ -1069,7 +1084,9 @@ fn suppressor(rule: &Rule, keys: &BTreeMap<Key, KeyState>, key: &Key) -> Option<
         return None;
     }
     keys.iter()
-        .find(|((r, gpu), st)| st.incident.is_some() && rule.suppressed_by.contains(r) && covers(gpu, &key.1))
+        .find(|((r, gpu), st)| {
+            st.incident.is_some() && rule.suppressed_by.iter().any(|s| **s == **r) && covers(gpu, &key.1)
+        })
         .map(|(k, _)| k.clone())
 }
 
@@ -1119,7 +1136,7 @@ fn fire(
         None => {
             let first = ids.first().map_or("", String::as_str);
             let inc = Incident {
-                id: incident_id(rule, node, key.1.as_deref(), first),
+                id: incident_id(rule, node, key.1.as_ref().map(Id::to_string).as_deref(), first),
                 opened_at: firing.at,
                 step: 0,
                 severity: outcome.severity,
@@ -1190,7 +1207,7 @@ fn fire(
 /// every failed part has shown it, the quiet period starts.
 fn clear_evidence(rule: &Rule, key: &Key, inc: &mut Incident, o: &Observation, facts: &NodeFacts, now: i64) {
     let required: BTreeSet<String> = match &key.1 {
-        Some(g) => BTreeSet::from([g.clone()]),
+        Some(g) => BTreeSet::from([g.to_string()]),
         None => inc.gpus.clone(),
     };
     let from_failed = match &o.gpu {
@@ -1649,7 +1666,7 @@ rules:
         }
         let n = &e.nodes["n1"];
         assert_eq!(n.recent.len(), RECENT_IDS);
-        let st = &n.keys[&("three".to_string(), None)];
+        let st = &n.keys[&(Arc::from("three"), None)];
         let CondState::Count { events } = &st.cond else { panic!("count state expected") };
         assert_eq!(events.len(), 3);
         assert!(st.incident.as_ref().unwrap().evidence.len() <= MAX_EVIDENCE);

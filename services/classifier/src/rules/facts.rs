@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use super::id::Id;
 use super::model::normalise_key;
 use super::observation::{FieldValue, Observation};
 
@@ -35,6 +36,73 @@ pub const PERSISTENT_COUNTERS: &[(&str, &str)] = &[
 /// Counters that start again from zero when the GPU is reset: one going down is a reset.
 pub const VOLATILE_COUNTERS: &[(&str, &str)] = &[("ecc", "single_bit_volatile"), ("ecc", "double_bit_volatile")];
 
+/// Every counter [`NodeFacts::counters`] keeps, in the order of their `kind.field` names (so a
+/// GPU's counters list as their names sort); a counter is held by its place here.
+const COUNTERS: [(&str, &str); 7] = [
+    ("ecc", "double_bit_aggregate"),
+    ("ecc", "double_bit_volatile"),
+    ("ecc", "single_bit_aggregate"),
+    ("ecc", "single_bit_volatile"),
+    ("retired_pages", "total"),
+    ("row_remap", "correctable"),
+    ("row_remap", "uncorrectable"),
+];
+
+/// The place of `kind.field` in [`COUNTERS`].
+fn counter_index(kind: &str, field: &str) -> Option<u8> {
+    COUNTERS.iter().position(|(k, f)| *k == kind && *f == field).and_then(|i| u8::try_from(i).ok())
+}
+
+/// The last value of each counter, by GPU and counter: a GPU named by [`Id`] and a counter by its
+/// place in [`COUNTERS`], so a node's few dozen counters copy no string (they were keyed by
+/// `GPU\u{1f}kind.field` strings, some 5 KB a node). It serialises as those strings did, in the
+/// same order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Counters(BTreeMap<(Id, u8), i64>);
+
+impl Counters {
+    /// The last value of `kind.field` on `gpu`.
+    pub fn get(&self, gpu: &Id, kind: &str, field: &str) -> Option<i64> {
+        counter_index(kind, field).and_then(|i| self.0.get(&(gpu.clone(), i)).copied())
+    }
+
+    /// How many are kept.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl Serialize for Counters {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|((gpu, i), v)| {
+            let (kind, field) = COUNTERS[usize::from(*i)];
+            (NodeFacts::counter_key(&gpu.to_string(), kind, field), *v)
+        }))
+    }
+}
+
+impl<'de> Deserialize<'de> for Counters {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Counters, D::Error> {
+        let named = BTreeMap::<String, i64>::deserialize(deserializer)?;
+        // A counter this release does not keep is left out, as `learn` would not have kept it.
+        let held = named.into_iter().filter_map(|(key, v)| {
+            let (gpu, name) = key.split_once('\u{1f}')?;
+            let (kind, field) = name.split_once('.')?;
+            Some(((Id::new(gpu), counter_index(kind, field)?), v))
+        });
+        Ok(Counters(held.collect()))
+    }
+}
+
 /// A GPU's other names, for verdicts.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuNames {
@@ -54,15 +122,15 @@ pub struct NodeFacts {
     /// Earlier boot ids, oldest first.
     pub old_boots: VecDeque<String>,
     /// The latest reset evidence per GPU (node time).
-    pub resets: BTreeMap<String, i64>,
+    pub resets: BTreeMap<Id, i64>,
     /// The GPUs in the latest inventory.
-    pub present: BTreeSet<String>,
+    pub present: BTreeSet<Id>,
     /// How many GPUs the latest inventory found missing, when it could tell.
     pub missing: Option<i64>,
     /// Each GPU's index and PCI bus id, by canonical identity.
-    pub names: BTreeMap<String, GpuNames>,
+    pub names: BTreeMap<Id, GpuNames>,
     /// The last value of each counter, by GPU and `kind.field`.
-    pub counters: BTreeMap<String, i64>,
+    pub counters: Counters,
     /// Digests and times of recent Xid lines, oldest first.
     #[serde(default)]
     pub lines: VecDeque<(u64, i64)>,
@@ -76,7 +144,7 @@ fn line_digest(parts: &[&str]) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-fn bounded_insert<V>(map: &mut BTreeMap<String, V>, key: String, value: V) {
+fn bounded_insert<K: Ord, V>(map: &mut BTreeMap<K, V>, key: K, value: V) {
     if !map.contains_key(&key) && map.len() >= MAX_GPUS * 4 {
         map.pop_first();
     }
@@ -128,7 +196,7 @@ impl NodeFacts {
     /// The canonical identity for a GPU reference: a PCI bus id this node's evidence has already
     /// tied to a UUID resolves to the UUID (a second line of defence behind the enricher).
     pub fn canonical(&self, gpu: &str) -> Option<String> {
-        self.names.iter().find(|(_, n)| n.pci.as_deref() == Some(gpu)).map(|(uuid, _)| uuid.clone())
+        self.names.iter().find(|(_, n)| n.pci.as_deref() == Some(gpu)).map(|(uuid, _)| uuid.to_string())
     }
 
     /// Takes what `o` says about the node, at node time `now`; true when that changed a fact.
@@ -160,21 +228,21 @@ impl NodeFacts {
         {
             // Merge: a kernel-log line knows the PCI bus id, NVML the index too. Compared before
             // anything is copied: nearly every observation repeats names already known.
-            let known = self.names.get(gpu);
+            let id = Id::new(gpu);
+            let known = self.names.get(&id);
             let index = o.gpu_index.or(known.and_then(|k| k.index));
             let pci = o.gpu_pci.as_ref().or(known.and_then(|k| k.pci.as_ref()));
             if known.is_none_or(|k| k.index != index || k.pci.as_ref() != pci) {
                 changed = true;
                 let names = GpuNames { index, pci: pci.cloned() };
-                bounded_insert(&mut self.names, gpu.clone(), names);
+                bounded_insert(&mut self.names, id, names);
             }
         }
         if o.kind == "gpu_inventory" {
-            let now_present: BTreeSet<String> = o.inventory.iter().take(MAX_GPUS).cloned().collect();
+            let now_present: BTreeSet<Id> = o.inventory.iter().take(MAX_GPUS).map(|g| Id::new(g)).collect();
             // A GPU back in the inventory after being absent was reset (or the node rebooted).
-            let before: BTreeSet<String> = self.present.iter().cloned().collect();
-            for gpu in now_present.difference(&before) {
-                if !before.is_empty() {
+            if !self.present.is_empty() {
+                for gpu in now_present.difference(&self.present) {
                     bounded_insert(&mut self.resets, gpu.clone(), now);
                 }
             }
@@ -190,23 +258,26 @@ impl NodeFacts {
         {
             // The driver says the GPU needs nothing more: whatever reset it asked for happened.
             changed = true;
-            bounded_insert(&mut self.resets, gpu.clone(), now);
+            bounded_insert(&mut self.resets, Id::new(gpu), now);
         }
-        if let Some(gpu) = &o.gpu {
-            for (kind, field) in VOLATILE_COUNTERS.iter().chain(PERSISTENT_COUNTERS) {
+        if let Some(gpu) = &o.gpu
+            && COUNTERS.iter().any(|(kind, _)| o.kind == *kind)
+        {
+            let gpu = Id::new(gpu);
+            for (i, (kind, field)) in COUNTERS.iter().enumerate() {
                 if o.kind != *kind {
                     continue;
                 }
                 let Some(value) = int(o, field) else { continue };
-                let key = Self::counter_key(gpu, kind, field);
-                let volatile = VOLATILE_COUNTERS.contains(&(kind, field));
-                if volatile && self.counters.get(&key).is_some_and(|last| value < *last) {
+                let key = (gpu.clone(), i as u8);
+                let last = self.counters.0.get(&key).copied();
+                if VOLATILE_COUNTERS.contains(&(kind, field)) && last.is_some_and(|last| value < last) {
                     // Volatile counters start again from zero on a reset.
                     bounded_insert(&mut self.resets, gpu.clone(), now);
                 }
-                if self.counters.get(&key) != Some(&value) {
+                if last != Some(value) {
                     changed = true;
-                    bounded_insert(&mut self.counters, key, value);
+                    bounded_insert(&mut self.counters.0, key, value);
                 }
             }
         }
@@ -215,7 +286,7 @@ impl NodeFacts {
 
     /// True when `gpu` was reset (or the node rebooted) after `since`.
     pub fn reset_since(&self, gpu: &str, since: i64) -> bool {
-        self.rebooted_since(since) || self.resets.get(gpu).is_some_and(|t| *t > since)
+        self.rebooted_since(since) || self.resets.get(&Id::new(gpu)).is_some_and(|t| *t > since)
     }
 
     /// True when the node rebooted after `since`.
@@ -281,6 +352,42 @@ mod tests {
         assert!(!f.repeats_line(&line("d", 2_000_000)), "the next second is another exception");
         let other = obs("e", "xid").gpu("GPU-a").xid(13).field("pid", 43i64).at(2_000_000);
         assert!(!f.repeats_line(&other), "another process");
+    }
+
+    #[test]
+    fn counters_are_held_by_gpu_and_place_and_written_as_their_names_were() {
+        let mut names: Vec<String> =
+            PERSISTENT_COUNTERS.iter().chain(VOLATILE_COUNTERS).map(|(k, f)| format!("{k}.{f}")).collect();
+        names.sort();
+        let held: Vec<String> = COUNTERS.iter().map(|(k, f)| format!("{k}.{f}")).collect();
+        assert_eq!(held, names, "every counter, in the order of its name");
+
+        let uuid = "GPU-6f2d1c3a-1b2c-4d5e-8f90-0123456789ab";
+        let mut f = NodeFacts::default();
+        f.learn(&obs("e", "ecc").gpu(uuid).field("double_bit_volatile", 2i64).field("single_bit_aggregate", 5i64), 1);
+        f.learn(&obs("r", "row_remap").gpu("GPU-b").field("correctable", 1i64), 2);
+        f.learn(&obs("r2", "row_remap").gpu("GPU-a").field("uncorrectable", 3i64), 3);
+        assert_eq!(f.counters.get(&Id::new(uuid), "ecc", "single_bit_aggregate"), Some(5));
+        assert_eq!(f.counters.get(&Id::new("GPU-b"), "row_remap", "correctable"), Some(1));
+        assert_eq!(f.counters.get(&Id::new("GPU-b"), "row_remap", "uncorrectable"), None);
+
+        // Written exactly as the map of `GPU\u{1f}kind.field` strings it replaced.
+        let by_name: BTreeMap<String, i64> = [
+            (NodeFacts::counter_key(uuid, "ecc", "double_bit_volatile"), 2),
+            (NodeFacts::counter_key(uuid, "ecc", "single_bit_aggregate"), 5),
+            (NodeFacts::counter_key("GPU-b", "row_remap", "correctable"), 1),
+            (NodeFacts::counter_key("GPU-a", "row_remap", "uncorrectable"), 3),
+        ]
+        .into();
+        let json = serde_json::to_string(&f.counters).unwrap();
+        assert_eq!(json, serde_json::to_string(&by_name).unwrap());
+        assert_eq!(serde_json::from_str::<Counters>(&json).unwrap(), f.counters);
+
+        let mut unknown = by_name.clone();
+        unknown.insert(NodeFacts::counter_key("GPU-a", "ecc", "made_up"), 9);
+        unknown.insert("no separator".into(), 9);
+        let read: Counters = serde_json::from_str(&serde_json::to_string(&unknown).unwrap()).unwrap();
+        assert_eq!(read, f.counters, "a counter this release does not keep is left out");
     }
 
     #[test]

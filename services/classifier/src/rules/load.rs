@@ -92,7 +92,7 @@ where
     for rule in &rules {
         // A rule may be its own root (Xid 149 on one GPU, Xid 145 on its peers), never its own
         // suppressor.
-        let suppressors = rule.suppressed_by.iter().map(|o| (o, *o == rule.id));
+        let suppressors = rule.suppressed_by.iter().map(|o| (o, **o == *rule.id));
         let roots = rule.sympathetic.iter().flat_map(|s| s.to.iter()).map(|o| (o, false));
         for (other, itself) in suppressors.chain(roots) {
             if !seen.contains_key(other) || itself {
@@ -155,10 +155,10 @@ fn load_file(
         };
         for item in items {
             if let Some(rule) = rule(&mut cx, item) {
-                if let Some(first) = seen.get(&rule.id) {
+                if let Some(first) = seen.get(&*rule.id) {
                     cx.err(rule.origin.line, format!("duplicate rule id `{}` (first defined at {first})", rule.id));
                 } else {
-                    seen.insert(rule.id.clone(), rule.origin.clone());
+                    seen.insert(rule.id.to_string(), rule.origin.clone());
                     rules.push(rule);
                 }
             }
@@ -506,7 +506,7 @@ fn rule(cx: &mut Cx<'_>, node: &Node) -> Option<Rule> {
         }
     }
     Some(Rule {
-        id: id?,
+        id: id?.into(),
         version: version?,
         description: description?,
         matcher: matcher?,

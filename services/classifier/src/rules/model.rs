@@ -556,8 +556,8 @@ impl fmt::Display for Origin {
 /// One validated rule.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rule {
-    /// Unique across the rule set.
-    pub id: String,
+    /// Unique across the rule set; shared with every key of the engine's state that names it.
+    pub id: std::sync::Arc<str>,
     /// Bumped whenever the rule's meaning changes; part of every incident and verdict id.
     pub version: u32,
     /// What the rule detects, for humans.
@@ -612,7 +612,7 @@ pub struct RuleSet {
 impl RuleSet {
     /// The rule with `id`.
     pub fn get(&self, id: &str) -> Option<&Rule> {
-        self.rules.iter().find(|r| r.id == id)
+        self.rules.iter().find(|r| &*r.id == id)
     }
 
     /// The same rules with every scheduled action's lead replaced, e.g. a shorter one for a test.

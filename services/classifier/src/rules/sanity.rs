@@ -10,6 +10,7 @@
 use std::fmt;
 
 use super::facts::{NodeFacts, PERSISTENT_COUNTERS};
+use super::id::Id;
 use super::observation::{FieldValue, Observation};
 
 /// The coldest and hottest readings a GPU's sensor can report, in °C.
@@ -154,7 +155,7 @@ pub fn check(o: &Observation, facts: &NodeFacts) -> Result<(), Invalid> {
                 continue;
             }
             let Some(FieldValue::Int(value)) = o.fields.get(*field) else { continue };
-            if facts.counters.get(&NodeFacts::counter_key(gpu, kind, field)).is_some_and(|last| value < last) {
+            if facts.counters.get(&Id::new(gpu), kind, field).is_some_and(|last| *value < last) {
                 return Err(Invalid::CounterBackwards);
             }
         }
