@@ -570,7 +570,10 @@ impl Engine {
             return (Vec::new(), Bearing { refused: true, ..Default::default() });
         }
         let first = !self.nodes.contains_key(&o.node);
-        let node = self.nodes.entry(o.node.clone()).or_default();
+        if first {
+            self.nodes.insert(o.node.clone(), NodeState::default());
+        }
+        let Some(node) = self.nodes.get_mut(&o.node) else { return (Vec::new(), Bearing::default()) };
         let id = digest(&o.event_id);
         if !node.recent.insert(id) {
             return (Vec::new(), Bearing::default());
@@ -606,7 +609,8 @@ impl Engine {
         node.clock = now;
         let mut out = Vec::new();
         advance(&self.rules, &o.node, node, now, &mut out);
-        bearing.facts |= node.facts.learn(o, now);
+        let gpu_id = o.gpu.as_deref().map(Id::new);
+        bearing.facts |= node.facts.learn_about(o, gpu_id.as_ref(), now);
         // Rules with an open incident on this node see every observation (it may be healthy
         // evidence); the others only what they match. Computed once, allocation-free when the
         // node is healthy, which is the common case. Asked once per rule for every event of a
@@ -614,7 +618,6 @@ impl Engine {
         // `pipeline-throughput` (docs/benchmarks.md).
         let open: foldhash::HashSet<Arc<str>> =
             node.keys.iter().filter(|(_, st)| st.incident.is_some()).map(|((rule, _), _)| rule.clone()).collect();
-        let gpu_id = o.gpu.as_deref().map(Id::new);
         for rule in &self.rules.rules {
             let matched = rule.matcher.matches(o);
             if !matched && !open.contains(&*rule.id) {

@@ -201,6 +201,11 @@ impl NodeFacts {
 
     /// Takes what `o` says about the node, at node time `now`; true when that changed a fact.
     pub fn learn(&mut self, o: &Observation, now: i64) -> bool {
+        self.learn_about(o, o.gpu.as_deref().map(Id::new).as_ref(), now)
+    }
+
+    /// [`NodeFacts::learn`], with `o`'s GPU already read as an [`Id`] (`gpu`).
+    pub fn learn_about(&mut self, o: &Observation, gpu_id: Option<&Id>, now: i64) -> bool {
         let mut changed = false;
         if let Some(boot) = &o.boot_id {
             match &self.boot {
@@ -222,20 +227,19 @@ impl NodeFacts {
                 }
             }
         }
-        if let Some(gpu) = &o.gpu
+        if let Some((gpu, id)) = o.gpu.as_ref().zip(gpu_id)
             && (o.gpu_index.is_some() || o.gpu_pci.is_some())
             && gpu.starts_with("GPU-")
         {
             // Merge: a kernel-log line knows the PCI bus id, NVML the index too. Compared before
             // anything is copied: nearly every observation repeats names already known.
-            let id = Id::new(gpu);
-            let known = self.names.get(&id);
+            let known = self.names.get(id);
             let index = o.gpu_index.or(known.and_then(|k| k.index));
             let pci = o.gpu_pci.as_ref().or(known.and_then(|k| k.pci.as_ref()));
             if known.is_none_or(|k| k.index != index || k.pci.as_ref() != pci) {
                 changed = true;
                 let names = GpuNames { index, pci: pci.cloned() };
-                bounded_insert(&mut self.names, id, names);
+                bounded_insert(&mut self.names, id.clone(), names);
             }
         }
         if o.kind == "gpu_inventory" {
@@ -253,17 +257,16 @@ impl NodeFacts {
         }
         if o.kind == "xid"
             && o.xid == Some(154)
-            && let Some(gpu) = &o.gpu
+            && let Some(gpu) = gpu_id
             && o.fields.get("recovery_action").is_some_and(|a| normalise_key(&a.to_string()) == "none")
         {
             // The driver says the GPU needs nothing more: whatever reset it asked for happened.
             changed = true;
-            bounded_insert(&mut self.resets, Id::new(gpu), now);
+            bounded_insert(&mut self.resets, gpu.clone(), now);
         }
-        if let Some(gpu) = &o.gpu
+        if let Some(gpu) = gpu_id
             && COUNTERS.iter().any(|(kind, _)| o.kind == *kind)
         {
-            let gpu = Id::new(gpu);
             for (i, (kind, field)) in COUNTERS.iter().enumerate() {
                 if o.kind != *kind {
                     continue;
