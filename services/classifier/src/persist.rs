@@ -140,8 +140,16 @@ pub const COUNTER_FIELDS: &[(&str, &str)] = &[
     ("pcie_replay", "value"),
 ];
 
-fn is_counter(kind: &str, field: &str) -> bool {
-    COUNTER_FIELDS.iter().any(|(k, f)| *k == kind && *f == field)
+/// The most counters one kind has in [`COUNTER_FIELDS`] (ECC's four).
+const COUNTERS_PER_KIND: usize = 4;
+
+/// The place of `kind.field` among its kind's counters in [`COUNTER_FIELDS`], if it is one.
+fn counter_slot(kind: &str, field: &str) -> Option<usize> {
+    COUNTER_FIELDS
+        .iter()
+        .filter(|(k, _)| *k == kind)
+        .position(|(_, f)| *f == field)
+        .filter(|slot| *slot < COUNTERS_PER_KIND)
 }
 
 /// A stable digest (FNV-1a) of a node, GPU and kind.
@@ -152,15 +160,19 @@ fn key_digest(node: &str, gpu: &str, kind: &str) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// What is remembered per node, GPU and kind.
+/// What is remembered per node, GPU and kind: 48 bytes, nothing on the heap. A fleet has about
+/// 80 a node; their counters were a list of (shared name, value) per track, a heap block of
+/// about 100 bytes for each of the half that count something.
 #[derive(Debug, Clone, Default)]
 struct Track {
     /// The keyframe period (event time) of the last recorded event.
     period: i64,
     /// The last event was unhealthy.
     unhealthy: bool,
-    /// The last value of each counter, by field.
-    counters: Vec<(Arc<str>, i64)>,
+    /// Which places of `last` hold a value (bit `i` for place `i`).
+    seen: u8,
+    /// The last value of each of the kind's counters, by its place among them ([`counter_slot`]).
+    last: [i64; COUNTERS_PER_KIND],
 }
 
 /// Field and kind names, each held once and shared by every rollup and track that uses it: a
@@ -282,8 +294,8 @@ impl Rollup {
             let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
             let one = Reading { min: v, max: v, last: v };
             self.readings.get_or_insert(field, names, one).fold(one, later);
-            if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
-                let growth = counter_step(track, field, *now, names);
+            if let (FieldValue::Int(now), Some(slot)) = (value, counter_slot(&o.kind, field)) {
+                let growth = counter_step(track, slot, *now);
                 *self.counters.get_or_insert(field, names, 0) += growth;
             }
         }
@@ -322,18 +334,12 @@ pub fn counter_growth(last: Option<i64>, now: i64) -> i64 {
     }
 }
 
-fn counter_step(track: &mut Track, field: &str, now: i64, names: &mut Names) -> i64 {
-    match track.counters.iter_mut().find(|(f, _)| &**f == field) {
-        Some((_, last)) => {
-            let growth = counter_growth(Some(*last), now);
-            *last = now;
-            growth
-        }
-        None => {
-            track.counters.push((names.get(field), now));
-            0
-        }
-    }
+fn counter_step(track: &mut Track, slot: usize, now: i64) -> i64 {
+    let bit = 1u8 << slot;
+    let last = (track.seen & bit != 0).then_some(track.last[slot]);
+    track.seen |= bit;
+    track.last[slot] = now;
+    counter_growth(last, now)
 }
 
 /// The key of a rollup: node, GPU (empty for the node), kind and the start of its period
@@ -510,8 +516,8 @@ impl Keeper {
         // counter is a changed fact, recorded, so the last recorded value is the last one seen.
         if o.healthy {
             for (field, value) in &o.fields {
-                if let (FieldValue::Int(now), true) = (value, is_counter(&o.kind, field)) {
-                    counter_step(track, field, *now, &mut self.names);
+                if let (FieldValue::Int(now), Some(slot)) = (value, counter_slot(&o.kind, field)) {
+                    counter_step(track, slot, *now);
                 }
             }
         }
@@ -945,6 +951,22 @@ mod tests {
         let r = &closed[0].1;
         assert_eq!(r.events, 2);
         assert_eq!(r.readings["value"], Reading { min: 50.0, max: 70.0, last: 70.0 });
+    }
+
+    #[test]
+    fn each_counter_has_its_own_place_in_a_track() {
+        for (kind, field) in COUNTER_FIELDS {
+            let slot = counter_slot(kind, field).expect("every counter has a place");
+            let mut others = COUNTER_FIELDS.iter().filter(|(k, f)| k == kind && f != field);
+            assert!(others.all(|(k, f)| counter_slot(k, f) != Some(slot)), "{kind}.{field} shares its place");
+        }
+        assert_eq!(counter_slot("ecc", "made_up"), None);
+        assert_eq!(counter_slot("temperature", "value"), None, "pcie_replay's value is a counter, not every value");
+        let mut track = Track::default();
+        assert_eq!(counter_step(&mut track, 3, 7), 0, "the first value is no growth");
+        assert_eq!(counter_step(&mut track, 0, 5), 0, "nor another counter's first");
+        assert_eq!(counter_step(&mut track, 3, 9), 2);
+        assert_eq!(counter_step(&mut track, 0, 1), 1, "a reset: it grew by its value");
     }
 
     #[test]
