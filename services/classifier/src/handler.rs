@@ -184,8 +184,23 @@ impl BatchHandler for Handler {
                 // ids is short). The insert skips them too; they count as duplicates below.
                 let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
                 let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
-                let fresh: Vec<_> =
-                    observations.iter().enumerate().filter(|(_, (_, key, _))| !recorded.contains(key)).collect();
+                // Nor is a second copy within the batch (a re-send, a redelivery that caught up
+                // with its original), however many of its node's events lie between: it is
+                // recorded as its first copy is (`copy_of`).
+                let mut first_copy = std::collections::HashMap::with_capacity(keys.len());
+                let copy_of: Vec<Option<usize>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(j, key)| {
+                        let first = *first_copy.entry(*key).or_insert(j);
+                        (first != j).then_some(first)
+                    })
+                    .collect();
+                let fresh: Vec<_> = observations
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, (_, key, _))| !recorded.contains(key) && copy_of[*j].is_none())
+                    .collect();
                 // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
                 let mut roots = nvlink::Roots::new(c.engine.rules());
                 roots.load(&c.pool, fresh.iter().map(|(_, (_, _, o))| o)).await.map_err(ClassifierError::from)?;
@@ -199,6 +214,11 @@ impl BatchHandler for Handler {
                     keep[j] = c.keeper.keep(o, bearing);
                     roots.learn(&made);
                     decisions.extend(made.into_iter().map(|d| (d, *i)));
+                }
+                for (j, first) in copy_of.iter().enumerate() {
+                    if let Some(first) = *first {
+                        keep[j] = keep[first];
+                    }
                 }
                 count_refused(&mut c.engine);
                 let absorbed = c.engine.take_absorbed();

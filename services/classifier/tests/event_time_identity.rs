@@ -2,7 +2,8 @@
 //! an event stamped a day ahead (a node's clock far off) is bounded by its record's Kafka
 //! timestamp, so it does not move the node's engine clock and a later quiet period still ends;
 //! and an old event published again, after the engine's in-memory window of recent ids has moved
-//! past it, is recognised by Postgres and produces no second verdict.
+//! past it, is recognised by Postgres and produces no second verdict; nor does a second copy that
+//! arrives in the same batch as the first, further from it than that window reaches.
 
 use std::time::Duration;
 
@@ -16,6 +17,10 @@ const GPU: &str = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
 /// Xid 79 opens a node incident; healthy evidence held for 3 s resolves it (no reboot proof, so
 /// the test needs no boot ids).
 const RULE: &str = "rules:\n  - id: xid-79-test\n    version: 1\n    description: GPU has fallen off the bus\n    scope: node\n    match:\n      - {kind: xid, xid: [79]}\n    severity: critical\n    action: cordon\n    clear: {evidence: {healthy: true}, quiet: 3s}\n";
+
+/// Xid 48 twice within an hour on a node opens an incident: a copy of one Xid 48 counted again
+/// would open it.
+const TWICE: &str = "rules:\n  - id: xid-48-twice-test\n    version: 1\n    description: double-bit ECC twice\n    scope: node\n    match:\n      - {kind: xid, xid: [48]}\n    condition: {count: {at_least: 2, within: 1h}}\n    severity: critical\n    action: cordon\n    clear: {evidence: {healthy: true}, quiet: 3s}\n";
 
 fn xid(node: &str, code: i32, pid: i32) -> HealthEvent {
     testkit::event(node).xid(code).text("GPU has fallen off the bus.").pid(pid).gpu(GPU).build()
@@ -36,6 +41,11 @@ struct Bed {
 
 impl Bed {
     async fn start(name: &str) -> Bed {
+        Bed::start_with(name, RULE, &[]).await
+    }
+
+    /// A classifier with the rules in `rule` and the extra settings `env`.
+    async fn start_with(name: &str, rule: &str, env: &[(&'static str, &str)]) -> Bed {
         let bootstrap = testkit::require_kafka().await.unwrap_or_else(|e| panic!("{e}"));
         let admin = testkit::require_postgres().await.unwrap_or_else(|e| panic!("{e}"));
         let db = testkit::unique_name(name).replace('-', "_");
@@ -52,22 +62,19 @@ impl Bed {
         settings.ensure_topics(&stage_topics(&[&enriched, &actions], &[&verdicts], 12)).await.expect("topics");
         let rules = std::env::temp_dir().join(testkit::unique_name("rules"));
         std::fs::create_dir_all(&rules).unwrap();
-        std::fs::write(rules.join("79.yaml"), RULE).unwrap();
-        let classifier = testkit::ServiceProcess::start(
-            BIN,
-            &[],
-            &[
-                ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
-                ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
-                ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
-                ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
-                ("GPUMEDIC_ACTIONS_TOPIC", actions),
-                ("GPUMEDIC_DATABASE_URL", url.clone()),
-                ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
-                ("GPUMEDIC_TICK", "500ms".into()),
-            ],
-        )
-        .expect("starts");
+        std::fs::write(rules.join("test.yaml"), rule).unwrap();
+        let mut settings_env = vec![
+            ("GPUMEDIC_KAFKA_BOOTSTRAP", bootstrap),
+            ("GPUMEDIC_GROUP", testkit::unique_name("classifier")),
+            ("GPUMEDIC_ENRICHED_TOPIC", enriched.clone()),
+            ("GPUMEDIC_VERDICTS_TOPIC", verdicts.clone()),
+            ("GPUMEDIC_ACTIONS_TOPIC", actions),
+            ("GPUMEDIC_DATABASE_URL", url.clone()),
+            ("GPUMEDIC_RULES_DIR", rules.display().to_string()),
+            ("GPUMEDIC_TICK", "500ms".into()),
+        ];
+        settings_env.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
+        let classifier = testkit::ServiceProcess::start(BIN, &[], &settings_env).expect("starts");
         let mut bed =
             Bed { classifier, producer: settings.producer("event-time-test").unwrap(), enriched, verdicts, url, rules };
         bed.classifier.wait_ready(Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
@@ -174,7 +181,7 @@ async fn an_old_event_published_again_produces_no_second_verdict() {
     bed.send(&healthy(&node)).await;
     bed.verdict(&node, Duration::from_secs(30), |v| v.recovery).await.expect("and is resolved");
 
-    // More events of the node than the engine remembers ids of (1024), each its own Xid line (a
+    // More events of the node than the engine remembers ids of (128), each its own Xid line (a
     // code no rule matches), so neither the id window nor the repeated-line window holds the fault.
     let others: Vec<HealthEvent> = (0..1100).map(|pid| xid(&node, 63, 1000 + pid)).collect();
     let sends = others.iter().map(|e| {
@@ -194,5 +201,44 @@ async fn an_old_event_published_again_produces_no_second_verdict() {
     let opened: Vec<Verdict> =
         bed.verdicts(&node, Duration::from_secs(3)).await.into_iter().filter(|v| !v.recovery).collect();
     assert_eq!(opened.len(), 1, "the replayed fault produced another verdict: {opened:#?}");
+    bed.stop().await;
+}
+
+#[tokio::test]
+async fn a_second_copy_in_the_same_batch_is_not_counted_again() {
+    // A batch lingers for what follows its first record, so the whole stream below is one batch.
+    let bed = Bed::start_with("in-batch", TWICE, &[("GPUMEDIC_BATCH_LINGER", "3s")]).await;
+    let node = testkit::unique_name("in-batch-node");
+
+    // One Xid 48, then more of the node's events than the engine remembers ids of (each its own
+    // Xid 63 line, which no rule matches), then the same Xid 48 again: a re-send that caught up
+    // with its original. Counted twice, it would open the incident.
+    let fault = xid(&node, 48, 1);
+    let mut stream = vec![fault.clone()];
+    stream.extend((0..300).map(|pid| xid(&node, 63, 1000 + pid)));
+    stream.push(fault);
+    let before = bed.metric("gpumedic_classifier_duplicate_events_total").await;
+    let sends = stream.iter().map(|e| {
+        let bytes = testkit::enriched(e.clone()).encode();
+        let (producer, topic, key) = (&bed.producer, &bed.enriched, e.node.clone());
+        async move { publish(producer, topic, &key, &bytes, &[]).await }
+    });
+    futures::future::try_join_all(sends).await.unwrap();
+    testkit::eventually("the copy to be handled", Duration::from_secs(60), async || {
+        (bed.metric("gpumedic_classifier_duplicate_events_total").await > before).then_some(())
+    })
+    .await;
+    let verdicts = bed.verdicts(&node, Duration::from_secs(3)).await;
+    assert!(verdicts.is_empty(), "one Xid 48 was counted twice: {verdicts:#?}");
+
+    // The Xid 48 was recorded once.
+    let pool = gpumedic_runtime::postgres::connect(&bed.url, 2).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM health_events WHERE node = $1 AND xid = 48")
+        .bind(&node)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    pool.close().await;
     bed.stop().await;
 }

@@ -220,6 +220,19 @@ async fn backtest_export_and_republish_against_real_kafka() {
     let copied = json(&args);
     assert_eq!(copied["events"], events.len());
     assert_eq!(copied["same"], recorded.len() - 1);
+
+    // Republished again, every event is on the topic twice, a whole stream apart: the backtest,
+    // as the classifier, takes each in once, and gives the same verdicts.
+    let (ok, _, stderr) =
+        gpumedic(&["replay", "republish", "--file", &file_arg, "--kafka-bootstrap", &bootstrap, "--to-topic", &copy]);
+    assert!(ok, "{stderr}");
+    let args: Vec<&str> = ["replay", "backtest", "--topic", &copy].into_iter().chain(common).collect();
+    let twice = json(&args);
+    assert_eq!(
+        (twice["events"].as_u64(), twice["duplicates"].as_u64()),
+        (Some(events.len() as u64), Some(events.len() as u64))
+    );
+    assert_eq!(twice["same"], recorded.len() - 1, "{twice:#}");
     let _ = std::fs::remove_file(file);
     let _ = std::fs::remove_dir_all(rules);
     tokio::time::sleep(Duration::from_millis(10)).await;

@@ -24,6 +24,9 @@ pub struct Report {
     pub events: u64,
     /// Records that did not decode as enriched events (skipped; the classifier dead-letters them).
     pub undecodable: u64,
+    /// Events whose id and time an earlier record of the run already carried (skipped, as the
+    /// classifier skips an event Postgres already holds).
+    pub duplicates: u64,
     /// Wall time of the run, seconds.
     pub seconds: f64,
     /// Events per second.
@@ -123,6 +126,10 @@ pub(super) fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
     let (mut first, mut last) = (i64::MAX, i64::MIN);
     let mut undecodable = 0u64;
     let mut events = 0u64;
+    // Every event's id and time, as a digest: the classifier looks each event up in Postgres and
+    // never observes one twice, however far apart the copies are, so neither may the backtest.
+    let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    let mut duplicates = 0u64;
     source.for_each(|item| {
         progress.tick(events);
         let Some(event) = item.payload.as_deref().and_then(|p| gpumedic_schemas::decode::<EnrichedHealthEvent>(p).ok())
@@ -130,6 +137,16 @@ pub(super) fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
             undecodable += 1;
             return Ok(());
         };
+        let key = {
+            use std::hash::{Hash as _, Hasher as _};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (event.event.event_id, event.event.observed_at).hash(&mut h);
+            h.finish()
+        };
+        if !seen.insert(key) {
+            duplicates += 1;
+            return Ok(());
+        }
         events += 1;
         let o = observe::observation(&event);
         let t = o.observed_at_micros;
@@ -170,6 +187,7 @@ pub(super) fn backtest(args: &BacktestArgs) -> anyhow::Result<Report> {
     Ok(Report {
         events,
         undecodable,
+        duplicates,
         seconds,
         events_per_second: if seconds > 0.0 { events as f64 / seconds } else { 0.0 },
         rules: origin,
@@ -250,8 +268,14 @@ impl Report {
     /// The human-readable report.
     pub fn table(&self, limit: usize) -> String {
         let mut s = format!(
-            "Backtested {} events ({} undecodable skipped) with {} ({} rules) in {:.2} s: {:.0} events/s.\n",
-            self.events, self.undecodable, self.rules, self.rule_count, self.seconds, self.events_per_second
+            "Backtested {} events ({} undecodable and {} duplicates skipped) with {} ({} rules) in {:.2} s: {:.0} events/s.\n",
+            self.events,
+            self.undecodable,
+            self.duplicates,
+            self.rules,
+            self.rule_count,
+            self.seconds,
+            self.events_per_second
         );
         if let Some((from, to)) = &self.window {
             s.push_str(&format!("Event-time window: {from} .. {to}\n"));
