@@ -77,11 +77,38 @@ fn batch_key(records: &[Record]) -> Option<BatchKey> {
 /// sympathetic events it absorbed, and what of it is recorded.
 type Retry = (BatchKey, Vec<(Decision, usize)>, Vec<Absorbed>, Kept);
 
+/// An event's identity, as `health_events` keys it: its id and time.
+type EventKey = (uuid::Uuid, chrono::DateTime<chrono::Utc>);
+
 /// What of a batch is recorded ([`persist`]): per decoded event, whether it is. Kept for a retry,
 /// as the engine and the keeper took the events in already.
 #[derive(Debug)]
 struct Kept {
     events: Vec<bool>,
+    /// Per decoded event (as `events`), its record's index in the batch and its key.
+    keys: Vec<(usize, EventKey)>,
+}
+
+impl Kept {
+    /// Each event taken in, by key, with whether it is recorded.
+    fn by_key(&self) -> std::collections::HashMap<EventKey, bool> {
+        self.keys.iter().zip(&self.events).map(|((_, key), kept)| (*key, *kept)).collect()
+    }
+}
+
+/// The decisions of a failed attempt (`made`, each with the index of its record in that attempt)
+/// whose events are in the batch offered now (`here`: each event's record index in it), with
+/// their indexes here. A batch is offered again with other records after a rebalance: the engine
+/// took the failed attempt's events in already and will not decide on them again, so their
+/// decisions must not be lost; those of events no longer here are dropped, as their partition's
+/// new owner takes the events in from Kafka (none of them was written).
+fn carried_over<D>(
+    made: Vec<(D, usize)>,
+    before: &Kept,
+    here: &std::collections::HashMap<EventKey, usize>,
+) -> Vec<(D, usize)> {
+    let key_of: std::collections::HashMap<usize, EventKey> = before.keys.iter().copied().collect();
+    made.into_iter().filter_map(|(d, i)| key_of.get(&i).and_then(|key| here.get(key)).map(|&at| (d, at))).collect()
 }
 
 /// The consumer's batch handler: enriched events into the engine and all of the batch into
@@ -178,12 +205,21 @@ impl BatchHandler for Handler {
         stage_seconds("decode", started, decoded);
         let (decisions, absorbed, kept) = match self.retrying.take() {
             Some((k, decisions, absorbed, kept)) if Some(&k) == key.as_ref() => (decisions, absorbed, kept),
-            _ => {
+            before => {
+                // A failed attempt at other records: its events still here were taken in already.
+                let taken = before.as_ref().map(|(_, _, _, kept)| kept.by_key()).unwrap_or_default();
                 // Only events new to Postgres are observed: one recorded there had its verdicts
                 // published before it was written, however long ago (the engine's own memory of
                 // ids is short). The insert skips them too; they count as duplicates below.
                 let keys: Vec<_> = observations.iter().map(|(_, key, _)| *key).collect();
-                let recorded = store::recorded(&c.pool, &keys).await.map_err(ClassifierError::from)?;
+                let recorded = match store::recorded(&c.pool, &keys).await {
+                    Ok(recorded) => recorded,
+                    Err(e) => {
+                        // What a failed attempt took in waits for the next attempt.
+                        self.retrying = before;
+                        return Err(Box::new(ClassifierError::from(e)));
+                    }
+                };
                 // Nor is a second copy within the batch (a re-send, a redelivery that caught up
                 // with its original), however many of its node's events lie between: it is
                 // recorded as its first copy is (`copy_of`).
@@ -199,16 +235,33 @@ impl BatchHandler for Handler {
                 let fresh: Vec<_> = observations
                     .iter()
                     .enumerate()
-                    .filter(|(j, (_, key, _))| !recorded.contains(key) && copy_of[*j].is_none())
+                    .filter(|(j, (_, key, _))| {
+                        !recorded.contains(key) && copy_of[*j].is_none() && !taken.contains_key(key)
+                    })
                     .collect();
                 // Root NVLink incidents of other nodes of a peer's domain, handed to the engine.
                 let mut roots = nvlink::Roots::new(c.engine.rules());
-                roots.load(&c.pool, fresh.iter().map(|(_, (_, _, o))| o)).await.map_err(ClassifierError::from)?;
+                if let Err(e) = roots.load(&c.pool, fresh.iter().map(|(_, (_, _, o))| o)).await {
+                    self.retrying = before;
+                    return Err(Box::new(ClassifierError::from(e)));
+                }
                 steps.mark("look_up");
-                let mut decisions = Vec::new();
+                let mut here = std::collections::HashMap::with_capacity(observations.len());
+                for (i, key, _) in &observations {
+                    here.entry(*key).or_insert(*i);
+                }
+                let mut absorbed = Vec::new();
+                let mut decisions = match before {
+                    Some((_, made, earlier, kept)) => {
+                        absorbed = earlier;
+                        carried_over(made, &kept, &here)
+                    }
+                    None => Vec::new(),
+                };
                 // Which observations are recorded: every one already recorded (the insert skips
-                // it), and of the fresh ones what the persistence policy keeps.
-                let mut keep = vec![true; observations.len()];
+                // it), of those a failed attempt took in what it kept, and of the fresh ones what
+                // the persistence policy keeps.
+                let mut keep: Vec<bool> = keys.iter().map(|key| taken.get(key).copied().unwrap_or(true)).collect();
                 for (j, (i, _, o)) in fresh {
                     let (made, bearing) = c.engine.observe_bearing(&roots.attach(o));
                     keep[j] = c.keeper.keep(o, bearing);
@@ -221,9 +274,11 @@ impl BatchHandler for Handler {
                     }
                 }
                 count_refused(&mut c.engine);
-                let absorbed = c.engine.take_absorbed();
-                nvlink::absorbed(&absorbed);
-                (decisions, absorbed, Kept { events: keep })
+                let new = c.engine.take_absorbed();
+                nvlink::absorbed(&new);
+                absorbed.extend(new);
+                let keys = observations.iter().map(|(i, key, _)| (*i, *key)).collect();
+                (decisions, absorbed, Kept { events: keep, keys })
             }
         };
         if policy == persist::Policy::Evidence {
@@ -315,5 +370,26 @@ fn clock_skew_clamped(event: &EnrichedHealthEvent, to: chrono::DateTime<chrono::
 fn count_refused(engine: &mut Engine) {
     for r in engine.take_refused() {
         InputRefused { node: &r.node, event_id: &r.event_id, reason: r.reason.as_str() }.emit();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u128) -> EventKey {
+        (uuid::Uuid::from_u128(n), chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap())
+    }
+
+    #[test]
+    fn a_failed_attempts_decisions_follow_their_events_into_the_batch_offered_next() {
+        // The failed attempt: records 0..4 carried events 10, 11, 12, 13; decisions on 11 and 13.
+        let before =
+            Kept { events: vec![true, false, true, true], keys: (0..4).map(|i| (i, key(10 + i as u128))).collect() };
+        assert!(!before.by_key()[&key(11)], "11 was not recorded");
+        let made = vec![("on 11", 1), ("on 13", 3), ("also on 13", 3)];
+        // After a rebalance the batch holds 13 at record 0 and new events; 11's partition moved.
+        let here = [(key(13), 0), (key(20), 1)].into_iter().collect();
+        assert_eq!(carried_over(made, &before, &here), vec![("on 13", 0), ("also on 13", 0)]);
     }
 }
