@@ -246,13 +246,14 @@ impl BatchHandler for Handler {
                     return Err(Box::new(ClassifierError::from(e)));
                 }
                 steps.mark("look_up");
-                let mut here = std::collections::HashMap::with_capacity(observations.len());
-                for (i, key, _) in &observations {
-                    here.entry(*key).or_insert(*i);
-                }
                 let mut absorbed = Vec::new();
                 let mut decisions = match before {
                     Some((_, made, earlier, kept)) => {
+                        // Each event's record here, looked up only after a failed attempt.
+                        let mut here = std::collections::HashMap::with_capacity(observations.len());
+                        for (i, key, _) in &observations {
+                            here.entry(*key).or_insert(*i);
+                        }
                         absorbed = earlier;
                         carried_over(made, &kept, &here)
                     }
