@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use gpumedic_collector::publisher::{Publisher, PublisherSettings};
+use gpumedic_collector::publisher::{Outcome, Publisher, PublisherSettings};
 use gpumedic_collector::spool::{Spool, SpoolRecord};
 use gpumedic_runtime::kafka::{KafkaSettings, TopicSpec};
 use gpumedic_schemas::health::Detail;
@@ -84,6 +84,23 @@ async fn an_event_kafka_refuses_leaves_the_spool_head_and_the_rest_drain() {
     testkit::wait_for_event(&topic, &wanted, Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("the event sent with the refused one was never published: {e}"));
+
+    // Its first copy can reach Kafka from a send the publisher then discards (a request refused
+    // as a whole is rewound and its events sent again one at a time), so being seen is not being
+    // out of the spool. The publisher sends an event directly only when its spool is empty: a
+    // probe acknowledged as published says the spool drained.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let probe = gpumedic_collector::synthetic::xid79_event("node-a", "0000:17:00.0");
+        match sink.emit(&probe).await.expect("probe handed over") {
+            Outcome::Published => break,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the spool never drained: a probe was still {other:?} after 60 s"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     token.cancel();
     task.await.expect("joins").expect("publisher stops cleanly");
