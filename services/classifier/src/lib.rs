@@ -44,6 +44,7 @@ mod events;
 mod handler;
 pub mod rollups;
 mod ticker;
+mod tight;
 
 pub use classifier::{Classifier, ClassifierError};
 pub use config::{Args, Config, Defaults, Topics};

@@ -214,7 +214,7 @@ impl<V> Fields<V> {
         match self.0.iter().position(|(name, _)| &**name == field) {
             Some(i) => &mut self.0[i].1,
             None => {
-                self.0.push((names.get(field), value));
+                crate::tight::push(&mut self.0, (names.get(field), value));
                 &mut self.0.last_mut().expect("just pushed").1
             }
         }
@@ -481,12 +481,15 @@ impl Keeper {
             let i = match list.iter().position(|r| r.digest == digest) {
                 Some(i) => i,
                 None => {
-                    list.push(OpenRollup {
-                        digest,
-                        gpu: Id::new(gpu),
-                        kind: self.names.get(&o.kind),
-                        rollup: Rollup { period: self.rollup_period, ..Rollup::default() },
-                    });
+                    crate::tight::push(
+                        list,
+                        OpenRollup {
+                            digest,
+                            gpu: Id::new(gpu),
+                            kind: self.names.get(&o.kind),
+                            rollup: Rollup { period: self.rollup_period, ..Rollup::default() },
+                        },
+                    );
                     list.len() - 1
                 }
             };

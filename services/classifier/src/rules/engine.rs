@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use super::facts::{MAX_GPUS, NodeFacts};
 use super::id::Id;
+use super::keys::SortedMap;
 use super::model::{Action, Proof, Rule, RuleSet, Scope, Severity, SyntheticPolicy, codes_contain, normalise_key};
 use super::observation::{DomainRoot, FieldValue, Observation};
 use super::sanity::{self, Invalid};
@@ -244,6 +245,9 @@ pub struct KeyState {
 /// rule set's own shared name and the GPU by [`Id`], so a node's fifty-odd keys copy no string.
 type Key = (Arc<str>, Option<Id>);
 
+/// A node's rule keys and their state, in the order of their keys.
+type Keys = SortedMap<Key, KeyState>;
+
 /// The digests of a node's last [`RECENT_IDS`] event ids, to ignore a redelivered event: one
 /// ring of them, searched in full for each event: 1 KB a node. A ring beside a hash set of the
 /// same digests took 34 KB a node when it held 1,024 (3.4 GB at 100,000 nodes).
@@ -291,7 +295,7 @@ impl RecentIds {
 struct NodeState {
     clock: i64,
     recent: RecentIds,
-    keys: BTreeMap<Key, KeyState>,
+    keys: Keys,
     next_deadline: Option<i64>,
     facts: NodeFacts,
 }
@@ -487,7 +491,7 @@ impl Engine {
                     done.renamed += 1;
                 }
                 None => {
-                    let st = node.keys.entry(key).or_insert_with(|| KeyState {
+                    let st = node.keys.get_or_insert_with(key, || KeyState {
                         version: rule.version,
                         cond: CondState::new(&rule.condition),
                         incident: None,
@@ -637,7 +641,7 @@ impl Engine {
             // What the key held before, to tell whether this observation moved it: one that
             // did not can be left out of a replay (see [`Bearing`]).
             let before = if bearing.evidence { None } else { Some(node.keys.get(&key).cloned()) };
-            let st = node.keys.entry(key.clone()).or_insert_with(|| KeyState {
+            let st = node.keys.get_or_insert_with(key.clone(), || KeyState {
                 version: rule.version,
                 cond: CondState::new(&rule.condition),
                 incident: None,
@@ -774,7 +778,9 @@ impl Engine {
                     // Shares the rule set's name when the rule is still there; one that is gone is
                     // dropped by `replace_rules` below.
                     let rule = rules.get(&k.rule).map_or_else(|| Arc::from(k.rule), |r| r.id.clone());
-                    ((rule, k.gpu.as_deref().map(Id::new)), k.state)
+                    let mut state = k.state;
+                    state.cond.shrink_to_fit();
+                    ((rule, k.gpu.as_deref().map(Id::new)), state)
                 })
                 .collect();
             let state = NodeState { clock: n.clock, recent, keys, next_deadline: None, facts: n.facts };
@@ -850,13 +856,7 @@ fn advance(rules: &RuleSet, name: &str, node: &mut NodeState, now: i64, out: &mu
 }
 
 /// The severity and action a firing of `rule` stands for now.
-fn outcome(
-    rules: &RuleSet,
-    rule: &Rule,
-    o: Option<&Observation>,
-    keys: &BTreeMap<Key, KeyState>,
-    key: &Key,
-) -> Outcome {
+fn outcome(rules: &RuleSet, rule: &Rule, o: Option<&Observation>, keys: &Keys, key: &Key) -> Outcome {
     let lead = rules.lead.or(rule.not_before.as_ref().map(|s| s.lead));
     let not_before = rule.not_before.as_ref().zip(o).zip(lead).and_then(|((s, o), lead)| {
         let start = o.fields.get(&s.field).and_then(FieldValue::as_f64)?;
@@ -911,11 +911,7 @@ fn covers(by: &Option<Id>, target: &Option<Id>) -> bool {
 
 /// The open override incident (Xid 154) that governs `key`: the most disruptive one on the same
 /// GPU, or anywhere on the node for a node-wide incident.
-fn active_override<'a>(
-    rules: &'a RuleSet,
-    keys: &'a BTreeMap<Key, KeyState>,
-    key: &Key,
-) -> Option<(&'a str, &'a Incident)> {
+fn active_override<'a>(rules: &'a RuleSet, keys: &'a Keys, key: &Key) -> Option<(&'a str, &'a Incident)> {
     let mut best: Option<(&str, &Incident)> = None;
     for ((rule_id, gpu), st) in keys {
         let Some(inc) = &st.incident else { continue };
@@ -933,7 +929,7 @@ fn active_override<'a>(
 
 /// Replaces the action of every open overridable incident that the override on `key` covers,
 /// and returns their ids.
-fn apply_override(rules: &RuleSet, keys: &mut BTreeMap<Key, KeyState>, key: &Key) -> Vec<Uuid> {
+fn apply_override(rules: &RuleSet, keys: &mut Keys, key: &Key) -> Vec<Uuid> {
     let Some(by) = keys.get(key).and_then(|st| st.incident.clone()) else { return Vec::new() };
     let mut superseded = Vec::new();
     for ((rule_id, gpu), st) in keys.iter_mut() {
@@ -1002,7 +998,7 @@ fn decision(
 
 /// The root incident `o` echoes, when `o` is one of `rule`'s sympathetic codes on a GPU and
 /// another GPU of the node has an incident of a root rule that opened within the window.
-fn sympathetic_root(rule: &Rule, o: &Observation, keys: &BTreeMap<Key, KeyState>, now: i64) -> Option<Key> {
+fn sympathetic_root(rule: &Rule, o: &Observation, keys: &Keys, now: i64) -> Option<Key> {
     let s = rule.sympathetic.as_ref()?;
     let (code, gpu) = (o.xid?, o.gpu.as_ref()?);
     if !codes_contain(&s.xid, code) {
@@ -1073,7 +1069,7 @@ fn note_absorbed(
 }
 
 /// Adds a firing's evidence to the open incident on `into`, with no decision.
-fn absorb(keys: &mut BTreeMap<Key, KeyState>, into: &Key, firing: &Firing) {
+fn absorb(keys: &mut Keys, into: &Key, firing: &Firing) {
     if let Some(inc) = keys.get_mut(into).and_then(|st| st.incident.as_mut()) {
         for e in &firing.evidence {
             if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.iter().any(|id| e.id == *id) {
@@ -1085,7 +1081,7 @@ fn absorb(keys: &mut BTreeMap<Key, KeyState>, into: &Key, firing: &Firing) {
 }
 
 /// The open incident of a rule in `rule.suppressed_by` that covers `key`, if any.
-fn suppressor(rule: &Rule, keys: &BTreeMap<Key, KeyState>, key: &Key) -> Option<Key> {
+fn suppressor(rule: &Rule, keys: &Keys, key: &Key) -> Option<Key> {
     if rule.suppressed_by.is_empty() {
         return None;
     }
@@ -1103,7 +1099,7 @@ fn fire(
     rule: &Rule,
     node: &str,
     facts: &NodeFacts,
-    keys: &mut BTreeMap<Key, KeyState>,
+    keys: &mut Keys,
     key: &Key,
     firing: Firing,
     outcome: Outcome,

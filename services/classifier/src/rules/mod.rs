@@ -57,6 +57,7 @@ pub mod duration;
 pub mod engine;
 pub mod facts;
 pub mod id;
+mod keys;
 pub mod load;
 pub mod model;
 pub mod observation;

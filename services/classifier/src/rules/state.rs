@@ -173,6 +173,16 @@ pub fn burst_passes(test: &BurstTest, burst: &Burst) -> bool {
 }
 
 impl CondState {
+    /// Frees what its lists hold beyond their entries (a snapshot's lists are read with the
+    /// default growth).
+    pub fn shrink_to_fit(&mut self) {
+        match self {
+            CondState::Count { events } => events.shrink_to_fit(),
+            CondState::Rate { samples } => samples.shrink_to_fit(),
+            CondState::Burst { .. } | CondState::Together { .. } | CondState::Threshold { .. } => {}
+        }
+    }
+
     /// A fresh state for `condition`.
     pub fn new(condition: &Condition) -> CondState {
         match condition {
@@ -222,7 +232,7 @@ impl CondState {
                     events.retain(|e| e.key.as_deref() != Some(key.as_str()));
                     ev.key = Some(key.into());
                 }
-                events.push_back(ev);
+                crate::tight::push_back(events, ev);
                 if let Some(w) = within {
                     while events.front().is_some_and(|e| e.t < t.saturating_sub(w.micros())) {
                         events.pop_front();
@@ -320,7 +330,7 @@ impl CondState {
                 if flat || (n >= 2 && samples[n - 1].ev.t.saturating_sub(samples[n - 2].ev.t) < spacing) {
                     samples.pop_back();
                 }
-                samples.push_back(Sample { ev: Ev::of(o, t), value });
+                crate::tight::push_back(samples, Sample { ev: Ev::of(o, t), value });
                 while samples.len() > 1 && samples[1].ev.t <= t.saturating_sub(per.micros()) {
                     samples.pop_front();
                 }
@@ -637,6 +647,40 @@ mod tests {
         let (at, f) = fired.expect("1,500 in an hour after a flat counter fires");
         assert_eq!(at, 40, "fired at minute {at} of the growth");
         assert_eq!(ids(&f), ["f0", "g40"], "the first flat sample is the baseline");
+    }
+
+    #[test]
+    fn a_keys_lists_hold_little_more_than_their_entries() {
+        // A flat counter keeps two samples, and its list holds room for two, not the four a
+        // `VecDeque` grows to at first.
+        let rate = Condition::Rate { field: "sbe".into(), more_than: 1000.0, per: Interval::from_secs(24 * 3600) };
+        let mut s = CondState::new(&rate);
+        for i in 0..100 {
+            s.observe(&rate, &obs(&format!("f{i}"), "ecc").field("sbe", 7), i * 60 * S);
+        }
+        let CondState::Rate { samples } = &s else { unreachable!() };
+        assert_eq!((samples.len(), samples.capacity()), (2, 2), "a flat counter's samples and their room");
+        // A moving counter's list grows with its samples, by a quarter at a time.
+        for i in 0..100 {
+            s.observe(&rate, &obs(&format!("g{i}"), "ecc").field("sbe", 8 + i), (100 + i) * 60 * S);
+        }
+        let CondState::Rate { samples } = &s else { unreachable!() };
+        assert!(
+            samples.capacity() <= samples.len() + samples.len() / 4 + 1,
+            "{} for {}",
+            samples.capacity(),
+            samples.len()
+        );
+        // A count of one event holds one, and a snapshot's list read back is shrunk to its entries.
+        let count = Condition::Count { at_least: 3, within: Some(Interval::from_secs(3600)), distinct: None };
+        let mut s = CondState::new(&count);
+        s.observe(&count, &obs("x1", "xid"), S);
+        let CondState::Count { events } = &s else { unreachable!() };
+        assert_eq!((events.len(), events.capacity()), (1, 1));
+        let mut read: CondState = serde_json::from_str(&serde_json::to_string(&s).expect("json")).expect("read");
+        read.shrink_to_fit();
+        let CondState::Count { events } = &read else { unreachable!() };
+        assert_eq!((events.len(), events.capacity()), (1, 1));
     }
 
     #[test]
