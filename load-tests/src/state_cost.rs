@@ -171,6 +171,16 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
             "  the rule keys per node by condition (and the samples, events or readings they hold): {}",
             list.join(", ")
         );
+        let open = engine.open_incidents();
+        let mut by_rule: BTreeMap<&str, usize> = BTreeMap::new();
+        for i in &open {
+            *by_rule.entry(i.rule_id.as_str()).or_default() += 1;
+        }
+        let mut by_rule: Vec<_> = by_rule.into_iter().collect();
+        by_rule.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
+        let by_rule: Vec<String> =
+            by_rule.iter().map(|(rule, count)| format!("{rule} {:.2}", *count as f64 / n)).collect();
+        println!("  open incidents per node: {:.2} ({})", open.len() as f64 / n, by_rule.join(", "));
         println!(
             "  in memory: a rule key's state {} bytes (its condition's {}), a piece of evidence {}, a counter sample {}",
             std::mem::size_of::<gpumedic_classifier::rules::engine::KeyState>(),
