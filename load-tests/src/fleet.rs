@@ -753,11 +753,24 @@ impl Enriched {
     /// # Errors
     /// As [`Fleet::new`].
     pub fn new(nodes: usize, base: DateTime<Utc>, spacing: chrono::Duration) -> anyhow::Result<Self> {
+        Self::with_fault_chance(nodes, base, spacing, 0.01)
+    }
+
+    /// The same with `fault_chance` ([`Settings::fault_chance`]) instead of 1%.
+    ///
+    /// # Errors
+    /// As [`Fleet::new`].
+    pub fn with_fault_chance(
+        nodes: usize,
+        base: DateTime<Utc>,
+        spacing: chrono::Duration,
+        fault_chance: f64,
+    ) -> anyhow::Result<Self> {
         let fleet = Fleet::new(Settings {
             prefix: "bench-node".to_owned(),
             nodes,
             intervals: Intervals::COLLECTOR,
-            fault_chance: 0.01,
+            fault_chance,
             seed: 1,
             start: base,
             xid_names: XidNames::Pci,

@@ -40,6 +40,10 @@ pub struct Options {
     /// nothing) or `keeper` (the engine sees nothing; every event has no bearing).
     #[arg(long, value_parser = ["both", "engine", "keeper", "none"], default_value = "both")]
     part: String,
+    /// The chance that an event starts a fault. The default, 1%, is some 120 faults a node a
+    /// day, which nothing repairs here, so their incidents pile up; 0 is a healthy fleet.
+    #[arg(long, default_value_t = 0.01)]
+    fault_chance: f64,
 }
 
 /// The memory at one checkpoint.
@@ -93,10 +97,13 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
     let total = nodes * o.checkpoints.last().copied().unwrap_or(0);
     let base = chrono::Utc::now() - spacing * i32::try_from(total).unwrap_or(i32::MAX);
     let rss = || Watched { pid: std::process::id(), with_children: false }.read().map_or(f64::NAN, |r| r.mib);
-    let mut stream = Enriched::new(nodes, base, spacing)?;
+    let mut stream = Enriched::with_fault_chance(nodes, base, spacing, o.fault_chance)?;
     let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
     let mut keeper = Keeper::for_rebuild_window(Policy::Evidence, std::time::Duration::from_secs(48 * 3600));
-    println!("classifier-state: {nodes} nodes of 8 GPUs, the collector's stream, the default rules; {o_part} fed");
+    println!(
+        "classifier-state: {nodes} nodes of 8 GPUs, the collector's stream with a fault chance of {}, the default rules; {o_part} fed",
+        o.fault_chance
+    );
     let before = rss();
     let (start, mut fed) = (Instant::now(), 0usize);
     let mut checkpoints = Vec::new();
