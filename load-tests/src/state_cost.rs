@@ -44,6 +44,9 @@ pub struct Options {
     /// day, which nothing repairs here, so their incidents pile up; 0 is a healthy fleet.
     #[arg(long, default_value_t = 0.01)]
     fault_chance: f64,
+    /// The keeper's rollup period, as the classifier's `--rollup-period` (default the same).
+    #[arg(long, default_value = gpumedic_classifier::persist::DEFAULT_ROLLUP_PERIOD, value_parser = crate::duration)]
+    rollup_period: std::time::Duration,
 }
 
 /// The memory at one checkpoint.
@@ -99,10 +102,12 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
     let rss = || Watched { pid: std::process::id(), with_children: false }.read().map_or(f64::NAN, |r| r.mib);
     let mut stream = Enriched::with_fault_chance(nodes, base, spacing, o.fault_chance)?;
     let mut engine = Engine::new(defaults::rule_set().map_err(|e| anyhow::anyhow!("{e:?}"))?);
-    let mut keeper = Keeper::for_rebuild_window(Policy::Evidence, std::time::Duration::from_secs(48 * 3600));
+    // As the classifier builds it with its defaults (`--rebuild-window 48h`).
+    let mut keeper = Keeper::for_rebuild_window(Policy::Evidence, std::time::Duration::from_secs(48 * 3600))
+        .with_rollup_period(o.rollup_period);
     println!(
-        "classifier-state: {nodes} nodes of 8 GPUs, the collector's stream with a fault chance of {}, the default rules; {o_part} fed",
-        o.fault_chance
+        "classifier-state: {nodes} nodes of 8 GPUs, the collector's stream with a fault chance of {}, the default rules, rollups per {:?}; {o_part} fed",
+        o.fault_chance, o.rollup_period
     );
     let before = rss();
     let (start, mut fed) = (Instant::now(), 0usize);
