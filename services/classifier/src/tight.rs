@@ -26,10 +26,7 @@ pub(crate) fn push_back<T>(list: &mut VecDeque<T>, item: T) {
 
 /// Appends `item` to `list`.
 pub(crate) fn push<T>(list: &mut Vec<T>, item: T) {
-    if list.len() == list.capacity() {
-        list.reserve_exact(step(list.len()));
-    }
-    list.push(item);
+    insert(list, list.len(), item);
 }
 
 /// Inserts `item` into `list` at `at`.

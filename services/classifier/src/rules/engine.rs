@@ -491,7 +491,7 @@ impl Engine {
                     done.renamed += 1;
                 }
                 None => {
-                    let st = node.keys.get_or_insert_with(key, || KeyState {
+                    let st = node.keys.get_or_insert_with(&key, || KeyState {
                         version: rule.version,
                         cond: CondState::new(&rule.condition),
                         incident: None,
@@ -641,7 +641,7 @@ impl Engine {
             // What the key held before, to tell whether this observation moved it: one that
             // did not can be left out of a replay (see [`Bearing`]).
             let before = if bearing.evidence { None } else { Some(node.keys.get(&key).cloned()) };
-            let st = node.keys.get_or_insert_with(key.clone(), || KeyState {
+            let st = node.keys.get_or_insert_with(&key, || KeyState {
                 version: rule.version,
                 cond: CondState::new(&rule.condition),
                 incident: None,

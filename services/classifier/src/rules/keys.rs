@@ -41,12 +41,16 @@ impl<K: Ord, V> SortedMap<K, V> {
         self.find(key).ok().map(|i| &mut self.0[i].1)
     }
 
-    /// The value of `key`, added as `value()` when absent.
-    pub(crate) fn get_or_insert_with(&mut self, key: K, value: impl FnOnce() -> V) -> &mut V {
-        let i = match self.find(&key) {
+    /// The value of `key`, added as `value()` when absent: the key is copied only then (a map's
+    /// `entry` takes it owned, a copy for every look-up).
+    pub(crate) fn get_or_insert_with(&mut self, key: &K, value: impl FnOnce() -> V) -> &mut V
+    where
+        K: Clone,
+    {
+        let i = match self.find(key) {
             Ok(i) => i,
             Err(i) => {
-                crate::tight::insert(&mut self.0, i, (key, value()));
+                crate::tight::insert(&mut self.0, i, (key.clone(), value()));
                 i
             }
         };
@@ -147,7 +151,7 @@ mod tests {
                     map.retain(|k, v| !(k.0.len() + *v as usize).is_multiple_of(3));
                 }
                 2..=5 => {
-                    *sorted.get_or_insert_with(key.clone(), || step) += 1;
+                    *sorted.get_or_insert_with(&key, || step) += 1;
                     *map.entry(key.clone()).or_insert_with(|| step) += 1;
                 }
                 _ => {
