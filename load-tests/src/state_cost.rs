@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use gpumedic_classifier::persist::{Keeper, Policy, ROLLUPS_PER_BATCH};
+use gpumedic_classifier::persist::{Keeper, Policy, rollups_for_batch};
 use gpumedic_classifier::rules::state::CondState;
 use gpumedic_classifier::rules::{Engine, defaults};
 
@@ -83,6 +83,12 @@ pub struct Kept {
     facts: u64,
 }
 
+/// The classifier's largest batch (`--batch-max`'s default): each closes and hands out as many
+/// rollups ([`rollups_for_batch`]). Handed out 20,000 at a time, as until 2026-12-04, the
+/// hand-out itself (some 11 MB of keys and rows at once) was most of the keeper's high-water
+/// mark at 500 nodes.
+const BATCH: usize = 5000;
+
 /// Events a node fed after the rollout: its start inventory and snapshot (65 events of a node of
 /// 8 GPUs), and a little more.
 const ROLLOUT_EVENTS_PER_NODE: usize = 80;
@@ -122,8 +128,9 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
                 keeper.keep(&o, bearing);
             }
             fed += 1;
-            if fed % 5000 == 0 {
-                drop(keeper.closed(ROLLUPS_PER_BATCH));
+            // As the classifier's full batches (5,000 events) hand its writer the closed rollups.
+            if fed % BATCH == 0 {
+                drop(keeper.closed(rollups_for_batch(BATCH)));
             }
         }
         let growth_mib = rss() - before;

@@ -30,7 +30,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 // Looked up for every event: foldhash, not std's SipHash (Cargo.toml says why).
-use foldhash::{HashMap, HashSet};
+use foldhash::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -160,34 +160,68 @@ fn key_digest(node: &str, gpu: &str, kind: &str) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// What is remembered per node, GPU and kind: 48 bytes, nothing on the heap. A fleet has about
-/// 80 a node; their counters were a list of (shared name, value) per track, a heap block of
-/// about 100 bytes for each of the half that count something.
+/// What is remembered per node, GPU and kind: 24 bytes, nothing on the heap. A fleet has about
+/// 80 a node ([`NodeKeys`]).
 #[derive(Debug, Clone, Default)]
 struct Track {
     /// The keyframe period (event time) of the last recorded event.
     period: i64,
+    /// The kind, by its place in [`Names`].
+    kind: u32,
+    /// The GPU, by its place among the node's ([`NodeKeys::gpus`]).
+    gpu: u32,
+    /// The counters' last values, by their place in [`NodeKeys::counters`]; [`NO_COUNTERS`] for a
+    /// kind that counts nothing.
+    counters: u32,
     /// The last event was unhealthy.
     unhealthy: bool,
-    /// Which places of `last` hold a value (bit `i` for place `i`).
-    seen: u8,
-    /// The last value of each of the kind's counters, by its place among them ([`counter_slot`]).
-    last: [i64; COUNTERS_PER_KIND],
 }
 
-/// Field and kind names, each held once and shared by every rollup and track that uses it: a
-/// fleet's rollups carry the same few dozen names millions of times.
+/// [`Track::counters`] of a kind with no counter.
+const NO_COUNTERS: u32 = u32::MAX;
+
+/// The last value of each counter of a node, GPU and kind that counts something, by its place
+/// among the kind's counters ([`counter_slot`]): in place, nothing on the heap. They were a list
+/// of (shared name, value) per key, a heap block of about 100 bytes each, and then four places
+/// in every key, though half the kinds count nothing.
+#[derive(Debug, Clone, Default)]
+struct Counters {
+    last: [i64; COUNTERS_PER_KIND],
+    /// Which places of `last` hold a value (bit `i` for place `i`).
+    seen: u8,
+}
+
+/// Whether events of `kind` carry a counter ([`COUNTER_FIELDS`]).
+fn counts(kind: &str) -> bool {
+    COUNTER_FIELDS.iter().any(|(k, _)| *k == kind)
+}
+
+/// Field and kind names, each held once: a key or an open rollup names one by its place here (4
+/// bytes), and the rollups handed out share it: a fleet's rollups carry the same few dozen
+/// names millions of times.
 #[derive(Debug, Default)]
-struct Names(HashSet<Arc<str>>);
+struct Names {
+    places: HashMap<Arc<str>, u32>,
+    names: Vec<Arc<str>>,
+}
 
 impl Names {
-    fn get(&mut self, name: &str) -> Arc<str> {
-        if let Some(shared) = self.0.get(name) {
-            return Arc::clone(shared);
+    /// The place of `name`, added when new.
+    fn place(&mut self, name: &str) -> u32 {
+        if let Some(place) = self.places.get(name) {
+            return *place;
         }
+        // Names come from the events' kinds and fields: a few dozen, never billions.
+        let place = u32::try_from(self.names.len()).expect("fewer than 2^32 names");
         let shared: Arc<str> = Arc::from(name);
-        self.0.insert(Arc::clone(&shared));
-        shared
+        self.names.push(Arc::clone(&shared));
+        self.places.insert(shared, place);
+        place
+    }
+
+    /// The name at `place`.
+    fn name(&self, place: u32) -> &Arc<str> {
+        &self.names[place as usize]
     }
 }
 
@@ -207,17 +241,6 @@ impl<V> Fields<V> {
     /// The value of `field`.
     pub fn get(&self, field: &str) -> Option<&V> {
         self.0.iter().find(|(name, _)| &**name == field).map(|(_, v)| v)
-    }
-
-    /// The value of `field`, added as `value` when absent.
-    fn get_or_insert(&mut self, field: &str, names: &mut Names, value: V) -> &mut V {
-        match self.0.iter().position(|(name, _)| &**name == field) {
-            Some(i) => &mut self.0[i].1,
-            None => {
-                crate::tight::push(&mut self.0, (names.get(field), value));
-                &mut self.0.last_mut().expect("just pushed").1
-            }
-        }
     }
 
     /// No field.
@@ -285,22 +308,6 @@ pub struct Rollup {
 }
 
 impl Rollup {
-    /// Folds one reading in, at `at`.
-    fn add(&mut self, o: &Observation, at: i64, track: &mut Track, names: &mut Names) {
-        self.events = self.events.saturating_add(1);
-        let later = at >= self.last_at;
-        self.last_at = self.last_at.max(at);
-        for (field, value) in &o.fields {
-            let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
-            let one = Reading { min: v, max: v, last: v };
-            self.readings.get_or_insert(field, names, one).fold(one, later);
-            if let (FieldValue::Int(now), Some(slot)) = (value, counter_slot(&o.kind, field)) {
-                let growth = counter_step(track, slot, *now);
-                *self.counters.get_or_insert(field, names, 0) += growth;
-            }
-        }
-    }
-
     /// Folds `other`, a rollup of the same key, in, as `telemetry_rollups`' merge of a row
     /// written twice does: counts and growths added, the least minimum, the greatest maximum,
     /// the last value of the later one (the longer period).
@@ -334,11 +341,11 @@ pub fn counter_growth(last: Option<i64>, now: i64) -> i64 {
     }
 }
 
-fn counter_step(track: &mut Track, slot: usize, now: i64) -> i64 {
+fn counter_step(counters: &mut Counters, slot: usize, now: i64) -> i64 {
     let bit = 1u8 << slot;
-    let last = (track.seen & bit != 0).then_some(track.last[slot]);
-    track.seen |= bit;
-    track.last[slot] = now;
+    let last = (counters.seen & bit != 0).then_some(counters.last[slot]);
+    counters.seen |= bit;
+    counters.last[slot] = now;
     counter_growth(last, now)
 }
 
@@ -347,29 +354,148 @@ fn counter_step(track: &mut Track, slot: usize, now: i64) -> i64 {
 pub type RollupKey = (String, String, String, i64);
 
 /// One period's open rollups, by node: a node's are one list, each GPU (or the node) and kind
-/// once, found by the digest of node, GPU and kind that the tracks use, so an event whose rollup
+/// once, found by its key's place among the node's keys ([`NodeKeys`]), so an event whose rollup
 /// exists finds it without copying a name (nearly every healthy event does). A list, not a map of
 /// GPUs holding maps of kinds: on a running fleet every node reports within each minute, and
 /// those nested maps cost about 5 KB a node and period however few kinds they held (a hash map's
-/// table for each GPU); the list takes what its rollups take. Kinds are shared names
-/// ([`Names`]); GPUs are [`Id`]s, their UUIDs held inline.
+/// table for each GPU); the list takes what its rollups take.
 type PeriodRollups = HashMap<String, Vec<OpenRollup>>;
 
-/// A rollup of one node's period ([`PeriodRollups`]).
-#[derive(Debug)]
+/// A rollup of one node's period ([`PeriodRollups`]): 48 bytes and its fields. Its GPU and kind
+/// are its key's ([`NodeKeys`]), its field names places in [`Names`], and its period the
+/// keeper's; named in full only when it is handed out ([`OpenRollup::rollup`]). Each rollup
+/// naming its GPU, kind and fields itself (an [`Id`], shared names and a `Vec` each) took 120
+/// bytes and 40 a reading, and a node has some 80 open at once.
+#[derive(Debug, Default)]
 struct OpenRollup {
-    /// [`key_digest`] of its node, GPU and kind.
-    digest: u64,
-    gpu: Id,
-    kind: Arc<str>,
-    rollup: Rollup,
+    /// Its key's place in its node's [`NodeKeys`].
+    slot: u32,
+    /// Healthy events folded in.
+    events: i32,
+    /// The latest event's time.
+    last_at: i64,
+    /// Each numeric field's minimum, maximum and last value, by the field's place in [`Names`].
+    readings: Box<[(u32, Reading)]>,
+    /// How much each counter grew, by the field's place in [`Names`].
+    counters: Box<[(u32, i64)]>,
+}
+
+/// The value of `field` in a rollup's `list`, added as `value` when absent.
+fn field_value<'a, V>(list: &'a mut Box<[(u32, V)]>, field: &str, names: &mut Names, value: V) -> &'a mut V {
+    let i = match list.iter().position(|(place, _)| **names.name(*place) == *field) {
+        Some(i) => i,
+        None => {
+            crate::tight::push_boxed(list, (names.place(field), value));
+            list.len() - 1
+        }
+    };
+    &mut list[i].1
+}
+
+impl OpenRollup {
+    /// Folds one reading in, at `at`.
+    fn add(&mut self, o: &Observation, at: i64, mut counters: Option<&mut Counters>, names: &mut Names) {
+        self.events = self.events.saturating_add(1);
+        let later = at >= self.last_at;
+        self.last_at = self.last_at.max(at);
+        for (field, value) in &o.fields {
+            let Some(v) = value.as_f64().filter(|v| v.is_finite()) else { continue };
+            let one = Reading { min: v, max: v, last: v };
+            field_value(&mut self.readings, field, names, one).fold(one, later);
+            if let (FieldValue::Int(now), Some(slot), Some(counters)) =
+                (value, counter_slot(&o.kind, field), counters.as_deref_mut())
+            {
+                let growth = counter_step(counters, slot, *now);
+                *field_value(&mut self.counters, field, names, 0) += growth;
+            }
+        }
+    }
+
+    /// The rollup as it is written, its fields named, over a period of `period` microseconds.
+    fn rollup(self, period: i64, names: &Names) -> Rollup {
+        let named = |place: &u32| Arc::clone(names.name(*place));
+        Rollup {
+            period,
+            events: self.events,
+            last_at: self.last_at,
+            readings: Fields(self.readings.iter().map(|(place, r)| (named(place), *r)).collect()),
+            counters: Fields(self.counters.iter().map(|(place, g)| (named(place), *g)).collect()),
+        }
+    }
+}
+
+/// A node's keys (each GPU, or the node itself, and kind it has reported), in the order first
+/// seen, and what is remembered of each ([`Track`]). Kept per node, not in one map of the
+/// fleet's keys by digest: a hash table of 8 million entries (100,000 nodes) stood half empty
+/// after each doubling, some 9 KB a node, and the open rollups had to name their GPU and kind
+/// themselves. A key keeps its place: an open rollup names it by that place.
+#[derive(Debug, Default)]
+struct NodeKeys {
+    /// [`key_digest`] of each key, apart from the rest: searched for every event.
+    digests: Vec<u64>,
+    keys: Vec<Track>,
+    /// The node's GPUs (the empty name for the node itself), in the order first seen, their
+    /// UUIDs held inline: named once, not by each of their kinds.
+    gpus: Vec<Id>,
+    /// The counters of the keys that count something.
+    counters: Vec<Counters>,
+}
+
+/// A place in one of a node's lists: far fewer than 2^32 (its GPUs times the kinds).
+fn place_of(len: usize) -> u32 {
+    u32::try_from(len).expect("fewer than 2^32 keys a node")
+}
+
+impl NodeKeys {
+    /// The place of the key with `digest`, added with `gpu` and `kind` when new, and whether it
+    /// was.
+    fn place(&mut self, digest: u64, gpu: &str, kind: &str, names: &mut Names) -> (usize, bool) {
+        if let Some(i) = self.digests.iter().position(|d| *d == digest) {
+            return (i, false);
+        }
+        let gpu = match self.gpus.iter().position(|g| g.is(gpu)) {
+            Some(i) => place_of(i),
+            None => {
+                crate::tight::push(&mut self.gpus, Id::new(gpu));
+                place_of(self.gpus.len() - 1)
+            }
+        };
+        let counters = if counts(kind) {
+            crate::tight::push(&mut self.counters, Counters::default());
+            place_of(self.counters.len() - 1)
+        } else {
+            NO_COUNTERS
+        };
+        crate::tight::push(&mut self.digests, digest);
+        crate::tight::push(&mut self.keys, Track { kind: names.place(kind), gpu, counters, ..Track::default() });
+        (self.keys.len() - 1, true)
+    }
+
+    /// The key at `slot` and its counters, if its kind counts something.
+    fn track(&mut self, slot: usize) -> (&mut Track, Option<&mut Counters>) {
+        let track = &mut self.keys[slot];
+        let counters = self.counters.get_mut(track.counters as usize);
+        (track, counters)
+    }
+}
+
+/// A node's keys, found by the event's own name (copied only for a node's first event).
+fn node_keys<'a>(nodes: &'a mut HashMap<String, NodeKeys>, node: &str) -> &'a mut NodeKeys {
+    // Two look-ups, not `get_mut` then `entry`: the borrow checker refuses a reference returned
+    // from the first arm (foldhash hashes a node's name in a few nanoseconds).
+    if !nodes.contains_key(node) {
+        nodes.insert(node.to_owned(), NodeKeys::default());
+    }
+    nodes.get_mut(node).expect("just added if absent")
 }
 
 /// Decides, per event, whether it is recorded, and rolls up the rest.
 #[derive(Debug, Default)]
 pub struct Keeper {
     policy: Policy,
-    tracks: HashMap<u64, Track>,
+    /// Each node's keys. A node's stay when its open rollups go ([`Keeper::retain_nodes`]): its
+    /// closed ones name them until written, and a partition that comes back is replayed onto them.
+    nodes: HashMap<String, NodeKeys>,
     /// The rollups not yet written, by the start of their period, then node, GPU and kind.
     open: BTreeMap<i64, PeriodRollups>,
     /// The rollup period, in microseconds.
@@ -391,6 +517,8 @@ pub struct Keeper {
 #[derive(Debug)]
 struct ClosedPeriod {
     start: i64,
+    /// The rollup period, in microseconds.
+    period: i64,
     /// The nodes still to hand out, in reverse name order (the next one is last).
     nodes: Vec<String>,
     rollups: PeriodRollups,
@@ -399,23 +527,28 @@ struct ClosedPeriod {
 }
 
 impl ClosedPeriod {
-    fn new(start: i64, rollups: PeriodRollups) -> Self {
+    fn new(start: i64, period: i64, rollups: PeriodRollups) -> Self {
         let mut nodes: Vec<String> = rollups.keys().cloned().collect();
         nodes.sort_unstable_by(|a, b| b.cmp(a));
-        ClosedPeriod { start, nodes, rollups, rest: VecDeque::new() }
+        ClosedPeriod { start, period, nodes, rollups, rest: VecDeque::new() }
     }
 
-    /// The next rollup in key order, if any is left.
-    fn next(&mut self) -> Option<(RollupKey, Rollup)> {
+    /// The next rollup in key order, if any is left, named by the nodes' keys and `names`.
+    fn next(&mut self, keys: &HashMap<String, NodeKeys>, names: &Names) -> Option<(RollupKey, Rollup)> {
         loop {
             if let Some(row) = self.rest.pop_front() {
                 return Some(row);
             }
             let node = self.nodes.pop()?;
             if let Some(list) = self.rollups.remove(&node) {
+                let node_keys = keys.get(&node).expect("a node's keys outlive its rollups");
                 let mut rows: Vec<(RollupKey, Rollup)> = list
                     .into_iter()
-                    .map(|r| ((node.clone(), r.gpu.to_string(), r.kind.to_string(), self.start), r.rollup))
+                    .map(|r| {
+                        let key = &node_keys.keys[r.slot as usize];
+                        let (gpu, kind) = (node_keys.gpus[key.gpu as usize].to_string(), names.name(key.kind));
+                        ((node.clone(), gpu, kind.to_string(), self.start), r.rollup(self.period, names))
+                    })
                     .collect();
                 rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
                 self.rest.extend(rows);
@@ -461,8 +594,9 @@ impl Keeper {
         let gpu = o.gpu.as_deref().unwrap_or("");
         let digest = key_digest(&o.node, gpu, &o.kind);
         let period = self.period(digest, at);
-        let first = !self.tracks.contains_key(&digest);
-        let track = self.tracks.entry(digest).or_default();
+        let keys = node_keys(&mut self.nodes, &o.node);
+        let (slot, first) = keys.place(digest, gpu, &o.kind, &mut self.names);
+        let (track, counters) = keys.track(slot);
         let crossing = o.healthy && track.unhealthy;
         let keyframe = first || track.period != period;
         let keep = !o.healthy || bearing.matters() || crossing || keyframe;
@@ -478,22 +612,15 @@ impl Keeper {
                 Some(list) => list,
                 None => nodes.entry(o.node.clone()).or_default(),
             };
-            let i = match list.iter().position(|r| r.digest == digest) {
+            let slot = place_of(slot);
+            let i = match list.iter().position(|r| r.slot == slot) {
                 Some(i) => i,
                 None => {
-                    crate::tight::push(
-                        list,
-                        OpenRollup {
-                            digest,
-                            gpu: Id::new(gpu),
-                            kind: self.names.get(&o.kind),
-                            rollup: Rollup { period: self.rollup_period, ..Rollup::default() },
-                        },
-                    );
+                    crate::tight::push(list, OpenRollup { slot, ..OpenRollup::default() });
                     list.len() - 1
                 }
             };
-            list[i].rollup.add(o, at, track, &mut self.names);
+            list[i].add(o, at, counters, &mut self.names);
         }
         keep
     }
@@ -509,18 +636,21 @@ impl Keeper {
         if self.policy == Policy::All {
             return;
         }
-        let digest = key_digest(&o.node, o.gpu.as_deref().unwrap_or(""), &o.kind);
+        let gpu = o.gpu.as_deref().unwrap_or("");
+        let digest = key_digest(&o.node, gpu, &o.kind);
         let period = self.period(digest, o.observed_at_micros);
-        let track = self.tracks.entry(digest).or_default();
+        let keys = node_keys(&mut self.nodes, &o.node);
+        let (slot, _) = keys.place(digest, gpu, &o.kind, &mut self.names);
+        let (track, counters) = keys.track(slot);
         track.period = period;
         track.unhealthy = !o.healthy;
         // A counter's last value, as a healthy reading leaves it (Rollup::add): the growth from it
         // to the first reading after the restart is counted in that reading's rollup. A changed
         // counter is a changed fact, recorded, so the last recorded value is the last one seen.
-        if o.healthy {
+        if let (true, Some(counters)) = (o.healthy, counters) {
             for (field, value) in &o.fields {
                 if let (FieldValue::Int(now), Some(slot)) = (value, counter_slot(&o.kind, field)) {
-                    counter_step(track, slot, *now);
+                    counter_step(counters, slot, *now);
                 }
             }
         }
@@ -561,7 +691,8 @@ impl Keeper {
     }
 
     fn close(&mut self, periods: BTreeMap<i64, PeriodRollups>) {
-        self.ready.extend(periods.into_iter().map(|(start, rollups)| ClosedPeriod::new(start, rollups)));
+        let period = self.rollup_period;
+        self.ready.extend(periods.into_iter().map(|(start, rollups)| ClosedPeriod::new(start, period, rollups)));
     }
 
     /// Up to `at_most` closed rollups, oldest period first, in key order, each key once.
@@ -574,7 +705,7 @@ impl Keeper {
         let mut out = Vec::new();
         while out.len() < at_most {
             let Some(period) = self.ready.front_mut() else { break };
-            match period.next() {
+            match period.next(&self.nodes, &self.names) {
                 Some(row) => out.push(row),
                 None => {
                     self.ready.pop_front();
@@ -582,14 +713,15 @@ impl Keeper {
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut merged: Vec<(RollupKey, Rollup)> = Vec::with_capacity(out.len());
-        for (key, rollup) in out {
-            match merged.last_mut() {
-                Some((last, into)) if *last == key => into.merge(rollup),
-                _ => merged.push((key, rollup)),
+        // In place: a hand-out is up to 20,000 rollups, and a second list of them was as much again.
+        out.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1.merge(std::mem::take(&mut later.1));
             }
-        }
-        merged
+            same
+        });
+        out
     }
 
     /// Forgets the open rollups of the nodes `keep` rejects (their partitions went to another
@@ -965,26 +1097,49 @@ mod tests {
         }
         assert_eq!(counter_slot("ecc", "made_up"), None);
         assert_eq!(counter_slot("temperature", "value"), None, "pcie_replay's value is a counter, not every value");
-        let mut track = Track::default();
-        assert_eq!(counter_step(&mut track, 3, 7), 0, "the first value is no growth");
-        assert_eq!(counter_step(&mut track, 0, 5), 0, "nor another counter's first");
-        assert_eq!(counter_step(&mut track, 3, 9), 2);
-        assert_eq!(counter_step(&mut track, 0, 1), 1, "a reset: it grew by its value");
+        let mut counters = Counters::default();
+        assert_eq!(counter_step(&mut counters, 3, 7), 0, "the first value is no growth");
+        assert_eq!(counter_step(&mut counters, 0, 5), 0, "nor another counter's first");
+        assert_eq!(counter_step(&mut counters, 3, 9), 2);
+        assert_eq!(counter_step(&mut counters, 0, 1), 1, "a reset: it grew by its value");
+        assert!(COUNTER_FIELDS.iter().all(|(kind, _)| counts(kind)));
+        assert!(!counts("temperature"), "a kind with no counter has no place for counters");
     }
 
     #[test]
     fn merged_rollups_add_counts_and_growth_and_keep_the_later_last_value() {
         let mut names = Names::default();
-        let mut track = Track::default();
-        let mut early = Rollup { period: M, ..Rollup::default() };
-        early.add(&ecc("e1", 5, 10), 5, &mut track, &mut names);
-        early.add(&ecc("e2", 9, 13), 9, &mut track, &mut names);
-        let mut late = Rollup { period: 10 * M, ..Rollup::default() };
-        late.add(&ecc("e3", 30, 14), 30, &mut track, &mut names);
-        early.merge(late);
+        let mut counters = Counters::default();
+        let (mut early, mut late) = (OpenRollup::default(), OpenRollup::default());
+        early.add(&ecc("e1", 5, 10), 5, Some(&mut counters), &mut names);
+        early.add(&ecc("e2", 9, 13), 9, Some(&mut counters), &mut names);
+        late.add(&ecc("e3", 30, 14), 30, Some(&mut counters), &mut names);
+        let mut early = early.rollup(M, &names);
+        early.merge(late.rollup(10 * M, &names));
         assert_eq!((early.events, early.last_at, early.period), (3, 30, 10 * M));
         assert_eq!(early.readings["single_bit_aggregate"], Reading { min: 10.0, max: 14.0, last: 14.0 });
         assert_eq!(early.counters["single_bit_aggregate"], 4, "3 then 1");
+    }
+
+    #[test]
+    fn an_open_rollup_and_a_key_name_their_gpu_kind_and_fields_by_place() {
+        // What a node holds per key and per open rollup, some 80 of each (docs/benchmarks.md).
+        assert_eq!(std::mem::size_of::<OpenRollup>(), 48);
+        assert_eq!(std::mem::size_of::<Track>(), 24);
+        assert_eq!(std::mem::size_of::<(u32, Reading)>(), 32);
+        // Two GPUs of two nodes and two kinds: each node's keys in the order first seen, each
+        // rollup naming its own key.
+        let mut k = Keeper::new(Policy::Evidence);
+        for (node, gpu, kind) in [("n1", "GPU-a", "temperature"), ("n2", "GPU-b", "ecc"), ("n1", "GPU-b", "ecc")] {
+            let mut o = temp("e", 10, 60, true);
+            (o.node, o.gpu, o.kind) = (node.into(), Some(gpu.into()), kind.into());
+            k.keep(&o, Bearing::default());
+        }
+        let n1 = &k.nodes["n1"];
+        assert_eq!((n1.keys.len(), n1.gpus.len(), n1.counters.len()), (2, 2, 1), "ecc counts, temperature not");
+        let keys: Vec<(String, String, String)> = k.drain().into_iter().map(|(key, _)| (key.0, key.1, key.2)).collect();
+        let want = [("n1", "GPU-a", "temperature"), ("n1", "GPU-b", "ecc"), ("n2", "GPU-b", "ecc")];
+        assert_eq!(keys, want.map(|(n, g, k)| (n.to_owned(), g.to_owned(), k.to_owned())));
     }
 
     #[test]
