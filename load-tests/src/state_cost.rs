@@ -148,6 +148,20 @@ pub fn run(o: Options) -> anyhow::Result<Result> {
             c.bytes_per_node,
             c.bytes_per_node * 100_000.0 / (1u64 << 30) as f64
         );
+        // What the keeper holds now: resident memory is a high-water mark, and the keeper's
+        // rollups come and go with their periods.
+        let held = keeper.footprint();
+        if held.nodes > 0 {
+            let per = |count: usize| count as f64 / held.nodes as f64;
+            println!(
+                "         the keeper per node: {:.1} keys ({:.1} of kinds that count), {:.1} rollups open or \
+                 waiting to be handed out, holding {:.1} readings and counters",
+                per(held.keys),
+                per(held.counting_keys),
+                per(held.rollups),
+                per(held.fields),
+            );
+        }
         checkpoints.push(c);
     }
     // What the engine holds per node, from its own snapshot.

@@ -734,6 +734,42 @@ impl Keeper {
     }
 }
 
+/// What a keeper holds, counted ([`Keeper::footprint`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Footprint {
+    /// Nodes known.
+    pub nodes: usize,
+    /// Their keys: each GPU (or the node) and kind.
+    pub keys: usize,
+    /// Keys whose kind counts something, and so hold its counters' last values.
+    pub counting_keys: usize,
+    /// Rollups open or closed and not yet handed out.
+    pub rollups: usize,
+    /// Their readings and counters.
+    pub fields: usize,
+}
+
+impl Keeper {
+    /// What the keeper holds, counted (`classifier-state` prints it per node).
+    pub fn footprint(&self) -> Footprint {
+        let mut f = Footprint { nodes: self.nodes.len(), ..Footprint::default() };
+        for keys in self.nodes.values() {
+            f.keys += keys.keys.len();
+            f.counting_keys += keys.counters.len();
+        }
+        let open = self.open.values().flat_map(HashMap::values);
+        for list in open.chain(self.ready.iter().flat_map(|c| c.rollups.values())) {
+            f.rollups += list.len();
+            f.fields += list.iter().map(|r| r.readings.len() + r.counters.len()).sum::<usize>();
+        }
+        for (_, r) in self.ready.iter().flat_map(|c| &c.rest) {
+            f.rollups += 1;
+            f.fields += r.readings.iter().count() + r.counters.iter().count();
+        }
+        f
+    }
+}
+
 /// Rollups as column arrays, ready to insert.
 #[derive(Debug, Default, Clone)]
 pub struct RollupRows {
@@ -1133,10 +1169,16 @@ mod tests {
         for (node, gpu, kind) in [("n1", "GPU-a", "temperature"), ("n2", "GPU-b", "ecc"), ("n1", "GPU-b", "ecc")] {
             let mut o = temp("e", 10, 60, true);
             (o.node, o.gpu, o.kind) = (node.into(), Some(gpu.into()), kind.into());
+            if kind == "ecc" {
+                o = o.field("single_bit_aggregate", 3);
+            }
             k.keep(&o, Bearing::default());
         }
         let n1 = &k.nodes["n1"];
         assert_eq!((n1.keys.len(), n1.gpus.len(), n1.counters.len()), (2, 2, 1), "ecc counts, temperature not");
+        // The temperature's `value`; each ECC rollup's `value` and counter, and the counter's growth.
+        let held = Footprint { nodes: 2, keys: 3, counting_keys: 2, rollups: 3, fields: 7 };
+        assert_eq!(k.footprint(), held);
         let keys: Vec<(String, String, String)> = k.drain().into_iter().map(|(key, _)| (key.0, key.1, key.2)).collect();
         let want = [("n1", "GPU-a", "temperature"), ("n1", "GPU-b", "ecc"), ("n2", "GPU-b", "ecc")];
         assert_eq!(keys, want.map(|(n, g, k)| (n.to_owned(), g.to_owned(), k.to_owned())));
