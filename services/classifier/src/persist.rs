@@ -453,10 +453,11 @@ impl NodeKeys {
         if let Some(i) = self.digests.iter().position(|d| *d == digest) {
             return (i, false);
         }
-        let gpu = match self.gpus.iter().position(|g| g.is(gpu)) {
+        let gpu = Id::new(gpu);
+        let gpu = match self.gpus.iter().position(|g| *g == gpu) {
             Some(i) => place_of(i),
             None => {
-                crate::tight::push(&mut self.gpus, Id::new(gpu));
+                crate::tight::push(&mut self.gpus, gpu);
                 place_of(self.gpus.len() - 1)
             }
         };
@@ -477,16 +478,6 @@ impl NodeKeys {
         let counters = self.counters.get_mut(track.counters as usize);
         (track, counters)
     }
-}
-
-/// A node's keys, found by the event's own name (copied only for a node's first event).
-fn node_keys<'a>(nodes: &'a mut HashMap<String, NodeKeys>, node: &str) -> &'a mut NodeKeys {
-    // Two look-ups, not `get_mut` then `entry`: the borrow checker refuses a reference returned
-    // from the first arm (foldhash hashes a node's name in a few nanoseconds).
-    if !nodes.contains_key(node) {
-        nodes.insert(node.to_owned(), NodeKeys::default());
-    }
-    nodes.get_mut(node).expect("just added if absent")
 }
 
 /// Decides, per event, whether it is recorded, and rolls up the rest.
@@ -594,7 +585,11 @@ impl Keeper {
         let gpu = o.gpu.as_deref().unwrap_or("");
         let digest = key_digest(&o.node, gpu, &o.kind);
         let period = self.period(digest, at);
-        let keys = node_keys(&mut self.nodes, &o.node);
+        // Found by the event's own name, copied only for the node's first event.
+        let keys = match self.nodes.get_mut(o.node.as_str()) {
+            Some(keys) => keys,
+            None => self.nodes.entry(o.node.clone()).or_default(),
+        };
         let (slot, first) = keys.place(digest, gpu, &o.kind, &mut self.names);
         let (track, counters) = keys.track(slot);
         let crossing = o.healthy && track.unhealthy;
@@ -639,7 +634,10 @@ impl Keeper {
         let gpu = o.gpu.as_deref().unwrap_or("");
         let digest = key_digest(&o.node, gpu, &o.kind);
         let period = self.period(digest, o.observed_at_micros);
-        let keys = node_keys(&mut self.nodes, &o.node);
+        let keys = match self.nodes.get_mut(o.node.as_str()) {
+            Some(keys) => keys,
+            None => self.nodes.entry(o.node.clone()).or_default(),
+        };
         let (slot, _) = keys.place(digest, gpu, &o.kind, &mut self.names);
         let (track, counters) = keys.track(slot);
         track.period = period;
