@@ -178,12 +178,13 @@ pub struct Incident {
     pub action: Action,
     /// Current follow-ups.
     pub then: Vec<Action>,
-    /// Evidence so far, capped.
-    pub evidence: Vec<String>,
+    /// Evidence so far, capped: event ids, held as [`Id`]s (a UUID inline, not a 36-character
+    /// string on the heap: with the fault mix, a node's open incidents hold some hundred).
+    pub evidence: Vec<Id>,
     /// Any evidence was injected.
     pub synthetic: bool,
     /// Healthy evidence that started the quiet period, and when.
-    pub clear_since: Option<(i64, String)>,
+    pub clear_since: Option<(i64, Id)>,
     /// The override incident that replaced this incident's action.
     pub overridden_by: Option<Uuid>,
     /// The node's boot id when the incident opened.
@@ -987,7 +988,7 @@ fn decision(
         then,
         custom,
         reason,
-        evidence: inc.evidence.clone(),
+        evidence: inc.evidence.iter().map(Id::to_string).collect(),
         recovery,
         supersedes: Vec::new(),
         synthetic: inc.synthetic,
@@ -1072,8 +1073,8 @@ fn note_absorbed(
 fn absorb(keys: &mut Keys, into: &Key, firing: &Firing) {
     if let Some(inc) = keys.get_mut(into).and_then(|st| st.incident.as_mut()) {
         for e in &firing.evidence {
-            if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.iter().any(|id| e.id == *id) {
-                inc.evidence.push(e.id.to_string());
+            if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&e.id) {
+                crate::tight::push(&mut inc.evidence, e.id.clone());
             }
         }
         inc.synthetic |= firing.evidence.iter().any(|e| e.synthetic);
@@ -1105,7 +1106,7 @@ fn fire(
     outcome: Outcome,
     out: &mut Vec<Decision>,
 ) {
-    let ids: Vec<String> = firing.evidence.iter().map(|e| e.id.to_string()).collect();
+    let ids: Vec<Id> = firing.evidence.iter().map(|e| e.id.clone()).collect();
     let gpus: BTreeSet<String> =
         firing.evidence.iter().filter_map(|e| e.gpu.as_ref().map(ToString::to_string)).take(MAX_GPUS).collect();
     let synthetic = firing.evidence.iter().any(|e| e.synthetic);
@@ -1136,9 +1137,9 @@ fn fire(
     let note = outcome.note.as_ref().map(|n| format!("; {n}")).unwrap_or_default();
     let made = match st.incident.as_mut() {
         None => {
-            let first = ids.first().map_or("", String::as_str);
+            let first = ids.first().map(Id::to_string).unwrap_or_default();
             let inc = Incident {
-                id: incident_id(rule, node, key.1.as_ref().map(Id::to_string).as_deref(), first),
+                id: incident_id(rule, node, key.1.as_ref().map(Id::to_string).as_deref(), &first),
                 opened_at: firing.at,
                 step: 0,
                 severity: outcome.severity,
@@ -1160,7 +1161,7 @@ fn fire(
         Some(inc) => {
             for id in ids {
                 if inc.evidence.len() < MAX_EVIDENCE && !inc.evidence.contains(&id) {
-                    inc.evidence.push(id);
+                    crate::tight::push(&mut inc.evidence, id);
                 }
             }
             if rule.scope == Scope::Node {
@@ -1234,7 +1235,7 @@ fn clear_evidence(rule: &Rule, key: &Key, inc: &mut Incident, o: &Observation, f
         inc.cleared.insert(g.clone());
     }
     if required.iter().all(|g| inc.cleared.contains(g)) {
-        inc.clear_since = Some((now, o.event_id.clone()));
+        inc.clear_since = Some((now, Id::new(&o.event_id)));
     }
 }
 
@@ -1658,6 +1659,30 @@ rules:
         let long = RecentIds::from_oldest_first((0..n + 10).collect());
         assert_eq!(long.oldest_first().next(), Some(10));
         assert_eq!(long.len(), RECENT_IDS);
+    }
+
+    #[test]
+    fn an_incidents_evidence_is_held_as_ids_and_written_as_the_event_ids() {
+        let ids: Vec<String> = (1..=3u128).map(|i| Uuid::from_u128(i).to_string()).collect();
+        let mut e = Engine::new(rules(RULES));
+        let mut opened = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            opened.extend(e.observe(&xid(id, (i as i64 + 1) * S, "g0", 13)));
+        }
+        let [d] = opened.as_slice() else { panic!("one incident opens: {opened:?}") };
+        assert_eq!(d.evidence, ids, "the verdict names each event by its id");
+        let st = &e.nodes["n1"].keys[&(Arc::from("three"), None)];
+        let inc = st.incident.as_ref().unwrap();
+        assert!(inc.evidence.iter().all(|id| matches!(id, Id::Uuid(_))), "{:?}", inc.evidence);
+        // A snapshot writes them as the strings an incident held before, and reads those back.
+        let json = serde_json::to_value(e.snapshot()).unwrap();
+        let written = &json["nodes"][0]["keys"];
+        assert!(
+            written.to_string().contains(&format!("\"evidence\":[\"{}\",\"{}\",\"{}\"]", ids[0], ids[1], ids[2])),
+            "{written}"
+        );
+        let back = Engine::restore(rules(RULES), serde_json::from_value(json).unwrap()).unwrap();
+        assert_eq!(back.nodes["n1"].keys[&(Arc::from("three"), None)].incident, st.incident);
     }
 
     #[test]
