@@ -9,14 +9,14 @@
 //! same decisions with the same ids.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::facts::{MAX_GPUS, NodeFacts};
-use super::id::Id;
+use super::id::{Id, IdSet};
 use super::keys::SortedMap;
 use super::model::{Action, Proof, Rule, RuleSet, Scope, Severity, SyntheticPolicy, codes_contain, normalise_key};
 use super::observation::{DomainRoot, FieldValue, Observation};
@@ -193,10 +193,10 @@ pub struct Incident {
     /// The GPUs a node-wide incident's fault evidence named: its healthy evidence must come from
     /// each of them.
     #[serde(default)]
-    pub gpus: BTreeSet<String>,
+    pub gpus: IdSet,
     /// The failed GPUs that have shown healthy evidence since the proof of repair.
     #[serde(default)]
-    pub cleared: BTreeSet<String>,
+    pub cleared: IdSet,
 }
 
 /// An incident the store holds open, as [`Engine::reattach`] takes it.
@@ -510,8 +510,8 @@ impl Engine {
                         clear_since: None,
                         overridden_by: None,
                         boot: None,
-                        gpus: BTreeSet::new(),
-                        cleared: BTreeSet::new(),
+                        gpus: IdSet::default(),
+                        cleared: IdSet::default(),
                     }));
                     done.restored += 1;
                 }
@@ -656,7 +656,7 @@ impl Engine {
                         && let Some(g) = &o.gpu
                         && inc.gpus.len() < MAX_GPUS
                     {
-                        inc.gpus.insert(g.clone());
+                        inc.gpus.insert(Id::new(g));
                     }
                 } else if inc.clear_since.is_none() && rule.clear.evidence.matches(o) {
                     clear_evidence(rule, &key, inc, o, &node.facts, now);
@@ -967,7 +967,7 @@ fn decision(
     let gpu = key.1.as_ref().map(Id::to_string);
     let mut reason = reason;
     if gpu.is_none() && !inc.gpus.is_empty() && kind != DecisionKind::Recover {
-        let list: Vec<&str> = inc.gpus.iter().map(String::as_str).collect();
+        let list: Vec<String> = inc.gpus.iter().map(Id::to_string).collect();
         reason.push_str(&format!(" (GPUs: {})", list.join(", ")));
     }
     Decision {
@@ -1107,8 +1107,7 @@ fn fire(
     out: &mut Vec<Decision>,
 ) {
     let ids: Vec<Id> = firing.evidence.iter().map(|e| e.id.clone()).collect();
-    let gpus: BTreeSet<String> =
-        firing.evidence.iter().filter_map(|e| e.gpu.as_ref().map(ToString::to_string)).take(MAX_GPUS).collect();
+    let gpus: IdSet = firing.evidence.iter().filter_map(|e| e.gpu.clone()).take(MAX_GPUS).collect();
     let synthetic = firing.evidence.iter().any(|e| e.synthetic);
     let opening = keys.get(key).is_some_and(|st| st.incident.is_none());
     if opening && let Some(by) = suppressor(rule, keys, key) {
@@ -1150,8 +1149,8 @@ fn fire(
                 clear_since: None,
                 overridden_by: None,
                 boot: facts.boot.clone(),
-                gpus: if rule.scope == Scope::Node { gpus } else { BTreeSet::new() },
-                cleared: BTreeSet::new(),
+                gpus: if rule.scope == Scope::Node { gpus } else { IdSet::default() },
+                cleared: IdSet::default(),
             };
             let reason = format!("{}: {}{note}", rule.description, firing.detail);
             let d = decision(rule, node, facts, key, &inc, DecisionKind::Open, reason, firing.at);
@@ -1165,9 +1164,9 @@ fn fire(
                 }
             }
             if rule.scope == Scope::Node {
-                for g in gpus {
+                for g in gpus.iter() {
                     if inc.gpus.len() < MAX_GPUS {
-                        inc.gpus.insert(g);
+                        inc.gpus.insert(g.clone());
                     }
                 }
             }
@@ -1209,11 +1208,12 @@ fn fire(
 /// none) and only once the rule's proof of repair has been seen since the incident opened. When
 /// every failed part has shown it, the quiet period starts.
 fn clear_evidence(rule: &Rule, key: &Key, inc: &mut Incident, o: &Observation, facts: &NodeFacts, now: i64) {
-    let required: BTreeSet<String> = match &key.1 {
-        Some(g) => BTreeSet::from([g.to_string()]),
+    let required: IdSet = match &key.1 {
+        Some(g) => IdSet::from_iter([g.clone()]),
         None => inc.gpus.clone(),
     };
-    let from_failed = match &o.gpu {
+    let gpu = o.gpu.as_deref().map(Id::new);
+    let from_failed = match &gpu {
         Some(g) => required.contains(g),
         None => required.is_empty(),
     };
@@ -1231,8 +1231,8 @@ fn clear_evidence(rule: &Rule, key: &Key, inc: &mut Incident, o: &Observation, f
     if !proven {
         return;
     }
-    if let Some(g) = &o.gpu {
-        inc.cleared.insert(g.clone());
+    if let Some(g) = gpu {
+        inc.cleared.insert(g);
     }
     if required.iter().all(|g| inc.cleared.contains(g)) {
         inc.clear_since = Some((now, Id::new(&o.event_id)));
@@ -1264,6 +1264,7 @@ fn recover(rules: &RuleSet, rule: &Rule, node: &str, state: &mut NodeState, key:
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
     use std::path::Path;
 
     use super::*;

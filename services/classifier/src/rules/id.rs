@@ -124,6 +124,73 @@ impl<'de> Deserialize<'de> for Id {
     }
 }
 
+/// A small set of [`Id`]s (the GPUs an incident names, or has seen healthy again), as a sorted
+/// list: a node has a few GPUs, and a `BTreeSet<String>` took a B-tree node of some 300 bytes and
+/// a heap string a GPU even for one GPU (about 4 KB a node of open incidents with the simulated
+/// fault mix). Ordered and written as that set was: a list of the strings, sorted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IdSet(Vec<Id>);
+
+impl IdSet {
+    /// Adds `id`; false when it was there already.
+    pub fn insert(&mut self, id: Id) -> bool {
+        match self.0.binary_search(&id) {
+            Ok(_) => false,
+            Err(at) => {
+                crate::tight::insert(&mut self.0, at, id);
+                true
+            }
+        }
+    }
+
+    /// True when `id` is in the set.
+    pub fn contains(&self, id: &Id) -> bool {
+        self.0.binary_search(id).is_ok()
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Empties it.
+    pub fn clear(&mut self) {
+        self.0 = Vec::new();
+    }
+
+    /// In order.
+    pub fn iter(&self) -> std::slice::Iter<'_, Id> {
+        self.0.iter()
+    }
+}
+
+impl FromIterator<Id> for IdSet {
+    fn from_iter<I: IntoIterator<Item = Id>>(iter: I) -> IdSet {
+        let mut ids: Vec<Id> = iter.into_iter().collect();
+        ids.sort();
+        ids.dedup();
+        ids.shrink_to_fit();
+        IdSet(ids)
+    }
+}
+
+impl Serialize for IdSet {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for IdSet {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<IdSet, D::Error> {
+        Ok(Vec::<Id>::deserialize(deserializer)?.into_iter().collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +242,27 @@ mod tests {
         let mut sorted = strings.to_vec();
         sorted.sort_unstable();
         assert_eq!(ids.iter().map(ToString::to_string).collect::<Vec<_>>(), sorted);
+    }
+
+    #[test]
+    fn an_id_set_is_sorted_once_each_and_written_as_the_set_of_strings() {
+        let gpus = ["GPU-f190c8f2-6a7e-7d3c-9b1e-2f4a5c6d7e8f", "GPU-0190c8f2-6a7e-7d3c-9b1e-2f4a5c6d7e8f", "g7"];
+        let mut set = IdSet::default();
+        for g in gpus.iter().chain(&gpus) {
+            set.insert(Id::new(g));
+        }
+        let strings: std::collections::BTreeSet<String> = gpus.iter().map(|g| g.to_string()).collect();
+        assert_eq!(set.len(), 3);
+        assert!(gpus.iter().all(|g| set.contains(&Id::new(g))) && !set.contains(&Id::new("g8")));
+        let json = serde_json::to_string(&set).unwrap();
+        assert_eq!(json, serde_json::to_string(&strings).unwrap(), "written as the BTreeSet<String> it replaced");
+        let back: IdSet = serde_json::from_str(
+            r#"["g7", "GPU-f190c8f2-6a7e-7d3c-9b1e-2f4a5c6d7e8f", "g7", "GPU-0190c8f2-6a7e-7d3c-9b1e-2f4a5c6d7e8f"]"#,
+        )
+        .unwrap();
+        assert_eq!(back, set, "read back sorted, each once");
+        assert_eq!(gpus.iter().map(|g| Id::new(g)).collect::<IdSet>(), set);
+        set.clear();
+        assert!(set.is_empty());
     }
 }
