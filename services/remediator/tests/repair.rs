@@ -282,6 +282,18 @@ fn state(node: &k8s_openapi::api::core::v1::Node) -> Option<String> {
     labels(node).get("gpumedic.io/state").cloned()
 }
 
+/// The node once its state label reads `validating`. The remediator starts a validation (the Job,
+/// the resource or the webhook's call, and the outcome saying so), then records its ladder and
+/// writes the label: a test that has seen the start waits for the label, which follows within
+/// those two writes (read at once, it failed CI once with the label still `remediating`).
+async fn validating_node(client: &kube::Client, name: &str) -> k8s_openapi::api::core::v1::Node {
+    eventually("the node's state label to read validating", Duration::from_secs(30), async || {
+        let n = get_node(client, name).await;
+        (state(&n).as_deref() == Some("validating")).then_some(n)
+    })
+    .await
+}
+
 fn has_ladder(node: &k8s_openapi::api::core::v1::Node) -> bool {
     node.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(LADDER_ANNOTATION))
 }
@@ -803,8 +815,7 @@ async fn a_validation_job_that_passes_releases_the_node_and_one_that_fails_escal
     );
     let command: Vec<String> = pod.containers[0].command.clone().unwrap_or_default();
     assert_eq!(command, ["dcgmi", "diag", "-r", "2"]);
-    let node = get_node(&w.client, &a).await;
-    assert_eq!(state(&node).as_deref(), Some("validating"));
+    let node = validating_node(&w.client, &a).await;
     assert!(cordoned(&node), "not released before the Job passes");
 
     // The test, as the kubelet and the Job controller: the diagnostic passed.
@@ -901,8 +912,7 @@ async fn a_webhook_validation_is_polled_under_one_key_and_passes_fails_or_times_
     assert!(calls.iter().all(|c| c.verified_by.as_deref() == Some(hooks::DEFAULT_KEY_ID)), "{calls:?}");
     assert_eq!((calls[0].body["action"].as_str(), calls[0].body["step"].as_u64()), (Some("validate"), Some(1)));
     assert_eq!(calls[0].body["timeoutSeconds"].as_u64(), Some(20));
-    let node = get_node(&w.client, &a).await;
-    assert_eq!(state(&node).as_deref(), Some("validating"));
+    let node = validating_node(&w.client, &a).await;
     assert!(cordoned(&node), "not released while the validation runs");
     receiver.validation_answer(&a, "Succeeded", "dcgmi diag -r 2: all 6 tests passed");
     let node = eventually("node A to return", Duration::from_secs(30), async || {
@@ -978,7 +988,7 @@ async fn a_custom_resource_validation_passes_fails_or_times_out() {
         (cr.data["spec"]["operation"].as_str(), cr.data["spec"]["nodeName"].as_str()),
         (Some("validate"), Some(a.as_str()))
     );
-    assert_eq!(state(&get_node(&w.client, &a).await).as_deref(), Some("validating"));
+    validating_node(&w.client, &a).await;
     report(&name_a, "Succeeded", "burn-in suite passed on 8 GPUs").await;
     eventually("node A to return", Duration::from_secs(30), async || {
         let n = get_node(&w.client, &a).await;
@@ -1218,8 +1228,8 @@ async fn a_release_from_a_quarantine_without_a_repair_is_validated_first() {
         quarantined_then_recovered(&w, &d, RecommendedAction::Cordon, "quarantined"),
     );
     for node in [&a, &b, &c, &d] {
-        let n = get_node(&w.client, node).await;
-        assert!(cordoned(&n) && state(&n).as_deref() == Some("validating"), "{node} waits for its validation");
+        let n = validating_node(&w.client, node).await;
+        assert!(cordoned(&n), "{node} waits for its validation");
     }
     for job in [&job_a, &job_b, &job_d] {
         eventually("the validation Job", Duration::from_secs(30), async || jobs.get_opt(job).await.unwrap()).await;
@@ -1329,7 +1339,7 @@ async fn after_a_failed_validation_a_webhook_only_step_is_validated_again_once_i
     assert_eq!(pod.node_name.as_deref(), Some(a.as_str()), "pinned to the node");
     let again = w.outcome(va.verdict_id, |o| o.detail.contains(&format!("Job {}/{job_a2}", w.ns))).await;
     assert!(again.detail.starts_with("validating: repair step 2/2 reboot_node is over"), "{}", again.detail);
-    assert_eq!(state(&get_node(&w.client, &a).await).as_deref(), Some("validating"));
+    validating_node(&w.client, &a).await;
     end_job(&w, &job_a2, true).await;
     returned(&w, &a).await;
     w.outcome(rec_a.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
@@ -1460,7 +1470,7 @@ async fn after_a_failed_validation_the_next_rungs_reported_success_is_validated_
         eventually("the second validation", Duration::from_secs(30), async || repairs.get_opt(&second).await.unwrap())
             .await;
     assert_eq!(cr.data["spec"]["operation"], "validate");
-    assert_eq!(state(&get_node(&w.client, &name).await).as_deref(), Some("validating"));
+    validating_node(&w.client, &name).await;
     report(&second, "Succeeded", "diag passed after the reboot").await;
     returned(&w, &name).await;
     w.outcome(rec.verdict_id, |o| o.status == ActionStatus::Applied && o.detail.contains("uncordoned")).await;
