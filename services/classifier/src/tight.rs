@@ -1,7 +1,7 @@
 //! Lists that grow by a quarter, not by doubling.
 //!
 //! The classifier holds many short lists per node: some 55 rule keys' latest events or counter
-//! samples (80 and 72 bytes each, most lists with one to three of them: a counter that does not
+//! samples (80 and 48 bytes each, most lists with one to three of them: a counter that does not
 //! move keeps two) and, per node and open period, the rollups of each GPU and kind (some 80) with
 //! the readings of each. `Vec` and `VecDeque` double when full, from at least four entries, so
 //! about half of what those lists allocated stood unused: measured with `classifier-state`, some

@@ -100,10 +100,13 @@ pub struct Burst {
     pub fired: bool,
 }
 
-/// A counter sample: its event's time, id, GPU and whether it was injected (an [`Ev`] less the
-/// occurrence key, which only counts use: 72 bytes, not 88; a node's 32 counter rates keep two
-/// samples each on a healthy fleet), and the counter's value. Snapshots write it as before, the
-/// event as an [`Ev`] beside the value.
+/// A counter sample: its event's time and id and whether it was injected (an [`Ev`] less the
+/// occurrence key, which only counts use, and less the GPU: 48 bytes, not 88; a node's 32 counter
+/// rates keep two samples each on a healthy fleet, some 90 with the fault mix), and the counter's
+/// value. A rate's samples all name one GPU: a rule's key is per GPU, or for a node-wide rule the
+/// node's one counter (a node-wide rate over several GPUs' counters would read each GPU's lower
+/// value as a reset); so a sample's evidence names the GPU of the observation being judged
+/// ([`Sample::ev`]). Snapshots write it as before, the event as an [`Ev`] beside the value.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(from = "SampleRecord", into = "SampleRecord")]
 pub struct Sample {
@@ -113,21 +116,18 @@ pub struct Sample {
     pub value: f64,
     /// The event id.
     pub id: Id,
-    /// The GPU it named.
-    pub gpu: Option<Id>,
     /// Whether it was injected.
     pub synthetic: bool,
 }
 
 impl Sample {
     fn of(o: &Observation, t: i64, value: f64) -> Sample {
-        let Ev { t, id, synthetic, gpu, .. } = Ev::of(o, t);
-        Sample { t, value, id, gpu, synthetic }
+        Sample { t, value, id: Id::new(&o.event_id), synthetic: o.synthetic }
     }
 
-    /// The sample's event, as evidence.
-    pub fn ev(&self) -> Ev {
-        Ev { t: self.t, id: self.id.clone(), synthetic: self.synthetic, key: None, gpu: self.gpu.clone() }
+    /// The sample's event as evidence, naming `gpu`, its rate's GPU.
+    pub fn ev(&self, gpu: Option<Id>) -> Ev {
+        Ev { t: self.t, id: self.id.clone(), synthetic: self.synthetic, key: None, gpu }
     }
 }
 
@@ -140,14 +140,14 @@ struct SampleRecord {
 
 impl From<SampleRecord> for Sample {
     fn from(r: SampleRecord) -> Sample {
-        let Ev { t, id, synthetic, gpu, .. } = r.ev;
-        Sample { t, value: r.value, id, gpu, synthetic }
+        let Ev { t, id, synthetic, .. } = r.ev;
+        Sample { t, value: r.value, id, synthetic }
     }
 }
 
 impl From<Sample> for SampleRecord {
     fn from(s: Sample) -> SampleRecord {
-        SampleRecord { ev: s.ev(), value: s.value }
+        SampleRecord { ev: s.ev(None), value: s.value }
     }
 }
 
@@ -395,10 +395,13 @@ impl CondState {
                 } else {
                     growth
                 };
-                let firing = (normalised > *more_than).then(|| Firing {
-                    at: t,
-                    evidence: vec![base.ev(), Ev::of(o, t)],
-                    detail: format!("{field} grew by {normalised} per {per} (more than {more_than})"),
+                let firing = (normalised > *more_than).then(|| {
+                    let now = Ev::of(o, t);
+                    Firing {
+                        at: t,
+                        evidence: vec![base.ev(now.gpu.clone()), now],
+                        detail: format!("{field} grew by {normalised} per {per} (more than {more_than})"),
+                    }
                 });
                 Update { adverse, firing }
             }
@@ -700,11 +703,14 @@ mod tests {
         let f = s.observe(&c, &obs("b", "ecc").gpu(gpu).field("sbe", 50), 2 * S).firing.expect("49 in a second fires");
         assert!(f.evidence.iter().all(|e| e.gpu.as_ref().is_some_and(|g| g.is(gpu))), "{:?}", f.evidence);
         let CondState::Rate { samples } = &s else { unreachable!() };
-        // As the `Sample { ev: Ev, value }` before it was written, which older snapshots hold.
+        // As the `Sample { ev: Ev, value }` before it was written, less the GPU its rate names;
+        // one an older snapshot holds, with its GPU, reads as the same sample.
         let json = serde_json::to_value(&samples[0]).unwrap();
-        assert_eq!(json, serde_json::json!({"ev": {"t": S, "id": "a", "synthetic": false, "gpu": gpu}, "value": 1.0}));
+        assert_eq!(json, serde_json::json!({"ev": {"t": S, "id": "a", "synthetic": false}, "value": 1.0}));
         assert_eq!(serde_json::from_value::<Sample>(json).unwrap(), samples[0]);
-        assert_eq!(std::mem::size_of::<Sample>(), 72);
+        let older = serde_json::json!({"ev": {"t": S, "id": "a", "synthetic": false, "gpu": gpu}, "value": 1.0});
+        assert_eq!(serde_json::from_value::<Sample>(older).unwrap(), samples[0]);
+        assert_eq!(std::mem::size_of::<Sample>(), 48);
     }
 
     #[test]
