@@ -68,7 +68,19 @@ pub struct GpuWorkload {
     pub gpu_uuids: Vec<String>,
 }
 
+/// The `raw` text of every event of a collector's start snapshot: readings published because the
+/// collector (or the node, or a GPU answering for the first time) just started, not because they
+/// changed. Published once per GPU and start, every reading whatever its value; readers may count
+/// on nothing more following until a reading changes.
+pub const SNAPSHOT_RAW: &str =
+    "start snapshot: the reading as the collector first saw it, published whatever its value";
+
 impl HealthEvent {
+    /// Whether the event is part of a collector's start snapshot ([`SNAPSHOT_RAW`]).
+    pub fn is_start_snapshot(&self) -> bool {
+        self.raw.as_deref() == Some(SNAPSHOT_RAW)
+    }
+
     /// A new event observed and published now, with a fresh UUIDv7 and `kind` taken from
     /// `detail`. Callers set `healthy`, `synthetic` and `raw` afterwards when they apply.
     pub fn new(node: impl Into<String>, source: Source, component: Component, entity: Entity, detail: Detail) -> Self {

@@ -58,6 +58,7 @@ pub fn observation(e: &EnrichedHealthEvent) -> Observation {
     o.workloads = workloads(&e.workloads);
     o.healthy = ev.healthy;
     o.synthetic = ev.synthetic || ev.source == Source::Synthetic;
+    o.start_snapshot = ev.is_start_snapshot();
     match &ev.detail {
         Detail::Xid(x) => {
             if let Ok(code) = u32::try_from(x.code) {
@@ -391,6 +392,16 @@ mod tests {
         assert_eq!(o.received_at_micros, Some(1_500_000));
         assert_eq!(o.observed_at_micros, 1_000_000);
         assert_eq!(o.gpu, None);
+    }
+
+    #[test]
+    fn a_start_snapshot_reading_is_marked_by_its_raw_text_alone() {
+        let mut e = enriched(Entity::default(), Detail::Absent);
+        assert!(!observation(&e).start_snapshot);
+        e.event.raw = Some("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.".into());
+        assert!(!observation(&e).start_snapshot);
+        e.event.raw = Some(gpumedic_schemas::health::SNAPSHOT_RAW.into());
+        assert!(observation(&e).start_snapshot);
     }
 
     #[test]

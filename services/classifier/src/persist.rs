@@ -489,6 +489,9 @@ pub struct Keeper {
     nodes: HashMap<String, NodeKeys>,
     /// The rollups not yet written, by the start of their period, then node, GPU and kind.
     open: BTreeMap<i64, PeriodRollups>,
+    /// Rollups opened by a start snapshot's reading, handed out with the next hand-out rather than
+    /// when their period closes ([`Keeper::keep`]), by the start of their period.
+    early: BTreeMap<i64, PeriodRollups>,
     /// The rollup period, in microseconds.
     rollup_period: i64,
     /// The newest event time seen.
@@ -601,13 +604,28 @@ impl Keeper {
         }
         if o.healthy {
             let start = at.div_euclid(self.rollup_period) * self.rollup_period;
+            let slot = place_of(slot);
+            // A start snapshot's reading that opens its key's rollup of the period hands that
+            // rollup out with the next batch's rather than at the period's close; the table merges
+            // a later row of the same period into it. A collector's start snapshot reports each
+            // reading of each GPU once, and most kinds report again only on a change: held open
+            // until their period closed, those rollups (some 60 a node) were most of what the
+            // classifier's state grew by while a fleet's collectors started (a rollout of the
+            // collector, or the first deployment; docs/benchmarks.md). The cost is one row more
+            // for a reading that changes again within the period of its snapshot.
+            let opened = |periods: &BTreeMap<i64, PeriodRollups>| {
+                periods
+                    .get(&start)
+                    .and_then(|nodes| nodes.get(o.node.as_str()))
+                    .is_some_and(|list| list.iter().any(|r| r.slot == slot))
+            };
+            let periods = if o.start_snapshot && !opened(&self.open) { &mut self.early } else { &mut self.open };
             // Found by the event's own names, copied only for a period's first event of the key.
-            let nodes = self.open.entry(start).or_default();
+            let nodes = periods.entry(start).or_default();
             let list = match nodes.get_mut(o.node.as_str()) {
                 Some(list) => list,
                 None => nodes.entry(o.node.clone()).or_default(),
             };
-            let slot = place_of(slot);
             let i = match list.iter().position(|r| r.slot == slot) {
                 Some(i) => i,
                 None => {
@@ -673,11 +691,18 @@ impl Keeper {
     /// Up to `at_most` of the rollups whose period ended [`ROLLUP_GRACE_MICROS`] before the
     /// newest event time seen, oldest period first, taken out to be written, in key order (so a
     /// statement's rows lock in the same order every time); the rest of them on later calls.
+    ///
+    /// The rollups opened by start snapshots since the last hand-out come after the closed periods,
+    /// unless `at_most` is 0 (the writer's queue is full): then they wait, as the closed ones do.
     pub fn closed(&mut self, at_most: usize) -> Vec<(RollupKey, Rollup)> {
         let cutoff = self.watermark.saturating_sub(ROLLUP_GRACE_MICROS + self.rollup_period);
         let open = self.open.split_off(&cutoff.saturating_add(1));
         let closed = std::mem::replace(&mut self.open, open);
         self.close(closed);
+        if at_most > 0 {
+            let early = std::mem::take(&mut self.early);
+            self.close(early);
+        }
         self.take(at_most)
     }
 
@@ -685,6 +710,8 @@ impl Keeper {
     pub fn drain(&mut self) -> Vec<(RollupKey, Rollup)> {
         let open = std::mem::take(&mut self.open);
         self.close(open);
+        let early = std::mem::take(&mut self.early);
+        self.close(early);
         self.take(usize::MAX)
     }
 
@@ -723,8 +750,8 @@ impl Keeper {
     }
 
     /// Forgets the open rollups of the nodes `keep` rejects (their partitions went to another
-    /// replica, which starts them afresh). Closed ones are still written: the other replica's
-    /// rows for the same period merge with them.
+    /// replica, which starts them afresh). Closed ones, and those of start snapshots (already
+    /// due), are still written: the other replica's rows for the same period merge with them.
     pub fn retain_nodes(&mut self, mut keep: impl FnMut(&str) -> bool) {
         for period in self.open.values_mut() {
             period.retain(|node, _| keep(node));
@@ -755,7 +782,7 @@ impl Keeper {
             f.keys += keys.keys.len();
             f.counting_keys += keys.counters.len();
         }
-        let open = self.open.values().flat_map(HashMap::values);
+        let open = self.open.values().chain(self.early.values()).flat_map(HashMap::values);
         for list in open.chain(self.ready.iter().flat_map(|c| c.rollups.values())) {
             f.rollups += list.len();
             f.fields += list.iter().map(|r| r.readings.len() + r.counters.len()).sum::<usize>();
@@ -1011,6 +1038,59 @@ mod tests {
         k.keep(&temp("31", 31 * M, 70, true), Bearing::default());
         let closed = k.closed(ROLLUPS_PER_BATCH);
         assert_eq!(closed.iter().map(|(k, r)| (k.3, r.events)).collect::<Vec<_>>(), [(20 * M, 6)]);
+    }
+
+    #[test]
+    fn a_start_snapshots_rollup_is_handed_out_at_once_and_the_rest_of_its_period_when_it_closes() {
+        let mut k = Keeper::new(Policy::Evidence).with_rollup_period(std::time::Duration::from_secs(600));
+        let none = Bearing::default();
+        let snapshot = |mut o: Observation| {
+            o.start_snapshot = true;
+            o
+        };
+        assert!(k.keep(&snapshot(ecc("s", 10, 4).field("single_bit_volatile", 1)), none), "the key's first");
+        let first = k.closed(ROLLUPS_PER_BATCH);
+        assert_eq!(first.len(), 1, "handed out before its period closes: {first:?}");
+        let (key, r) = &first[0];
+        assert_eq!(key, &("n1".to_owned(), "GPU-a".to_owned(), "ecc".to_owned(), 0));
+        assert_eq!((r.period, r.events, r.last_at), (10 * M, 1, 10));
+        assert_eq!(r.readings["single_bit_aggregate"], Reading { min: 4.0, max: 4.0, last: 4.0 });
+        assert_eq!(r.counters["single_bit_aggregate"], 0, "a baseline");
+        assert_eq!(k.footprint().rollups, 0);
+
+        // The key's later readings of the period are held until it closes, their growth counted
+        // from the snapshot's values.
+        assert!(!k.keep(&ecc("a", 2 * M, 6), none));
+        assert!(!k.keep(&ecc("b", 3 * M, 5), none));
+        assert!(k.closed(ROLLUPS_PER_BATCH).is_empty(), "the period is open");
+        // A plain first reading of a key (not a snapshot's) waits for its period as before.
+        assert!(k.keep(&temp("t", 4 * M, 60, true), none));
+        assert!(k.closed(ROLLUPS_PER_BATCH).is_empty(), "the period is open");
+        k.keep(&snapshot(temp("u", 11 * M + 1, 61, true)), none);
+        assert!(k.closed(0).is_empty(), "the writer is full: nothing handed out");
+        assert_eq!(k.footprint().rollups, 3, "the closed period's two and the snapshot's wait");
+        let rest = k.closed(ROLLUPS_PER_BATCH);
+        let keys: Vec<_> = rest.iter().map(|(key, r)| (key.2.as_str(), key.3, r.events)).collect();
+        assert_eq!(keys, [("ecc", 0, 2), ("temperature", 0, 1), ("temperature", 10 * M, 1)]);
+        let r = &rest[0].1;
+        assert_eq!(r.readings["single_bit_aggregate"], Reading { min: 5.0, max: 6.0, last: 5.0 });
+        assert_eq!(r.counters["single_bit_aggregate"], 2 + 5, "4 -> 6, then a reset to 5");
+        assert!(r.counters.get("single_bit_volatile").is_none(), "reported only by the snapshot");
+
+        // The two rows merged as the table merges them: the period counts every event once.
+        let mut whole = first[0].1.clone();
+        whole.merge(r.clone());
+        assert_eq!(whole.events, 3);
+        assert_eq!(whole.readings["single_bit_aggregate"], Reading { min: 4.0, max: 6.0, last: 5.0 });
+        assert_eq!(whole.readings["single_bit_volatile"], Reading { min: 1.0, max: 1.0, last: 1.0 });
+        assert_eq!(whole.counters["single_bit_aggregate"], 7);
+
+        // A snapshot's reading in a period its key already has open adds to that rollup.
+        let mut k = Keeper::new(Policy::Evidence);
+        k.keep(&temp("before", 10, 60, true), none);
+        k.keep(&snapshot(temp("restart", 20, 61, true)), none);
+        assert!(k.closed(ROLLUPS_PER_BATCH).is_empty(), "added to the open rollup");
+        assert_eq!(k.drain().iter().map(|(_, r)| r.events).collect::<Vec<_>>(), [2]);
     }
 
     #[test]

@@ -149,3 +149,73 @@ async fn rolled_up(pool: &sqlx::PgPool, node: &str, minute: chrono::DateTime<chr
         .await
         .unwrap()
 }
+
+/// A reading of a collector's start snapshot (the `raw` text marks it) is rolled up and written
+/// at once, before its period is over: most such readings are of kinds that report again only
+/// on a change, and a fleet's start snapshots held until their periods closed were most of the
+/// classifier's memory while its collectors started. A later reading of the same GPU and kind in
+/// that period is written when the period closes, merged into the same row, each event counted
+/// once; a plain reading (no snapshot) of another GPU waits for its period's close.
+#[tokio::test]
+async fn a_start_snapshots_rollup_is_written_at_once_and_its_period_merged_into_it() {
+    use chrono::{DateTime, DurationRound as _, TimeDelta, Utc};
+    use gpumedic_schemas::health::{Detail, SNAPSHOT_RAW, Source, TemperatureDetail};
+    let node = testkit::unique_name("snapshot-node");
+    let bed = Bed::new("snapshot-rollup").await;
+    let rules = rules_dir(&xid79_rule(1));
+    let mut c = bed.start(&rules, "48h", &[("GPUMEDIC_PERSIST", "evidence".into())]).await;
+    let start = Utc::now().duration_trunc(TimeDelta::minutes(10)).unwrap() - TimeDelta::minutes(30);
+    let temperature = |gpu: &str, celsius: i32, at: DateTime<Utc>, snapshot: bool| {
+        let detail = TemperatureDetail { celsius, slowdown_celsius: Some(87), shutdown_celsius: Some(92) };
+        let mut e = testkit::event(&node)
+            .gpu(gpu)
+            .boot("boot-a")
+            .detail(Source::Nvml, Detail::Temperature(detail))
+            .healthy_flag(true)
+            .at(at)
+            .build();
+        e.raw = snapshot.then(|| SNAPSHOT_RAW.to_owned());
+        e
+    };
+    const OTHER_GPU: &str = "GPU-0000000c-bbbb-cccc-dddd-eeeeeeeeeeee";
+    bed.send(&node, temperature(OTHER_GPU, 50, start, false)).await;
+    bed.send(&node, temperature(support::GPU, 61, start + TimeDelta::seconds(10), true)).await;
+    let pool = gpumedic_runtime::postgres::connect(&bed.url, 1).await.unwrap();
+    let row = async |gpu: &str| -> Option<(i32, f64, f64, f64)> {
+        sqlx::query_as(
+            "SELECT events, (readings -> 'value' ->> 'min')::float8, (readings -> 'value' ->> 'max')::float8,
+                    (readings -> 'value' ->> 'last')::float8
+               FROM telemetry_rollups WHERE node = $1 AND gpu_uuid = $2 AND kind = 'temperature' AND minute = $3",
+        )
+        .bind(&node)
+        .bind(gpu)
+        .bind(start)
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let snapshot = testkit::eventually_with("the snapshot's rollup", Duration::from_secs(60), async || {
+        row(support::GPU).await.ok_or_else(|| "the snapshot's rollup is not written yet".to_owned())
+    })
+    .await;
+    assert_eq!(snapshot, (1, 61.0, 61.0, 61.0), "written while its period is still open");
+    assert_eq!(row(OTHER_GPU).await, None, "a plain reading waits for its period to close");
+
+    // Two more readings of the period, then one of the next period past the grace.
+    bed.send(&node, temperature(support::GPU, 70, start + TimeDelta::minutes(3), false)).await;
+    bed.send(&node, temperature(support::GPU, 58, start + TimeDelta::minutes(5), false)).await;
+    bed.send(&node, temperature(support::GPU, 60, start + TimeDelta::minutes(12), false)).await;
+    let merged = testkit::eventually_with("the closed period merged", Duration::from_secs(60), async || {
+        match row(support::GPU).await {
+            Some(r) if r.0 >= 3 => Ok(r),
+            other => Err(format!("{other:?}: the closed period is not merged in yet")),
+        }
+    })
+    .await;
+    assert_eq!(merged, (3, 58.0, 70.0, 58.0), "one row: each event once, the range and the last by event time");
+    assert_eq!(row(OTHER_GPU).await, Some((1, 50.0, 50.0, 50.0)), "written once its period closed");
+    c.terminate(Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(row(support::GPU).await, Some((3, 58.0, 70.0, 58.0)), "the stop wrote nothing of it twice");
+    pool.close().await;
+    std::fs::remove_dir_all(&rules).ok();
+}

@@ -31,9 +31,9 @@ fn band(s: &GpuSample) -> Option<Band> {
 }
 
 /// The `raw` text of every start-snapshot event ([`Sampler::observe_with_snapshot`]): readings
-/// published because the collector (or the node) just started, not because they changed.
-pub const SNAPSHOT_RAW: &str =
-    "start snapshot: the reading as the collector first saw it, published whatever its value";
+/// published because the collector (or the node) just started, not because they changed. It is
+/// the schema crate's, so that readers (the classifier) know it without the collector.
+pub use gpumedic_schemas::health::SNAPSHOT_RAW;
 
 /// Remembers the last sample and heartbeat of each GPU (by index) and turns new samples into events.
 #[derive(Debug)]

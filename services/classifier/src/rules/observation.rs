@@ -121,6 +121,11 @@ pub struct Observation {
     pub healthy: bool,
     /// True for injected faults; ignored unless the rule set allows them.
     pub synthetic: bool,
+    /// Part of a collector's start snapshot: a reading published because the collector started,
+    /// once per GPU and start, not because it changed. The engine judges it as any other reading;
+    /// the history keeper rolls it up at once ([`crate::persist::Keeper::keep`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub start_snapshot: bool,
     /// Source-specific values, e.g. `value`, `slowdown_threshold`, `recovery_action`.
     pub fields: BTreeMap<String, FieldValue>,
     /// The NVLink domain (clique) of the GPU, as the enricher resolved it (the node label
@@ -174,6 +179,7 @@ impl Observation {
             xid: None,
             healthy: false,
             synthetic: false,
+            start_snapshot: false,
             fields: BTreeMap::new(),
             nvlink_domain: None,
             domain_roots: Vec::new(),
